@@ -1,0 +1,3 @@
+from dflash_cli.ui.cli import main
+
+main()

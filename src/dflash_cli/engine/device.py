@@ -1,0 +1,103 @@
+"""Device and dtype choice, timing that respects asynchronous GPUs, and peak memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    """`name` if given ("cuda", "cuda:1", "cpu", "mps"), else cuda when available, else cpu."""
+    if name and name != "auto":
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX), where bf16 beats fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """`name` if given, else bf16 on GPUs and on CPUs with native bf16, fp32 elsewhere."""
+    if name and name != "auto":
+        try:
+            return DTYPES[name]
+        except KeyError:
+            from dflash_cli.engine.errors import InvalidSettingError
+
+            raise InvalidSettingError(f"unknown dtype {name!r}", hint="use float32, bfloat16 or float16") from None
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Times a span of GPU work without forcing a sync: CUDA events on GPUs, perf_counter elsewhere.
+
+    `seconds` may be read only after something else synchronised (the step's one `.tolist()`).
+    """
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> Stopwatch:
+        if self._cuda:
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def stop(self) -> None:
+        if self._cuda:
+            self._end.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        if self._cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1000.0
+        return self._t1 - self._t0
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    peak_bytes: int | None
+    kind: str  # "cuda allocated" or "process RSS"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> MemoryReading:
+    """Peak GPU memory allocated by torch on CUDA; the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return MemoryReading(torch.cuda.max_memory_allocated(device), "cuda allocated")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return MemoryReading(rss if sys.platform == "darwin" else rss * 1024, "process RSS")

@@ -1,0 +1,349 @@
+"""The DFlash draft model: a few Qwen3-style layers that predict a whole block in one forward pass.
+
+Module attribute names match the checkpoint keys (`fc`, `hidden_norm`, `layers.{i}.self_attn.q_proj`, ...)
+so weights load by key with no renaming. See docs/dflash-format.md sections 2-4 for the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_cli.engine.errors import CheckpointError, UnsupportedModelError
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def _fallback_taps(num_draft_layers: int, num_target_layers: int) -> list[int]:
+    """Layer ids the reference code taps when a config names none (docs/dflash-format.md section 2)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """The fields of a drafter's config.json that the engine uses, read strictly."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    attention_bias: bool
+    block_size: int
+    mask_token_id: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    is_causal: bool | None
+    num_target_layers: int | None
+    target_layer_ids: tuple[int, ...] | None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
+        architectures = raw.get("architectures") or []
+        if any(a != "DFlashDraftModel" for a in architectures):
+            raise UnsupportedModelError(
+                f"{source}: architecture {architectures} is not a DFlash drafter this version can run",
+                hint="supported: DFlashDraftModel (z-lab DFlash checkpoints)",
+            )
+        dflash = raw.get("dflash_config") or {}
+
+        def need(key: str) -> Any:
+            if raw.get(key) is None:
+                raise CheckpointError(f"{source}: required field {key!r} is missing")
+            return raw[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        n_layers = int(need("num_hidden_layers"))
+        mask_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        if mask_id is None:
+            raise CheckpointError(f"{source}: dflash_config.mask_token_id is missing")
+        block = dflash.get("block_size", raw.get("block_size", DEFAULT_BLOCK_SIZE))
+        window = raw.get("sliding_window")
+        layer_types = raw.get("layer_types")
+        if layer_types is None:
+            sliding = bool(raw.get("use_sliding_window")) and window is not None
+            first_sliding = raw.get("max_window_layers", n_layers)
+            layer_types = ["sliding_attention" if sliding and i >= first_sliding else "full_attention"
+                           for i in range(n_layers)]
+        if len(layer_types) != n_layers:
+            raise CheckpointError(f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers")
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"{source}: unsupported drafter layer types {sorted(unknown)}")
+        if "sliding_attention" in layer_types and window is None:
+            raise CheckpointError(f"{source}: sliding_attention layers need a sliding_window")
+        taps = dflash.get("target_layer_ids")
+        softcap = dflash.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(need("intermediate_size")),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            hidden_act=str(raw.get("hidden_act", "silu")),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            block_size=int(block),
+            mask_token_id=int(mask_id),
+            layer_types=tuple(layer_types),
+            sliding_window=int(window) if window is not None else None,
+            is_causal=raw.get("is_causal"),
+            num_target_layers=raw.get("num_target_layers"),
+            target_layer_ids=tuple(int(t) for t in taps) if taps is not None else None,
+            input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
+            output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            raw=dict(raw),
+        )
+
+    def tap_layers(self, num_target_layers: int | None = None) -> list[int]:
+        """The target layers to tap: the config's list, else the reference fallback for the target's depth."""
+        if self.target_layer_ids is not None:
+            return list(self.target_layer_ids)
+        depth = self.num_target_layers or num_target_layers
+        if depth is None:
+            raise CheckpointError("drafter config names no target_layer_ids and no num_target_layers")
+        return _fallback_taps(self.num_hidden_layers, int(depth))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Variance in fp32, cast back before the weight: the reference numerics.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DraftCache:
+    """Per-layer K/V (normed, roped) of the committed context, in buffers that grow by doubling.
+
+    `write` puts new rows after the committed ones and returns the keys to attend over; only `advance`
+    makes rows committed, so a block's own K/V are overwritten by the next call.
+    """
+
+    def __init__(self, num_layers: int):
+        self.length = 0
+        self._k: list[torch.Tensor | None] = [None] * num_layers
+        self._v: list[torch.Tensor | None] = [None] * num_layers
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        buf_k, buf_v = self._k[layer], self._v[layer]
+        if buf_k is None or buf_k.shape[2] < end:
+            capacity = max(end, 256, 2 * (buf_k.shape[2] if buf_k is not None else 0))
+            shape = (k.shape[0], k.shape[1], capacity, k.shape[3])
+            new_k, new_v = k.new_empty(shape), v.new_empty(shape)
+            if buf_k is not None:
+                new_k[:, :, : self.length] = buf_k[:, :, : self.length]
+                new_v[:, :, : self.length] = buf_v[:, :, : self.length]
+            self._k[layer], self._v[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[:, :, self.length : end] = k
+        buf_v[:, :, self.length : end] = v
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def advance(self, rows: int) -> None:
+        self.length += rows
+
+    def crop(self, length: int) -> None:
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, nh, nkv, hd, bias = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                cfg.head_dim, cfg.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.q_proj = nn.Linear(h, nh * hd, bias=bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin, cache: DraftCache, layer: int, mask):
+        # x: (1, B, H) block; ctx: (1, P, H) new context rows or None; cos/sin: (1, P+B, hd)
+        b, n_block, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n_block, self.num_heads, self.head_dim)).transpose(1, 2)
+        kv_in = x if ctx is None else torch.cat([ctx, x], dim=1)  # context first, then the block
+        n_kv = kv_in.shape[1]
+        k = self.k_norm(self.k_proj(kv_in).view(b, n_kv, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, n_kv, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos[:, None, -n_block:], sin[:, None, -n_block:])
+        k = apply_rope(k, cos[:, None], sin[:, None])
+        keys, values = cache.write(layer, k, v)  # (1, nkv, committed + P + B, hd)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n_block, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        sliding = cfg.layer_types[index] == "sliding_attention"
+        # Reference rule: sliding layers are causal inside the block, full layers bidirectional,
+        # unless the config sets is_causal for all layers.
+        self.causal = sliding if cfg.is_causal is None else bool(cfg.is_causal)
+        self.window = cfg.sliding_window if sliding else None
+
+    def forward(self, h, ctx, cos, sin, cache, mask):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, cache, self.index, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def block_mask(q_start: int, n_query: int, n_key: int, *, causal: bool, window: int | None,
+               device: torch.device) -> torch.Tensor | None:
+    """Boolean (n_query, n_key) mask, True = attend; keys sit at positions 0..n_key-1. None = see all."""
+    q_pos = torch.arange(q_start, q_start + n_query, device=device)[:, None]
+    k_pos = torch.arange(n_key, device=device)[None, :]
+    if not causal and (window is None or (q_start + n_query - 1 < window and n_key - 1 - q_start < window)):
+        return None
+    visible = torch.ones(n_query, n_key, dtype=torch.bool, device=device)
+    if causal:
+        visible &= k_pos <= q_pos
+    if window is not None:
+        visible &= q_pos - k_pos < window
+        if not causal:
+            visible &= k_pos - q_pos < window
+    return visible
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash drafter. It has no embedding and no LM head: it borrows the target's."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        n_taps = len(cfg.target_layer_ids) if cfg.target_layer_ids is not None else cfg.num_hidden_layers
+        self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary: nn.Module | None = None  # made by init_rotary(), outside any meta-device context
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def init_rotary(self, device: torch.device) -> None:
+        """The drafter's own RoPE (not the target's), computed by transformers from the config."""
+        from transformers import Qwen3Config
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        raw = {k: v for k, v in self.config.raw.items() if k not in ("auto_map", "architectures")}
+        raw.update(head_dim=self.config.head_dim, hidden_size=self.config.hidden_size,
+                   num_attention_heads=self.config.num_attention_heads)
+        self.rotary = Qwen3RotaryEmbedding(Qwen3Config(**raw)).to(device)
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(len(self.layers))
+
+    def forward(self, context: torch.Tensor | None, block: torch.Tensor, start: int,
+                cache: DraftCache) -> torch.Tensor:
+        """Runs the drafter over one block and commits `context` to `cache`.
+
+        Args:
+            context: (1, P, n_taps*H) tapped target hidden states of positions start-P..start-1 that the
+                cache does not hold yet, or None.
+            block: (1, B, H) embeddings of [anchor, MASK x (B-1)] at positions start..start+B-1.
+            start: absolute position of the anchor; must equal cache.length + P.
+            cache: the drafter's context cache; grows by P rows.
+        Returns:
+            (1, B, H) normed hidden states of the block slots.
+        """
+        n_ctx = 0 if context is None else context.shape[1]
+        assert cache.length + n_ctx == start, (cache.length, n_ctx, start)
+        n_block = block.shape[1]
+        ctx = None if context is None else self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))
+        h = block
+        positions = torch.arange(start - n_ctx, start + n_block, device=h.device)[None]
+        cos, sin = self.rotary(h, positions)
+        masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
+        for layer in self.layers:
+            key = (layer.causal, layer.window)
+            if key not in masks:
+                masks[key] = block_mask(start, n_block, start + n_block, causal=layer.causal,
+                                        window=layer.window, device=h.device)
+            h = layer(h, ctx, cos, sin, cache, masks[key])
+        cache.advance(n_ctx)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def draft(self, context: torch.Tensor | None, anchor: torch.Tensor, start: int, block_len: int,
+              cache: DraftCache, embed_weight: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Proposes block_len-1 tokens after `anchor` (a (1,) tensor); returns them as a (block_len-1,) tensor."""
+        ids = torch.cat([anchor, anchor.new_full((block_len - 1,), self.mask_token_id)])
+        block = F.embedding(ids, embed_weight)[None].to(self.fc.weight.dtype)  # (1, B, H)
+        if self.config.input_embedding_scale != 1.0:
+            block = block * self.config.input_embedding_scale
+        h = self(context, block, start, cache)[:, 1:]  # slot 0 (the anchor) predicts nothing
+        logits = lm_head(h.to(lm_head_dtype(lm_head) or embed_weight.dtype))
+        return self.postprocess_logits(logits)[0].argmax(-1)
+
+    def postprocess_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def lm_head_dtype(head: nn.Module) -> torch.dtype | None:
+    weight = getattr(head, "weight", None)
+    return weight.dtype if weight is not None and weight.dtype.is_floating_point else None

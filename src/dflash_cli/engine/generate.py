@@ -1,0 +1,194 @@
+"""stream_generate: rounds -> Steps with text, stops, limits and statistics; generate joins them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from dflash_cli.engine.baseline import baseline_rounds
+from dflash_cli.engine.device import peak_memory, reset_peak_memory
+from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.engine.errors import InvalidSettingError
+from dflash_cli.engine.response import (FINISH_LENGTH, FINISH_STOP, GenerationResult, GenerationStats,
+                                        Step)
+from dflash_cli.engine.sampling import Sampler
+from dflash_cli.engine.speculative import Round, speculative_rounds
+from dflash_cli.engine.state import DecodeState
+from dflash_cli.engine.target import Target
+
+
+def default_stop_ids(target: Target, tokenizer: Any = None) -> list[int]:
+    """The target's end-of-generation ids: generation_config.eos_token_id (an int or a list), else the tokenizer's."""
+    ids: list[int] = []
+    gen = getattr(target.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(target.config, "eos_token_id", None)
+    if eos is not None:
+        ids.extend(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return [int(i) for i in ids]
+
+
+def resolve_block_size(drafter: DFlashDrafter | None, block_size: int | None) -> int:
+    """The block length to use: the drafter's trained size unless overridden with 1..trained (1 = no drafting)."""
+    if drafter is None:
+        if block_size not in (None, 1):
+            raise InvalidSettingError("a block size needs a drafter", hint="drop --block-size or add --draft")
+        return 1
+    if block_size is None:
+        return drafter.block_size
+    if not 1 <= block_size <= drafter.block_size:
+        raise InvalidSettingError(
+            f"block size {block_size} is outside 1..{drafter.block_size} (this drafter's trained block size)")
+    return block_size
+
+
+class _Tally:
+    """Mutable counters behind the frozen GenerationStats snapshots."""
+
+    def __init__(self, prompt_tokens: int, prefilled: int, block_size: int, device: torch.device):
+        self.prompt_tokens, self.prefilled, self.block_size, self.device = prompt_tokens, prefilled, block_size, device
+        self.prefill_seconds = self.decode_seconds = self.draft_seconds = self.verify_seconds = 0.0
+        self.generated = self.steps = self.drafted = self.accepted = 0
+        self.histogram = [0] * block_size
+        self.pos_drafted = [0] * max(block_size - 1, 0)
+        self.pos_accepted = [0] * max(block_size - 1, 0)
+
+    def add_round(self, r: Round, committed: int) -> None:
+        self.steps += 1
+        self.generated += committed
+        self.drafted += r.drafted
+        self.accepted += min(r.accepted, committed)
+        self.histogram[committed - 1] += 1
+        for k in range(r.drafted):
+            self.pos_drafted[k] += 1
+        for k in range(min(r.accepted, committed)):
+            self.pos_accepted[k] += 1
+        self.draft_seconds += r.draft_seconds
+        self.verify_seconds += r.verify_seconds
+        self.decode_seconds += r.wall_seconds
+
+    def snapshot(self, finish_reason: str | None = None) -> GenerationStats:
+        memory = peak_memory(self.device)
+        return GenerationStats(
+            prompt_tokens=self.prompt_tokens, prefilled_tokens=self.prefilled,
+            prefill_seconds=self.prefill_seconds, generated_tokens=self.generated,
+            decode_seconds=self.decode_seconds, steps=self.steps, drafted=self.drafted, accepted=self.accepted,
+            draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds, block_size=self.block_size,
+            committed_histogram=tuple(self.histogram), position_drafted=tuple(self.pos_drafted),
+            position_accepted=tuple(self.pos_accepted), peak_memory_bytes=memory.peak_bytes,
+            peak_memory_kind=memory.kind, finish_reason=finish_reason)
+
+
+def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Sequence[int], *,
+                    tokenizer: Any = None, max_new_tokens: int = 256, temperature: float = 0.0,
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None, block_size: int | None = None,
+                    stop_ids: Sequence[int] | None = None, state: DecodeState | None = None) -> Iterator[Step]:
+    """Generates from `prompt` (token ids), yielding one Step per target forward.
+
+    Args:
+        target: the loaded target.
+        drafter: a drafter attached to `target` (load_pair does that), or None for plain decoding.
+        prompt: prompt token ids (chat template already applied).
+        tokenizer: used only to turn tokens into text; without it Step.text is "".
+        max_new_tokens: hard limit on generated tokens, honoured exactly (default 256).
+        temperature, top_p, top_k: 0 = greedy (default); otherwise sampling, lossless in distribution.
+        seed: makes sampling reproducible.
+        block_size: tokens per verify step, anchor included; default the drafter's trained size.
+        stop_ids: generation ends after any of these; default the target's eos ids.
+        state: a DecodeState from an earlier call (a chat): the shared prefix of its tokens is not re-read.
+    Yields:
+        Step objects; the last has finish_reason set. Leaving the loop early (break, Ctrl-C) leaves
+        `state` consistent and reusable.
+    """
+    if max_new_tokens < 1:
+        raise InvalidSettingError(f"max new tokens must be >= 1, got {max_new_tokens}")
+    if not prompt:
+        raise InvalidSettingError("the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < target.vocab_rows]
+    if bad:
+        raise InvalidSettingError(f"prompt token id {bad[0]} is outside the target's vocabulary")
+    block = resolve_block_size(drafter, block_size)
+    stops = set(default_stop_ids(target, tokenizer) if stop_ids is None else stop_ids)
+    sample = Sampler(temperature, top_p, top_k, seed, device=target.device)
+    if state is None or state.drafter is not drafter or state.target is not target:
+        state = DecodeState(target, drafter)
+    limit = len(prompt) + max_new_tokens
+    if target.max_positions:
+        limit = min(limit, target.max_positions)
+        if len(prompt) >= limit:
+            raise InvalidSettingError(
+                f"the prompt has {len(prompt)} tokens, the target's context holds {target.max_positions}")
+    decoder = None
+    if tokenizer is not None:
+        from dflash_cli.engine.text import StreamDecoder
+
+        decoder = StreamDecoder(tokenizer)
+
+    reset_peak_memory(target.device)
+    try:
+        t0 = time.perf_counter()
+        logits, reused = state.prefill(list(prompt))
+        first = sample(logits)  # (1,)
+        first_id = first.tolist()
+        state.commit(first_id, None, anchor=first)
+        tally = _Tally(len(prompt), len(prompt) - reused, block, target.device)
+        tally.prefill_seconds = time.perf_counter() - t0
+        tally.generated = 1
+
+        finish = _finish_reason(first_id, stops, len(state.tokens), limit)
+        text = _text(decoder, first_id, finish)
+        yield Step(tuple(first_id), text, 0, 0, (False,), 0.0, 0.0, tally.snapshot(finish), finish)
+        if finish:
+            return
+
+        rounds = (speculative_rounds(state, drafter, sample, block_size=block, limit=limit) if block > 1
+                  else baseline_rounds(state, sample, limit=limit))
+        for r in rounds:
+            tokens = r.tokens
+            stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
+            if stop_at is not None and stop_at + 1 < len(tokens):
+                state.rewind(len(state.tokens) - (len(tokens) - stop_at - 1))
+                tokens = tokens[: stop_at + 1]
+            tally.add_round(r, len(tokens))
+            finish = _finish_reason(tokens, stops, len(state.tokens), limit)
+            text = _text(decoder, tokens, finish)
+            accepted = min(r.accepted, len(tokens))
+            from_draft = tuple([True] * accepted + [False] * (len(tokens) - accepted))
+            yield Step(tuple(tokens), text, r.drafted, accepted, from_draft, r.draft_seconds, r.verify_seconds,
+                       tally.snapshot(finish), finish)
+            if finish:
+                return
+    finally:
+        state.repair()
+
+
+def _text(decoder, tokens: list[int], finish: str | None) -> str:
+    if decoder is None:
+        return ""
+    return decoder.add(tokens) + (decoder.flush() if finish else "")
+
+
+def _finish_reason(tokens: Sequence[int], stops: set[int], length: int, limit: int) -> str | None:
+    if any(t in stops for t in tokens):
+        return FINISH_STOP
+    if length >= limit:
+        return FINISH_LENGTH
+    return None
+
+
+def generate(target: Target, drafter: DFlashDrafter | None, prompt: Sequence[int], **kwargs: Any) -> GenerationResult:
+    """Runs stream_generate to the end and returns the generated tokens, text and final statistics."""
+    tokens: list[int] = []
+    text: list[str] = []
+    last: Step | None = None
+    for last in stream_generate(target, drafter, prompt, **kwargs):
+        tokens.extend(last.tokens)
+        text.append(last.text)
+    assert last is not None
+    return GenerationResult(tokens, "".join(text), last.stats)

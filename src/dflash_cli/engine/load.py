@@ -1,0 +1,162 @@
+"""Loading a target, a drafter, or a pair from local folders. Never runs code shipped with a checkpoint."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_cli.engine.device import pick_device, pick_dtype
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
+from dflash_cli.engine.errors import CheckpointError
+from dflash_cli.engine.pairing import check_pair, check_target_config, read_config, safetensors_files
+from dflash_cli.engine.quant import bnb_config, check_quant, quantize_linears
+from dflash_cli.engine.target import Target
+
+
+def read_drafter_config(folder: Path) -> DrafterConfig:
+    return DrafterConfig.from_dict(read_config(folder, "drafter"), source=str(Path(folder) / "config.json"))
+
+
+def _read_state_dict(files: list[Path], expected: dict[str, torch.Size], device: torch.device,
+                     dtype: torch.dtype, folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key not in expected:
+                        raise CheckpointError(f"{path}: unexpected tensor {key!r} (not part of this drafter's config)")
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != tuple(expected[key]):
+                        raise CheckpointError(
+                            f"{path}: tensor {key!r} has shape {list(shape)}, the config implies {list(expected[key])}")
+                    tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e})",
+                                  hint="the download may be truncated: delete it and fetch it again") from None
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise CheckpointError(f"drafter folder {folder} is missing tensor {', '.join(map(repr, missing[:3]))}{more}")
+    return tensors
+
+
+def load_drafter(folder: str | Path, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | str | None = None, quant: str | None = None) -> DFlashDrafter:
+    """Loads a DFlash drafter folder (config.json + safetensors), strictly: every tensor, every shape.
+
+    Args:
+        folder: a local folder in the public DFlash checkpoint format.
+        device: defaults to cuda when available, else cpu.
+        dtype: defaults to bf16 on GPUs and fast-bf16 CPUs, else fp32.
+        quant: None, "int8" or "nf4" (bitsandbytes) for the draft layers.
+    """
+    folder = Path(folder)
+    device = pick_device(str(device) if device is not None else None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device)
+    quant = check_quant(quant)
+    cfg = read_drafter_config(folder)
+    files = safetensors_files(folder, "drafter")
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state = _read_state_dict(files, expected, device, dtype, folder)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_rotary(device)
+    if quant:
+        quantize_linears(model.layers, quant, dtype, device)
+    return model.eval().requires_grad_(False)
+
+
+def load_target(folder: str | Path, *, device: torch.device | str | None = None,
+                dtype: torch.dtype | str | None = None, quant: str | None = None) -> Target:
+    """Loads a causal LM from a local folder through transformers' AutoModelForCausalLM.
+
+    Args:
+        folder: a local Hugging Face checkpoint folder with safetensors weights.
+        device: defaults to cuda when available, else cpu.
+        dtype: compute dtype; defaults to bf16 on GPUs and fast-bf16 CPUs, else fp32.
+        quant: None, "int8" or "nf4" to quantize the linear layers with bitsandbytes.
+    """
+    folder = Path(folder)
+    device = pick_device(str(device) if device is not None else None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device)
+    quant = check_quant(quant)
+    config = read_config(folder, "target")
+    check_target_config(config, str(folder))
+    safetensors_files(folder, "target")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    kwargs = dict(dtype=dtype, device_map=str(device), trust_remote_code=False, use_safetensors=True)
+    if quant:
+        kwargs["quantization_config"] = bnb_config(quant, dtype)
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # the UI shows its own progress
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load target from {folder}: {first}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    model.eval().requires_grad_(False)
+    logging.getLogger(__name__).debug("loaded %s as %s", folder, type(model).__name__)
+    return Target(model, name=str(folder))
+
+
+@dataclass
+class Pair:
+    target: Target
+    drafter: DFlashDrafter | None
+
+
+def attach_drafter(target: Target, drafter: DFlashDrafter, *, drafter_name: str = "drafter") -> None:
+    """Checks the pair against the loaded target's real shapes and makes the target tap the right layers."""
+    taps = check_pair(target.config.to_dict(), drafter.config, target_name=target.name,
+                      drafter_name=drafter_name, vocab_rows=target.vocab_rows)
+    target.set_taps(taps)
+
+
+def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,
+              device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
+              quant: str | None = None, drafter_quant: str | None = None) -> Pair:
+    """Loads a target and (optionally) its drafter, checking the pairing from configs before any weights."""
+    device = pick_device(str(device) if device is not None else None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device)
+    drafter_cfg = None
+    if drafter_folder is not None:
+        drafter_cfg = read_drafter_config(Path(drafter_folder))
+        check_pair(read_config(Path(target_folder), "target"), drafter_cfg,
+                   target_name=str(target_folder), drafter_name=str(drafter_folder))
+    target = load_target(target_folder, device=device, dtype=dtype, quant=quant)
+    drafter = None
+    if drafter_folder is not None:
+        drafter = load_drafter(drafter_folder, device=target.device, dtype=dtype, quant=drafter_quant)
+        attach_drafter(target, drafter, drafter_name=str(drafter_folder))
+    return Pair(target, drafter)
+
+
+def save_drafter(drafter: DFlashDrafter, folder: str | Path) -> Path:
+    """Writes a drafter in the public format: config.json + model.safetensors (what load_drafter reads)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(drafter.config.raw)
+    config.setdefault("architectures", ["DFlashDraftModel"])
+    config.setdefault("model_type", "qwen3")
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

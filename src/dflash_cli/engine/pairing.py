@@ -1,0 +1,104 @@
+"""Checks that need only config.json files: can this target run, and does this drafter fit it.
+
+Used before loading weights (and, by the model manager, before downloading them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash_cli.engine.drafter import DrafterConfig
+from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError, UnsupportedModelError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def read_config(folder: Path, what: str) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not Path(folder).is_dir():
+        raise CheckpointError(f"{what} folder {folder} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"{what} folder {folder} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def safetensors_files(folder: Path, what: str) -> list[Path]:
+    """The safetensors weight files of a checkpoint folder; refuses folders with only pickle weights."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is malformed: {e}") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{what} folder {folder} is incomplete: missing {', '.join(missing)}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{what} folder {folder} holds only pickle weights ({', '.join(pickles)})",
+            hint="dflash-cli loads safetensors only, since pickle files can run code; "
+                 "use a repository that publishes model.safetensors",
+        )
+    raise CheckpointError(f"{what} folder {folder} has no weights (no *.safetensors file)")
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config (multimodal configs nest it under text_config)."""
+    return config.get("text_config") or config
+
+
+def check_target_config(config: dict[str, Any], name: str) -> None:
+    """Refuses targets whose cache cannot be rolled back to an accepted length."""
+    cfg = text_config(config)
+    kinds = set(cfg.get("layer_types") or [])
+    recurrent = kinds & {"linear_attention", "mamba", "conv", "recurrent"}
+    if recurrent:
+        raise UnsupportedModelError(
+            f"{name} has {', '.join(sorted(recurrent))} layers whose state cannot be rolled back after a "
+            "rejected draft; such hybrid targets are not supported yet",
+            hint="use a target with attention layers only (Qwen3, Llama 3, ...)",
+        )
+
+
+def check_pair(target_config: dict[str, Any], drafter: DrafterConfig, *, target_name: str = "target",
+               drafter_name: str = "drafter", vocab_rows: int | None = None) -> list[int]:
+    """Checks a drafter against a target and returns the target layers to tap.
+
+    `vocab_rows` is the real number of rows of the target's embedding matrix, when known.
+    """
+    cfg = text_config(target_config)
+    both = f"drafter {drafter_name} and target {target_name}"
+    hidden = cfg.get("hidden_size")
+    if hidden != drafter.hidden_size:
+        raise IncompatiblePairError(
+            f"{both} do not match: the drafter has hidden size {drafter.hidden_size}, the target {hidden}",
+            hint="a drafter is trained for one target: pick the drafter made for this target",
+        )
+    depth = cfg.get("num_hidden_layers")
+    taps = drafter.tap_layers(depth)
+    bad = [t for t in taps if depth is not None and not 0 <= t < depth]
+    if bad:
+        raise IncompatiblePairError(
+            f"{both} do not match: the drafter taps target layers {taps}, "
+            f"but the target has {depth} layers (0..{depth - 1})")
+    if drafter.num_target_layers is not None and depth is not None and drafter.num_target_layers != depth:
+        raise IncompatiblePairError(
+            f"{both} do not match: the drafter was trained on a {drafter.num_target_layers}-layer target, "
+            f"this one has {depth} layers")
+    rows = vocab_rows if vocab_rows is not None else cfg.get("vocab_size")
+    if rows is not None and not 0 <= drafter.mask_token_id < rows:
+        raise IncompatiblePairError(
+            f"{both} do not match: the drafter's mask token id {drafter.mask_token_id} is outside the "
+            f"target's embedding matrix ({rows} rows)")
+    return taps

@@ -1,0 +1,55 @@
+"""Token selection: greedy at temperature 0, else temperature + top-k + top-p sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_cli.engine.errors import InvalidSettingError
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if temperature < 0:
+        raise InvalidSettingError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise InvalidSettingError(f"top-p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise InvalidSettingError(f"top-k must be >= 0 (0 = off), got {top_k}")
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """(T, V) probabilities after temperature, top-k, then top-p (nucleus) filtering."""
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+class Sampler:
+    """Picks one token per row of logits. Seeded samplers are reproducible run to run."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 device: torch.device | str = "cpu"):
+        check_sampling(temperature, top_p, top_k)
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.greedy = temperature == 0 or top_k == 1
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (T, V) -> token ids (T,), on the logits' device."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        probs = sampling_probs(logits, self.temperature, self.top_p, self.top_k)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

@@ -1,0 +1,71 @@
+"""The DFlash round: draft a block, verify it with one target forward, accept, roll back.
+
+Acceptance rule (the paper's, written for one block): the drafter proposes d_1..d_{B-1} after the anchor
+x_0; the target, fed [x_0, d_1..d_{B-1}], yields its own choice t_0..t_{B-1} at each slot (argmax at T=0,
+a sample from its filtered distribution at T>0). Accept the longest prefix with d_i == t_{i-1}, a tokens,
+then commit d_1..d_a plus the target's own t_a: every committed token is exactly what the target alone
+would have chosen at that position, so the output is lossless (in distribution when sampling: one-hot
+rejection sampling with argmax drafts).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from dflash_cli.engine.device import Stopwatch
+from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.engine.sampling import Sampler
+from dflash_cli.engine.state import DecodeState
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one verify step committed. The first `accepted` tokens came from the drafter."""
+
+    tokens: list[int]
+    drafted: int
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    wall_seconds: float
+
+
+def speculative_rounds(state: DecodeState, drafter: DFlashDrafter, sample: Sampler, *, block_size: int,
+                       limit: int) -> Iterator[Round]:
+    """Yields one Round per target verify step until len(state.tokens) reaches `limit`.
+
+    The caller has prefilled `state` and committed the first token. The last block is clamped so that no
+    more than `limit` tokens are ever committed.
+    """
+    target = state.target
+    draft_watch, verify_watch = Stopwatch(target.device), Stopwatch(target.device)
+    while len(state.tokens) < limit:
+        t0 = time.perf_counter()
+        n = min(block_size, limit - len(state.tokens))  # block length, anchor included
+        start, anchor = state.start, state.anchor
+
+        draft_watch.start()
+        if n > 1:
+            drafts = drafter.draft(state.pending, anchor, start, n, state.draft_cache, target.embed_weight,
+                                   target.lm_head)  # (n-1,)
+            state.pending = None  # now in the draft cache
+        else:
+            drafts = anchor.new_empty(0)
+        draft_watch.stop()
+
+        verify_watch.start()
+        block = torch.cat([anchor, drafts])[None]  # (1, n)
+        logits, hidden = target.forward(block, state.target_cache, start, taps=True)  # (n, V), (1, n, F)
+        choice = sample(logits)  # (n,) the target's own token at every slot
+        accepted = (drafts == choice[:-1]).cumprod(dim=0).sum()
+        host = torch.cat([choice, accepted.view(1)]).tolist()  # the step's one host-device sync
+        verify_watch.stop()
+
+        a = host[-1]
+        state.commit(host[: a + 1], hidden[:, : a + 1], anchor=choice[a : a + 1])
+        yield Round(host[: a + 1], n - 1, a, draft_watch.seconds, verify_watch.seconds,
+                    time.perf_counter() - t0)

@@ -1,0 +1,132 @@
+"""The target LLM: a transformers causal LM plus what speculative decoding needs from it.
+
+Tapped hidden states are captured with removable forward hooks on the decoder layers, so the target is
+asked only for the layers the drafter reads, on any transformers version, without patching its classes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_cli.engine.errors import UnsupportedModelError
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of decoder layers of a transformers causal LM (Llama, Qwen, Mistral, gpt-oss, ...)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UnsupportedModelError(f"{type(model).__name__}: cannot find its decoder layers")
+    return layers
+
+
+def make_cache(model: nn.Module):
+    """A fresh KV cache for `model` that can be cropped (rolled back) to any committed length."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # transformers < 4.56
+        cache = DynamicCache()
+    if hasattr(cache, "activate_past_recording"):  # lets sliding-window layers roll back too
+        cache.activate_past_recording()
+    return cache
+
+
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length())
+
+
+def crop_cache(cache, length: int) -> None:
+    """Rolls the cache back to `length` tokens, layer by layer: after an interrupted forward the layers
+    may hold different lengths. A negative crop means 'remove n' on every transformers version."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # transformers < 4.56: one crop for all layers
+        if cache_length(cache) > length:
+            cache.crop(length)
+        return
+    for layer in layers:
+        extra = int(layer.get_seq_length()) - length
+        if extra > 0:
+            layer.crop(-extra)
+
+
+class Target:
+    """A loaded causal LM and the hooks that read its tapped layers."""
+
+    def __init__(self, model: nn.Module, name: str = "target"):
+        self.model = model
+        self.name = name
+        self.layers = decoder_layers(model)
+        self.num_layers = len(self.layers)
+        self.embed_weight: torch.Tensor = model.get_input_embeddings().weight
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.device = self.embed_weight.device
+        self.vocab_rows = self.embed_weight.shape[0]
+        self.hidden_size = self.embed_weight.shape[1]
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._final_norm = getattr(model.get_decoder(), "norm", None) if hasattr(model, "get_decoder") else None
+        self._taps: list[int] = []
+        self._hooks: list[Any] = []
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capturing = False
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def max_positions(self) -> int | None:
+        cfg = getattr(self.config, "text_config", None) or self.config
+        return getattr(cfg, "max_position_embeddings", None)
+
+    def set_taps(self, layer_ids: list[int]) -> None:
+        """Captures the outputs of these decoder layers (0-based) on forwards that ask for taps."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._taps = [], list(layer_ids)
+        for layer_id in sorted(set(layer_ids)):
+            self._hooks.append(self.layers[layer_id].register_forward_hook(self._make_hook(layer_id)))
+
+    def _make_hook(self, layer_id: int):
+        last = layer_id == self.num_layers - 1
+
+        def hook(_module, _inputs, output):
+            if self._capturing:
+                hidden = output[0] if isinstance(output, tuple) else output
+                # transformers' hidden_states[-1] is after the final norm: tap the same thing.
+                if last and self._final_norm is not None:
+                    hidden = self._final_norm(hidden)
+                self._captured[layer_id] = hidden
+
+        return hook
+
+    def new_cache(self):
+        return make_cache(self.model)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache, start: int, *, last_logit_only: bool = False,
+                taps: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over `ids` (1, T) at positions start..start+T-1, appending to `cache`.
+
+        Returns logits (T, V) (or (1, V) with last_logit_only) and, with taps, the tapped layers'
+        hidden states concatenated in the drafter's order, (1, T, n_taps*H).
+        """
+        n = ids.shape[1]
+        positions = torch.arange(start, start + n, device=ids.device)[None]
+        self._capturing = taps
+        try:
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True,
+                             logits_to_keep=1 if last_logit_only else 0, **{self._cache_kwarg: cache})
+        finally:
+            self._capturing = False
+        hidden = None
+        if taps:
+            hidden = torch.cat([self._captured[i] for i in self._taps], dim=-1)
+            self._captured.clear()
+        return out.logits[0], hidden

@@ -1,0 +1,130 @@
+"""Text helpers: streaming detokenisation and prompt encoding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+_REPLACEMENT = "\ufffd"
+
+
+class StreamDecoder:
+    """Incrementally turn generated token ids into printable text.
+
+    Uses the prefix/read offset scheme of vLLM and TGI: each step decodes only a
+    short window, ``ids[prefix:read]`` (already emitted, kept as context so that
+    leading-space and byte-level merges render correctly) and ``ids[prefix:]``,
+    and emits the difference. Text whose tail decodes to U+FFFD (an incomplete
+    UTF-8 sequence) is held back until more ids arrive or :meth:`flush` is called.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window
+        self._read = 0  # ids before this index have been emitted
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._chunks)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All ids added so far (a copy)."""
+        return list(self._ids)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append ids; return the newly printable text (possibly "")."""
+        self._ids.extend(int(t) for t in token_ids)
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        """Return whatever is still held back (an incomplete character becomes U+FFFD)."""
+        return self._step(final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _step(self, final: bool) -> str:
+        if self._read >= len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(_REPLACEMENT)):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._chunks.append(delta)
+        return delta
+
+
+def _template_of(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The tokenizer's chat template(s) as one string ("" when it has none)."""
+    template: Any = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return ""
+    if isinstance(template, Mapping):  # named templates
+        return "\n".join(str(t) for t in template.values())
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        return "\n".join(str(t.get("template", "")) if isinstance(t, Mapping) else str(t) for t in template)
+    return str(template)
+
+
+def supports_thinking(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """True when the chat template reacts to an ``enable_thinking`` flag."""
+    return "enable_thinking" in _template_of(tokenizer)
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]] | str,
+    *,
+    chat_template: bool = True,
+    enable_thinking: bool | None = None,
+    system: str | None = None,
+) -> list[int]:
+    """Turn a chat (or a plain string) into prompt token ids.
+
+    With a chat template (and ``chat_template``), the template is rendered with
+    ``add_generation_prompt=True`` and the text encoded without adding special
+    tokens, as ``apply_chat_template`` itself does (the template supplies BOS
+    if the model wants one). Otherwise the plain text ("role: content" lines for
+    a chat) is encoded with the tokenizer's default special tokens.
+    """
+    chat = [{"role": "user", "content": messages}] if isinstance(messages, str) else [dict(m) for m in messages]
+    if system is not None:
+        chat = [{"role": "system", "content": system}, *chat]
+
+    if chat_template and _template_of(tokenizer):
+        kwargs: dict[str, Any] = {}
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
+        if not isinstance(rendered, str):
+            raise TypeError(f"chat template rendered to {type(rendered).__name__}, expected str")
+        return _as_ids(tokenizer.encode(rendered, add_special_tokens=False))
+
+    if isinstance(messages, str):
+        text = messages if system is None else f"{system}\n\n{messages}"
+    else:
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in chat)
+    return _as_ids(tokenizer.encode(text))
+
+
+def _as_ids(encoded: Any) -> list[int]:
+    """Coerce an encode/apply_chat_template result into a plain ``list[int]``."""
+    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    if hasattr(encoded, "tolist"):
+        encoded = encoded.tolist()
+    if encoded and isinstance(encoded[0], list):
+        if len(encoded) != 1:
+            raise ValueError("expected a single sequence of token ids")
+        encoded = encoded[0]
+    return [int(i) for i in encoded]

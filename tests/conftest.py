@@ -1,0 +1,91 @@
+"""Tiny random models, saved the way real checkpoints are and loaded through the real loaders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
+from dflash_cli.engine.load import save_drafter
+
+VOCAB = 160
+MASK_ID = 150  # a token the tiny targets are free to use: the drafter only reads its embedding row
+
+
+def target_config(family: str = "qwen3", **overrides) -> dict:
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0)
+    if family == "qwen3":
+        base.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16, rope_theta=10000.0)
+    elif family == "llama":
+        base.update(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=10000.0)
+    else:
+        raise ValueError(family)
+    base.update(overrides)
+    return base
+
+
+def save_target(folder: Path, config: dict, seed: int = 0, scale: float = 1.0) -> Path:
+    """Builds a random causal LM from `config` and saves it with save_pretrained (safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(**config)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if scale != 1.0:  # larger weights give peakier, less repetitive greedy continuations
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.mul_(scale)
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
+def drafter_config(target: dict, *, layers: int = 2, block_size: int = 8, taps=(1, 3, 4),
+                   nested_block: bool = False, **overrides) -> dict:
+    cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=target["hidden_size"],
+               intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, hidden_act="silu",
+               attention_bias=False, rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=4096,
+               num_target_layers=target["num_hidden_layers"], vocab_size=target["vocab_size"],
+               layer_types=["full_attention"] * layers, sliding_window=None, use_sliding_window=False,
+               dflash_config={"mask_token_id": MASK_ID, "target_layer_ids": list(taps)})
+    if nested_block:
+        cfg["dflash_config"]["block_size"] = block_size
+    else:
+        cfg["block_size"] = block_size
+    cfg.update(overrides)
+    return cfg
+
+
+def save_random_drafter(folder: Path, config: dict, seed: int = 0, scale: float = 1.0) -> Path:
+    torch.manual_seed(seed)
+    model = DFlashDrafter(DrafterConfig.from_dict(config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)  # not all ones, so a norm loaded into the wrong slot shows
+            elif scale != 1.0:
+                p.mul_(scale)
+    return save_drafter(model, folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Folders: qwen3 and llama fp32 targets, a matching random drafter for each."""
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for family in ("qwen3", "llama"):
+        cfg = target_config(family)
+        out[family] = save_target(root / family, cfg, seed=1, scale=3.0)
+        out[f"{family}-drafter"] = save_random_drafter(root / f"{family}-drafter", drafter_config(cfg), seed=2)
+    return out
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

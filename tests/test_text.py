@@ -1,0 +1,279 @@
+"""Tests for dflash_cli.engine.text, on tiny in-memory tokenizers (no network)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from dflash_cli.engine.text import StreamDecoder, encode_prompt, supports_thinking
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
+
+CORPUS = [
+    "Hello world, this is a small corpus for a tiny tokenizer.",
+    "Crème brûlée, café, naïve façade, jalapeño, Ångström, Øresund, Straße.",
+    "Ελληνικά γράμματα και русский текст тоже здесь.",
+    "你好，世界！今天天气很好，我们去公园散步吧。",
+    "日本語のテキスト：こんにちは、元気ですか？",
+    "한국어 문장도 조금 있습니다.",
+    "Emoji time 😀🎉👍🏽🚀 and a family 👨‍👩‍👧 plus flags 🇫🇷🇯🇵.",
+    "Math: ∑ x² ≤ ∞, arrows → ← ↔, currency € £ ¥ ₹.",
+    "   leading spaces,  double  spaces and\nnew lines\n\ttabs too.",
+]
+
+# Text for the streaming checks: reuses the corpus plus characters never seen in training.
+SAMPLE = "\n".join(CORPUS) + "\nUnseen: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🦄🐉 龘 ẞ ǅ done."
+
+CHATML = (
+    "{%- for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+CHATML_NO_THINK = CHATML.split("{%- if enable_thinking")[0] + "{%- endif %}"
+
+
+def _byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """GPT-2/Qwen-style byte-level BPE; the small vocab leaves many characters split over several tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIALS,
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<s>")
+
+
+def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """Llama/SentencePiece-style BPE: Metaspace ("▁" leading spaces) plus <0xXX> byte fallback."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, limit_alphabet=60, special_tokens=["<unk>", *SPECIALS], show_progress=False
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for b in range(256):  # byte tokens live in the model vocab, as in Llama's tokenizer.json
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    data["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module", params=["byte_level", "metaspace"])
+def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerFast:
+    return _byte_level_tokenizer() if request.param == "byte_level" else _metaspace_tokenizer()
+
+
+def _stream(tok: PreTrainedTokenizerFast, ids: list[int], sizes: list[int], **kw: bool) -> tuple[list[str], str]:
+    dec = StreamDecoder(tok, **kw)
+    chunks, pos, i = [], 0, 0
+    while pos < len(ids):
+        n = sizes[i % len(sizes)]
+        chunks.append(dec.add(ids[pos : pos + n]))
+        pos, i = pos + n, i + 1
+    tail = dec.flush()
+    assert dec.text == "".join(chunks) + tail
+    return chunks, tail
+
+
+def _check_stream(tok: PreTrainedTokenizerFast, ids: list[int], sizes: list[int]) -> None:
+    full = tok.decode(ids, skip_special_tokens=True)
+    chunks, tail = _stream(tok, ids, sizes)
+    emitted = ""
+    for chunk in chunks:
+        assert "\ufffd" not in chunk, f"split character in {chunk!r}"
+        emitted += chunk
+        # Every chunk ends on a character boundary of the final text: nothing emitted is ever wrong.
+        assert full.startswith(emitted)
+    assert emitted + tail == full
+    assert tail == ""  # ordinary text: nothing left over
+
+
+def test_corpus_really_splits_characters(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Guard: a naive per-token decode breaks this corpus, so the hold-back path is exercised."""
+    ids = tokenizer.encode(SAMPLE)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert sum("\ufffd" in p for p in pieces) >= 10
+    assert tokenizer.decode(ids) == SAMPLE
+
+
+def test_metaspace_naive_concat_loses_spaces() -> None:
+    tok = _metaspace_tokenizer()
+    ids = tok.encode("Hello world again")
+    assert "".join(tok.decode([i]) for i in ids) != tok.decode(ids)
+    chunks, tail = _stream(tok, ids, [1])
+    assert "".join(chunks) + tail == "Hello world again"
+    assert any(c.startswith(" ") for c in chunks)
+
+
+def test_stream_one_by_one(tokenizer: PreTrainedTokenizerFast) -> None:
+    _check_stream(tokenizer, tokenizer.encode(SAMPLE), [1])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stream_random_chunks(tokenizer: PreTrainedTokenizerFast, seed: int) -> None:
+    rng = random.Random(seed)
+    ids = tokenizer.encode(SAMPLE)
+    _check_stream(tokenizer, ids, [rng.randint(1, 7) for _ in range(len(ids))])
+
+
+def test_stream_whole_at_once(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode(SAMPLE)
+    _check_stream(tokenizer, ids, [len(ids)])
+
+
+def test_hold_back_then_flush_incomplete_character() -> None:
+    tok = _byte_level_tokenizer()
+    ids = tok.encode("🦄")  # unseen in training: split over several byte tokens
+    assert len(ids) >= 2
+    dec = StreamDecoder(tok)
+    assert all(dec.add([i]) == "" for i in ids[:-1])
+    assert dec.text == ""
+    tail = dec.flush()
+    assert tail and tail.endswith("\ufffd")
+    assert dec.flush() == ""
+    # ...while the complete character comes out as soon as its last byte arrives.
+    dec = StreamDecoder(tok)
+    assert [dec.add([i]) for i in ids] == [""] * (len(ids) - 1) + ["🦄"]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens(tokenizer: PreTrainedTokenizerFast, skip: bool) -> None:
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("café 你好") + [im_end] + tokenizer.encode(" 🚀 ok") + [im_end]
+    full = tokenizer.decode(ids, skip_special_tokens=skip)
+    chunks, tail = _stream(tokenizer, ids, [1], skip_special_tokens=skip)
+    assert "".join(chunks) + tail == full
+    assert ("<|im_end|>" in full) is not skip
+
+
+def test_decode_windows_stay_short() -> None:
+    """The prefix/read scheme decodes short windows, not the whole history (no O(n^2))."""
+    tok = _byte_level_tokenizer()
+    ids = tok.encode(SAMPLE * 4)
+    sizes: list[int] = []
+    real_decode = tok.decode
+
+    def spy(token_ids: list[int], **kw: bool) -> str:
+        sizes.append(len(token_ids))
+        return real_decode(token_ids, **kw)
+
+    dec = StreamDecoder(tok)
+    tok.decode = spy  # type: ignore[method-assign]
+    try:
+        out = "".join(dec.add([i]) for i in ids) + dec.flush()
+    finally:
+        del tok.decode
+    assert out == tok.decode(ids)
+    # Windows grow only while a character is incomplete (byte-level tokens may straddle characters),
+    # so their size is bounded however long the text; decoding the whole history each step would not be.
+    assert len(ids) > 1000 and max(sizes) <= 16
+    assert sum(sizes) < 10 * len(ids)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def _with_bos_processor(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.convert_tokens_to_ids("<s>"))]
+    )
+    return tok
+
+
+def _is_plain_ids(ids: object) -> bool:
+    return type(ids) is list and all(type(i) is int for i in ids)
+
+
+def test_encode_prompt_chat_template() -> None:
+    tok = _byte_level_tokenizer()
+    tok.chat_template = CHATML
+    ids = encode_prompt(tok, "Bonjour 你好")
+    assert _is_plain_ids(ids)
+    expected = "<|im_start|>user\nBonjour 你好<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids) == expected
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == start and ids.count(start) == 2  # control tokens stay single special tokens
+    assert ids == tok.encode(expected, add_special_tokens=False)
+
+
+def test_encode_prompt_system_and_messages() -> None:
+    tok = _byte_level_tokenizer()
+    tok.chat_template = CHATML
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]
+    ids = encode_prompt(tok, chat, system="Be brief.")
+    assert tok.decode(ids) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>user\n?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert chat[0] == {"role": "user", "content": "hi"} and len(chat) == 3  # input not mutated
+
+
+def test_encode_prompt_enable_thinking() -> None:
+    tok = _byte_level_tokenizer()
+    tok.chat_template = CHATML
+    think = "<think>\n\n</think>\n\n"
+    assert not tok.decode(encode_prompt(tok, "q")).endswith(think)
+    assert not tok.decode(encode_prompt(tok, "q", enable_thinking=True)).endswith(think)
+    assert tok.decode(encode_prompt(tok, "q", enable_thinking=False)).endswith("assistant\n" + think)
+    # A template that knows nothing of the flag ignores it.
+    tok.chat_template = CHATML_NO_THINK
+    assert encode_prompt(tok, "q", enable_thinking=False) == encode_prompt(tok, "q")
+
+
+def test_encode_prompt_bos_not_doubled() -> None:
+    tok = _with_bos_processor(_byte_level_tokenizer())
+    bos = tok.convert_tokens_to_ids("<s>")
+    assert tok.encode("x")[0] == bos  # the tokenizer adds BOS by default...
+    tok.chat_template = "{{ bos_token }}" + CHATML
+    ids = encode_prompt(tok, "hello")
+    assert ids[0] == bos and ids.count(bos) == 1  # ...but the template already has it
+    reference = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    if not isinstance(reference, list):  # transformers 5 returns a BatchEncoding here
+        reference = list(reference["input_ids"])
+    assert ids == reference
+
+
+def test_encode_prompt_without_template() -> None:
+    tok = _with_bos_processor(_metaspace_tokenizer())
+    bos = tok.convert_tokens_to_ids("<s>")
+    assert tok.chat_template is None
+    ids = encode_prompt(tok, "Hello world")
+    assert _is_plain_ids(ids)
+    assert ids == tok.encode("Hello world") and ids[0] == bos
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ids = encode_prompt(tok, chat, system="sys")
+    assert tok.decode(ids, skip_special_tokens=True) == "system: sys\nuser: hi\nassistant: yo"
+    assert ids.count(bos) == 1
+
+
+def test_encode_prompt_template_disabled() -> None:
+    tok = _byte_level_tokenizer()
+    tok.chat_template = CHATML
+    ids = encode_prompt(tok, "Hello", chat_template=False)
+    assert ids == tok.encode("Hello")
+    assert tok.decode(ids) == "Hello"
+
+
+def test_supports_thinking() -> None:
+    tok = _byte_level_tokenizer()
+    assert not supports_thinking(tok)
+    tok.chat_template = CHATML_NO_THINK
+    assert not supports_thinking(tok)
+    tok.chat_template = CHATML
+    assert supports_thinking(tok)
