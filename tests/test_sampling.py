@@ -1,0 +1,105 @@
+"""Sampling: speculative sampling follows the target's own distribution; seeds reproduce runs."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import drafter_config, save_random_drafter, save_target, target_config
+from dflash_cli.engine.errors import InvalidSettingError
+from dflash_cli.engine.generate import generate
+from dflash_cli.engine.load import load_pair
+from dflash_cli.engine.oracle import OracleDrafter
+from dflash_cli.engine.sampling import Sampler, sampling_probs
+
+PROMPT = [17, 42, 99, 5]
+N_NEW = 4  # the prefill samples token 1; one verify step of 3 slots samples tokens 2-4
+SETTINGS = dict(temperature=0.8, top_k=2, top_p=0.99)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A two-layer target: this test samples thousands of short generations."""
+    root = tmp_path_factory.mktemp("sampling")
+    cfg = target_config("llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64)
+    target = save_target(root / "target", cfg, seed=5, scale=6.0)
+    drafter = save_random_drafter(root / "drafter", drafter_config(cfg, layers=1, taps=(0, 1)), seed=6)
+    return load_pair(target, drafter, device="cpu", dtype="float32")
+
+
+def exact_distribution(target, settings) -> dict[tuple[int, ...], float]:
+    """P(x1..x4) under the target alone, by enumerating every sequence the filters allow."""
+    def probs(prefix):
+        logits = target.model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+        return sampling_probs(logits[None], **settings)[0]
+
+    dist = {(): 1.0}
+    for _ in range(N_NEW):
+        nxt = {}
+        for prefix, p in dist.items():
+            row = probs(prefix)
+            for token in row.nonzero().flatten().tolist():
+                nxt[prefix + (token,)] = p * row[token].item()
+        dist = nxt
+    return dist
+
+
+def chi_square_p_value(counts: Counter, dist: dict, n: int) -> float:
+    """Pearson's test, cells with expected count < 5 pooled; p = upper tail of chi-square."""
+    observed, expected, pool_o, pool_e = [], [], 0.0, 0.0
+    for cell, p in dist.items():
+        if p * n >= 5:
+            observed.append(counts[cell])
+            expected.append(p * n)
+        else:
+            pool_o, pool_e = pool_o + counts[cell], pool_e + p * n
+    observed.append(pool_o + sum(c for cell, c in counts.items() if cell not in dist))
+    expected.append(max(pool_e, 1e-9))
+    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    stat = ((o - e) ** 2 / e).sum()
+    dof = len(observed) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
+
+
+def test_speculative_sampling_matches_the_target_distribution(pair):
+    dist = exact_distribution(pair.target, SETTINGS)
+    greedy = generate(pair.target, None, PROMPT, max_new_tokens=N_NEW + 4, stop_ids=[]).tokens
+    oracle = OracleDrafter(pair.drafter, PROMPT + greedy, acceptance=1.0)  # argmax drafts: often accepted
+    n = 1500
+    counts: Counter = Counter()
+    accepted = drafted = 0
+    for seed in range(n):
+        out = generate(pair.target, oracle, PROMPT, max_new_tokens=N_NEW, stop_ids=[], seed=seed, **SETTINGS)
+        counts[tuple(out.tokens)] += 1
+        accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
+    assert accepted > 200 and drafted - accepted > 200  # both the accept and the reject paths ran
+    assert chi_square_p_value(counts, dist, n) > 1e-3
+    # the same test has the power to see a wrong distribution
+    wrong = exact_distribution(pair.target, dict(SETTINGS, temperature=0.4))
+    assert chi_square_p_value(counts, wrong, n) < 1e-6
+
+
+def test_seeded_runs_reproduce(pair):
+    kwargs = dict(max_new_tokens=20, stop_ids=[], temperature=1.0, top_p=0.9)
+    a = generate(pair.target, pair.drafter, PROMPT, seed=7, **kwargs).tokens
+    b = generate(pair.target, pair.drafter, PROMPT, seed=7, **kwargs).tokens
+    c = generate(pair.target, pair.drafter, PROMPT, seed=8, **kwargs).tokens
+    assert a == b and a != c
+
+
+def test_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    top2 = sampling_probs(logits, 1.0, top_k=2)[0]
+    assert (top2[2:] == 0).all() and torch.isclose(top2.sum(), torch.tensor(1.0))
+    nucleus = sampling_probs(logits, 1.0, top_p=0.5)[0]
+    assert nucleus[0] == 1.0  # the top token alone already holds more than half the mass
+    assert Sampler(0.0)(logits).item() == 0 and Sampler(1.0, top_k=1, seed=0)(logits).item() == 0
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(InvalidSettingError):
+        Sampler(**{"temperature": 1.0, **bad})
