@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.load import save_drafter
 
+# The engine tests run on the CPU; DFLASH_TEST_DEVICE=cuda runs the same checks on a GPU.
+DEVICE = os.environ.get("DFLASH_TEST_DEVICE", "cpu")
 VOCAB = 160
 MASK_ID = 150  # a token the tiny targets are free to use: the drafter only reads its embedding row
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import MASK_ID
+from conftest import DEVICE, MASK_ID
 from dflash_cli.engine.generate import generate, stream_generate
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.oracle import OracleDrafter
@@ -17,12 +17,12 @@ from dflash_cli.engine.state import DecodeState
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def pair(request, tiny_models):
     family = request.param
-    return load_pair(tiny_models[family], tiny_models[f"{family}-drafter"], device="cpu", dtype="float32")
+    return load_pair(tiny_models[family], tiny_models[f"{family}-drafter"], device=DEVICE, dtype="float32")
 
 
 def hf_greedy(target, prompt, max_new_tokens, eos=None):
     """transformers' own greedy generate: the reference output."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=target.device)
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
@@ -113,10 +113,10 @@ def test_caches_hold_exactly_the_committed_context_after_every_step(pair):
     target, drafter = pair.target, pair.drafter
     start = state.start
     fresh_target = target.new_cache()
-    ids = torch.tensor([state.tokens[:start]])
+    ids = torch.tensor([state.tokens[:start]], device=target.device)
     _, hidden = target.forward(ids, fresh_target, 0, taps=True)
     fresh = drafter.new_cache()
-    block = torch.zeros(1, 1, drafter.config.hidden_size)
+    block = torch.zeros(1, 1, drafter.config.hidden_size, device=target.device)
     drafter(hidden, block, start, fresh)
     n = state.draft_cache.length
     for layer in range(len(drafter.layers)):
@@ -196,13 +196,14 @@ def test_mask_token_is_read_from_the_target_embedding(pair):
     # the drafter must embed its mask slots with the target's row `mask_token_id`: changing that row
     # changes the drafts (but never the output)
     prompt = [11, 12, 13]
-    before = pair.drafter.draft(None, torch.tensor([5]), 0, 8, pair.drafter.new_cache(),
+    anchor = torch.tensor([5], device=pair.target.device)
+    before = pair.drafter.draft(None, anchor, 0, 8, pair.drafter.new_cache(),
                                 pair.target.embed_weight, pair.target.lm_head)
     saved = pair.target.embed_weight[MASK_ID].clone()
     try:
         with torch.no_grad():
             pair.target.embed_weight[MASK_ID] += 5.0
-        after = pair.drafter.draft(None, torch.tensor([5]), 0, 8, pair.drafter.new_cache(),
+        after = pair.drafter.draft(None, anchor, 0, 8, pair.drafter.new_cache(),
                                    pair.target.embed_weight, pair.target.lm_head)
         assert not torch.equal(before, after)
     finally:
