@@ -1,0 +1,483 @@
+#!/usr/bin/env python
+"""Benchmark the DFlash engine on a target + drafter with random weights built in memory.
+
+Measures unit costs (decode 1 token, verify B, draft B), plain decoding, speculative decoding with a
+random drafter (tau ~ 1, the overhead case) and with OracleDrafter at chosen tau, the split of a step
+into draft / verify / loop overhead, peak memory, and transformers' own generate() (plain and assisted)
+as an outside baseline. Tables go to stdout, progress to stderr; --json FILE writes every number.
+
+The target's weights are random except that, by default (--init successor), its embedding and lm_head
+plant a fixed successor permutation: greedy output then follows a long non-repeating cycle with a wide
+logit margin, so a block verify and a 1-token decode pick the same token even in bf16 and the oracle's
+reference stays valid. Timings do not depend on the weights' values.
+
+Examples:
+    python benchmarks/bench_engine.py --quick
+    python benchmarks/bench_engine.py                       # cpu-small preset, about 2 minutes on 2 cores
+    python benchmarks/bench_engine.py --preset qwen3-8b --device cuda --dtype bfloat16 --json out.json
+    python benchmarks/bench_engine.py --preset qwen3-8b --device cuda --dtype bfloat16 --quant nf4
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_cli.engine.device import peak_memory, pick_dtype, reset_peak_memory, synchronize
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, _fallback_taps
+from dflash_cli.engine.generate import generate
+from dflash_cli.engine.load import attach_drafter
+from dflash_cli.engine.oracle import OracleDrafter, acceptance_for_tau
+from dflash_cli.engine.target import Target, crop_cache, decoder_layers
+
+HF_CONFIGS = Path("/work/shared/data/hf-configs")
+_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=128, num_attention_heads=32,
+              num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000,
+              rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, bos_token_id=151643,
+              eos_token_id=151645, num_hidden_layers=36)
+PRESETS = {  # name -> (folder under HF_CONFIGS read when present, embedded copy of its fields)
+    "cpu-small": (None, dict(_QWEN3, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=32000,
+                             max_position_embeddings=4096, tie_word_embeddings=False)),
+    "qwen3-4b": ("Qwen__Qwen3-4B", dict(_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)),
+    "qwen3-8b": ("Qwen__Qwen3-8B", dict(_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)),
+}
+Z_LAB_TAPS, Z_LAB_DEPTH, Z_LAB_MASK_ID = [1, 9, 17, 25, 33], 36, 151669  # z-lab/Qwen3-8B-DFlash-b16
+TAUS = (2.0, 4.0, 6.5)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ---------------------------------------------------------------- configs and models
+
+def target_config(args) -> dict:
+    if args.target_config:
+        cfg = json.loads(Path(args.target_config).read_text())
+    else:
+        folder, embedded = PRESETS[args.preset]
+        path = HF_CONFIGS / folder / "config.json" if folder else None
+        cfg = json.loads(path.read_text()) if path and path.is_file() else dict(embedded)
+    cfg = cfg.get("text_config") or cfg
+    for key in ("torch_dtype", "dtype", "transformers_version", "auto_map", "quantization_config"):
+        cfg.pop(key, None)
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+        cfg.pop("layer_types", None)
+        cfg["max_window_layers"] = args.layers
+    if args.init == "successor":
+        cfg["tie_word_embeddings"] = False  # the planted successor needs an lm_head of its own
+    return cfg
+
+
+def drafter_config(tcfg: dict, block_size: int) -> dict:
+    """The z-lab Qwen3-8B-DFlash-b16 shape for this target: 5 layers, 32/8 heads of 128, intermediate 3H."""
+    depth, hidden = tcfg["num_hidden_layers"], tcfg["hidden_size"]
+    taps = Z_LAB_TAPS if depth == Z_LAB_DEPTH else [min(max(t, 0), depth - 1) for t in _fallback_taps(5, depth)]
+    vocab = tcfg["vocab_size"]
+    return dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=hidden,
+                intermediate_size=3 * hidden, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, rope_theta=1000000,
+                rope_scaling=None, max_position_embeddings=40960, num_target_layers=depth, vocab_size=vocab,
+                layer_types=["full_attention"] * 5, block_size=block_size, sliding_window=None,
+                use_sliding_window=False,
+                dflash_config={"mask_token_id": Z_LAB_MASK_ID if Z_LAB_MASK_ID < vocab else vocab - 1,
+                               "target_layer_ids": taps})
+
+
+@torch.no_grad()
+def plant_successor(model, seed: int) -> None:
+    """Embeddings that dominate the residual stream and an lm_head mapping token x to perm[x]."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    vocab, hidden = emb.shape
+    layers = model.config.num_hidden_layers
+    gen = torch.Generator(device=emb.device).manual_seed(seed)
+    # Random std-0.02 layers add roughly 0.02*sqrt(H) per layer to the residual: stay well above that.
+    sigma = max(1.0, 0.05 * math.sqrt(hidden * layers))
+    emb.normal_(0.0, sigma, generator=gen)
+    perm = torch.randperm(vocab, generator=gen, device=emb.device)
+    head.index_copy_(0, perm, emb / (sigma * math.sqrt(hidden)))  # logit(perm[x]) ~ sqrt(H), others ~ N(0,1)
+
+
+def build_target(cfg: dict, device: torch.device, dtype: torch.dtype, quant: str, init: str, seed: int) -> Target:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**cfg)
+    with torch.device(device):  # built and initialised (normal, std 0.02) directly on the device
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    if init == "successor":
+        plant_successor(model, seed)
+    model.generation_config.eos_token_id = None  # benchmarks run to the length limit
+    model.generation_config.pad_token_id = 0
+    if quant != "none":
+        from dflash_cli.engine.quant import quantize_linears
+
+        quantize_linears(decoder_layers(model), quant, dtype, device)  # embeddings and lm_head stay 16-bit
+    return Target(model, name="random-target")
+
+
+def build_drafter(cfg: dict, device: torch.device, dtype: torch.dtype, seed: int) -> DFlashDrafter:
+    with torch.device("meta"):
+        drafter = DFlashDrafter(DrafterConfig.from_dict(cfg))
+    drafter = drafter.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
+    drafter.init_rotary(device)  # after the cast: RoPE frequencies stay fp32
+    return drafter.eval().requires_grad_(False)
+
+
+def build_assistant(tcfg: dict, device: torch.device, dtype: torch.dtype, seed: int):
+    """A small random LM with the target's vocabulary, for transformers' assisted generation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type="qwen3", vocab_size=tcfg["vocab_size"], hidden_size=256,
+                               intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=64, max_position_embeddings=tcfg.get(
+                                   "max_position_embeddings", 4096), tie_word_embeddings=True)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------- measurements
+
+def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of fn() over `repeats` calls, synchronised on GPUs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def unit_costs(target: Target, drafter: DFlashDrafter, context: int, blocks: list[int], repeats: int,
+               context_rows: int = 4) -> dict:
+    """Seconds for one target decode, one verify of B tokens, one draft of B, each on a cache of `context`."""
+    dev, vocab = target.device, target.vocab_rows
+    ids = torch.randint(0, vocab, (1, context + max(blocks)), device=dev)
+    cache = target.new_cache()
+    _, hidden = target.forward(ids[:, :context], cache, 0, last_logit_only=True, taps=True)  # (1, ctx, F)
+
+    def forward(n: int, taps: bool):
+        target.forward(ids[:, context:context + n], cache, context, taps=taps)
+        crop_cache(cache, context)
+
+    out = {"context": context, "decode_1": timed(lambda: forward(1, False), dev, repeats)}
+    for b in blocks:
+        out[f"verify_{b}"] = timed(lambda: forward(b, True), dev, repeats)
+    # Draft cache holds context-P rows; each timed call adds P new context rows plus the block, then rolls back.
+    p = context_rows
+    dcache, anchor = drafter.new_cache(), ids[0, context:context + 1]
+    drafter.draft(hidden[:, :context - p], anchor, context - p, 2, dcache, target.embed_weight, target.lm_head)
+
+    def draft(b: int):
+        drafter.draft(hidden[:, context - p:], anchor, context, b, dcache, target.embed_weight, target.lm_head)
+        dcache.crop(context - p)
+
+    for b in blocks:
+        out[f"draft_{b}"] = timed(lambda: draft(b), dev, repeats)
+    out["draft_context_rows"] = p
+    return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def engine_row(name: str, results: list, plain: list | None, block: int) -> dict:
+    """Medians over prompts of one engine configuration."""
+    stats = [r.stats for r in results]
+    steps = [max(s.steps, 1) for s in stats]
+    row = dict(config=name, block=block, prompts=len(results),
+               tau=median([s.acceptance_length for s in stats]),
+               tokens_per_s=median([s.decode_tokens_per_second for s in stats]),
+               draft_ms=median([1e3 * s.draft_seconds / n for s, n in zip(stats, steps)]),
+               verify_ms=median([1e3 * s.verify_seconds / n for s, n in zip(stats, steps)]),
+               other_ms=median([1e3 * (s.decode_seconds - s.draft_seconds - s.verify_seconds) / n
+                                for s, n in zip(stats, steps)]),
+               step_ms=median([1e3 * s.decode_seconds / n for s, n in zip(stats, steps)]),
+               prefill_ms=median([1e3 * s.prefill_seconds for s in stats]),
+               peak_bytes=max((s.peak_memory_bytes or 0) for s in stats),
+               draft_acceptance=median([s.draft_acceptance for s in stats]),
+               histogram=[sum(h) for h in zip(*(s.committed_histogram for s in stats))])
+    if plain is not None:  # share of tokens before the first difference from plain greedy decoding
+        row["same_as_plain"] = median([first_divergence(r.tokens, p.tokens) / len(p.tokens)
+                                       for r, p in zip(results, plain)])
+    return row
+
+
+def run_engine(name: str, target: Target, make_drafter, prompts: list[list[int]], new_tokens: int) -> list:
+    results = []
+    for i, prompt in enumerate(prompts):
+        drafter = make_drafter(i)
+        results.append(generate(target, drafter, prompt, max_new_tokens=new_tokens, stop_ids=[]))
+        log(f"  {name} prompt {i + 1}/{len(prompts)}: {results[-1].stats.decode_tokens_per_second:.1f} tok/s, "
+            f"tau {results[-1].stats.acceptance_length:.2f}")
+    return results
+
+
+def hf_rows(target: Target, assistant, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """transformers' generate() without and with a random assistant: decode tok/s, prefill excluded."""
+    model, dev = target.model, target.device
+    calls = [0]
+    hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+
+    def run(ids, n, **kw):
+        calls[0] = 0
+        reset_peak_memory(dev)
+        synchronize(dev)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, **kw)
+        synchronize(dev)
+        return time.perf_counter() - t0, calls[0], peak_memory(dev).peak_bytes
+
+    rows = []
+    try:
+        ids0 = torch.tensor([prompts[0]], device=dev)
+        run(ids0, 4)
+        if assistant is not None:
+            run(ids0, 4, assistant_model=assistant)  # warm-up
+        per = {"hf generate": [], "hf assisted (random assistant)": []}
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device=dev)
+            t1 = run(ids, 1)[0]  # prefill + first token: subtracted from both
+            t, n, mem = run(ids, new_tokens)
+            per["hf generate"].append(((new_tokens - 1) / max(t - t1, 1e-9), (new_tokens - 1) / max(n - 1, 1), mem))
+            if assistant is not None:
+                t, n, mem = run(ids, new_tokens, assistant_model=assistant)
+                per["hf assisted (random assistant)"].append(
+                    ((new_tokens - 1) / max(t - t1, 1e-9), (new_tokens - 1) / max(n - 1, 1), mem))
+            log(f"  hf prompt {i + 1}/{len(prompts)} done")
+        for name, values in per.items():
+            if values:
+                rows.append(dict(config=name, tokens_per_s=median([v[0] for v in values]),
+                                 tau=median([v[1] for v in values]), peak_bytes=max(v[2] or 0 for v in values)))
+    finally:
+        hook.remove()
+    return rows
+
+
+# ---------------------------------------------------------------- output
+
+def fmt(x, spec: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, spec)
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    print(line(headers))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print(line(r))
+    print()
+
+
+def report(meta: dict, units: dict, rows: list[dict], block: int, gpu: bool) -> None:
+    print("# DFlash engine benchmark (random weights)")
+    for k in ("torch", "transformers", "bitsandbytes", "device", "dtype", "quant", "target", "drafter",
+              "prompts", "prompt_len", "new_tokens", "init"):
+        print(f"{k:>13}: {meta[k]}")
+    print()
+    ms = lambda k: fmt(1e3 * units[k], ".2f") if k in units else "-"
+    d1 = units["decode_1"]
+    print(f"## Unit costs (median ms, KV cache of {units['context']} tokens; "
+          f"draft adds {units['draft_context_rows']} context rows)")
+    blocks = sorted(int(k.split("_")[1]) for k in units if k.startswith("verify_"))
+    table = [["decode 1", ms("decode_1"), "1.00", "", ""]]
+    for b in blocks:
+        v, d = units[f"verify_{b}"], units[f"draft_{b}"]
+        table.append([f"B={b}", ms(f"verify_{b}"), fmt(v / d1, ".2f"), ms(f"draft_{b}"), fmt((v + d) / d1, ".2f")])
+    print_table(["forward", "verify ms", "verify/dec1", "draft ms", "(ver+draft)/dec1"], table)
+
+    print("## Generation (median over prompts; decode only, prefill excluded)")
+    plain = next(r["tokens_per_s"] for r in rows if r["config"] == "plain")
+    hf_plain = next((r["tokens_per_s"] for r in rows if r["config"] == "hf generate"), None)
+    table = []
+    for r in rows:
+        base = hf_plain if r["config"].startswith("hf assisted") else plain
+        if r["config"] == "hf generate":
+            base = plain  # vs the engine's own plain loop
+        cells = [r["config"], fmt(r.get("tau_goal"), ".1f"), fmt(r["tau"], ".2f"), fmt(r["tokens_per_s"], ".1f"),
+                 fmt(r["tokens_per_s"] / base if base else None, ".2f") + "x", fmt(r.get("ideal_speedup"), ".2f"),
+                 fmt(r.get("draft_ms"), ".2f"), fmt(r.get("verify_ms"), ".2f"), fmt(r.get("other_ms"), ".2f"),
+                 fmt(r.get("step_ms"), ".2f"), fmt(r.get("same_as_plain"), ".2f"),
+                 fmt(r["peak_bytes"] / 2**30, ".2f") if gpu and r.get("peak_bytes") else "-"]
+        table.append(cells)
+    print_table(["config", "tau goal", "tau", "tok/s", "speedup", "ideal", "draft ms", "verify ms", "other ms",
+                 "step ms", "same", "peak GiB"], table)
+    print(f"speedup: vs the engine's plain row (hf assisted: vs hf generate). ideal = tau * t(decode 1) / "
+          f"(t(verify {block}) + t(draft {block})). other = loop overhead per step (decode time - draft - verify).")
+    print("same: share of tokens before the first difference from plain greedy output (1.00 = identical).")
+    print("hf rows: tau = new tokens per target forward; the random assistant almost never agrees with the target.")
+    if not gpu:
+        print(f"peak memory (process RSS, whole run): {meta.get('peak_rss_gib', '-')} GiB")
+
+
+# ---------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small",
+                   help="target shape (default cpu-small: Qwen3, hidden 512, 8 layers, vocab 32k)")
+    p.add_argument("--target-config", metavar="PATH", help="a transformers config.json for the target (overrides --preset)")
+    p.add_argument("--layers", type=int, help="override the target's depth (quick runs of a big shape)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU / bf16 CPUs)")
+    p.add_argument("--quant", choices=["none", "nf4", "int8"], default="none",
+                   help="bitsandbytes quantization of the target's decoder layers (default none)")
+    p.add_argument("--prompts", type=int, default=3, help="random prompts, results are medians (default 3)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt length in tokens (default 128)")
+    p.add_argument("--new-tokens", type=int, help="tokens to generate per prompt (default 128 CPU, 256 GPU)")
+    p.add_argument("--block-size", type=int, default=16, help="drafter block size B (default 16)")
+    p.add_argument("--taus", type=float, nargs="*", default=list(TAUS), help="oracle target tau values (default 2 4 6.5)")
+    p.add_argument("--repeats", type=int, help="timed calls per unit cost (default 10 CPU, 30 GPU)")
+    p.add_argument("--init", choices=["successor", "random"], default="successor",
+                   help="successor (default): plant a successor permutation so greedy output is stable; "
+                        "random: plain std-0.02 weights (bf16 oracle runs then drift off their reference)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate() baselines")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
+    p.add_argument("--json", metavar="FILE", help="also write all numbers to FILE")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.prompt_len, args.new_tokens, args.repeats = 1, 32, 24, 3
+    if args.quant != "none" and importlib.util.find_spec("bitsandbytes") is None:
+        p.error(f"--quant {args.quant} needs bitsandbytes, which is not installed (pip install bitsandbytes)")
+    return args
+
+
+def versions() -> dict:
+    import transformers
+
+    bnb = "not installed"
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        from importlib.metadata import version
+
+        bnb = version("bitsandbytes")
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "bitsandbytes": bnb}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({device})"
+    model = platform.processor() or "cpu"
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = pick_dtype(args.dtype, device)
+    gpu = device.type == "cuda"
+    new_tokens = args.new_tokens or (256 if gpu else 128)
+    repeats = args.repeats or (30 if gpu else 10)
+    tcfg = target_config(args)
+    dcfg = drafter_config(tcfg, args.block_size)
+
+    t0 = time.perf_counter()
+    log(f"building target ({tcfg['num_hidden_layers']} layers, hidden {tcfg['hidden_size']}) on {device}, {dtype}")
+    target = build_target(tcfg, device, dtype, args.quant, args.init, args.seed)
+    drafter = build_drafter(dcfg, device, dtype, args.seed + 1)
+    attach_drafter(target, drafter)
+    synchronize(device)
+    n_target = sum(p.numel() for p in target.model.parameters())
+    n_drafter = sum(p.numel() for p in drafter.parameters())
+    log(f"built in {time.perf_counter() - t0:.1f}s: target {n_target / 1e6:.0f}M, drafter {n_drafter / 1e6:.0f}M params")
+
+    meta = dict(versions(), device=device_name(device), dtype=str(dtype).replace("torch.", ""), quant=args.quant,
+                target=f"{args.target_config or args.preset}: {tcfg['num_hidden_layers']} layers, hidden "
+                       f"{tcfg['hidden_size']}, vocab {tcfg['vocab_size']}, {n_target / 1e6:.0f}M params",
+                drafter=f"5 layers, taps {dcfg['dflash_config']['target_layer_ids']}, B={args.block_size}, "
+                        f"{n_drafter / 1e6:.0f}M params",
+                prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=new_tokens, init=args.init,
+                build_seconds=time.perf_counter() - t0)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, tcfg["vocab_size"], (args.prompt_len,), generator=gen).tolist()
+               for _ in range(args.prompts)]
+    block = args.block_size
+
+    log("warm-up")
+    for d in (None, drafter):
+        generate(target, d, prompts[0], max_new_tokens=min(16, new_tokens), stop_ids=[])
+
+    log("unit costs")
+    blocks = sorted({4, 8, 16, block} & set(range(2, block + 1)) | {block})
+    units = unit_costs(target, drafter, args.prompt_len + new_tokens // 2, blocks, repeats)
+    ideal_denominator = units[f"verify_{block}"] + units[f"draft_{block}"]
+
+    log("plain decoding")
+    plain = run_engine("plain", target, lambda i: None, prompts, new_tokens)
+    rows = [engine_row("plain", plain, None, 1)]
+    log("speculative, random drafter")
+    spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens)
+    rows.append(engine_row("dflash random drafter", spec, plain, block))
+    for tau in args.taus:
+        q = acceptance_for_tau(tau, block)
+        log(f"speculative, oracle tau {tau} (q={q:.3f})")
+        refs = [p + r.tokens for p, r in zip(prompts, plain)]
+        res = run_engine(f"oracle {tau}", target,
+                         lambda i: OracleDrafter(drafter, refs[i], acceptance=q, seed=args.seed + i,
+                                                 vocab_size=tcfg["vocab_size"]), prompts, new_tokens)
+        rows.append(dict(engine_row(f"dflash oracle tau {tau:g}", res, plain, block), tau_goal=tau, acceptance_q=q))
+    for r in rows[1:]:
+        r["ideal_speedup"] = r["tau"] * units["decode_1"] / ideal_denominator
+
+    if not args.no_hf:
+        log("transformers generate() baselines")
+        try:
+            assistant = build_assistant(tcfg, device, dtype, args.seed + 2)
+            rows += hf_rows(target, assistant, prompts, new_tokens)
+        except Exception as e:  # an outside baseline must not sink the run
+            log(f"transformers baseline failed: {type(e).__name__}: {e}")
+    # transformers 5.24 also has generate(..., speculation_type="dflash") with its own assistant class
+    # (MuseGlimmerAssistant, different tensor names); not measured here: it is absent from older versions.
+
+    if not gpu:
+        meta["peak_rss_gib"] = f"{peak_memory(device).peak_bytes / 2**30:.2f}"
+    meta["total_seconds"] = time.perf_counter() - t0
+    report(meta, units, rows, block, gpu)
+    log(f"done in {meta['total_seconds']:.0f}s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(meta=meta, unit_costs=units, rows=rows,
+                                                    target_config=tcfg, drafter_config=dcfg), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
