@@ -47,7 +47,8 @@ _QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=1
 PRESETS = {  # name -> (folder under HF_CONFIGS read when present, embedded copy of its fields)
     "cpu-small": (None, dict(_QWEN3, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                              num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=32000,
-                             max_position_embeddings=4096, tie_word_embeddings=False)),
+                             max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None,
+                             eos_token_id=None)),
     "qwen3-4b": ("Qwen__Qwen3-4B", dict(_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)),
     "qwen3-8b": ("Qwen__Qwen3-8B", dict(_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)),
 }
@@ -161,6 +162,28 @@ def build_assistant(tcfg: dict, device: torch.device, dtype: torch.dtype, seed: 
     return model.eval().requires_grad_(False)
 
 
+def build_hf_dflash_assistant(dcfg: dict, device: torch.device, dtype: torch.dtype, seed: int):
+    """transformers' own DFlash drafter class (5.24+: MuseGlimmerAssistant) in our drafter's shape, or None.
+
+    Its tensor names differ from z-lab's (encoder.fc, ...), so it gets random weights like ours.
+    """
+    try:
+        from transformers import AutoModel, GenerationConfig, MuseGlimmerAssistantConfig
+    except ImportError:
+        return None
+    if not hasattr(GenerationConfig(), "speculation_type"):
+        return None
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "layer_types", "block_size", "vocab_size")
+    cfg = MuseGlimmerAssistantConfig(**{k: dcfg[k] for k in keys}, target_layer_ids=dcfg["dflash_config"]["target_layer_ids"],
+                                     mask_token_id=dcfg["dflash_config"]["mask_token_id"],
+                                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModel.from_config(cfg, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
 # ---------------------------------------------------------------- measurements
 
 def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
@@ -243,8 +266,12 @@ def run_engine(name: str, target: Target, make_drafter, prompts: list[list[int]]
     return results
 
 
-def hf_rows(target: Target, assistant, prompts: list[list[int]], new_tokens: int) -> list[dict]:
-    """transformers' generate() without and with a random assistant: decode tok/s, prefill excluded."""
+def hf_rows(target: Target, variants: dict, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """transformers' generate() for each {row name: extra generate() kwargs}; decode tok/s, prefill excluded.
+
+    The prefill is timed once per prompt as generate(max_new_tokens=1) and subtracted from every variant.
+    tau = new tokens per target forward after the prefill (counted with a hook on the target).
+    """
     model, dev = target.model, target.device
     calls = [0]
     hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
@@ -258,30 +285,22 @@ def hf_rows(target: Target, assistant, prompts: list[list[int]], new_tokens: int
         synchronize(dev)
         return time.perf_counter() - t0, calls[0], peak_memory(dev).peak_bytes
 
-    rows = []
+    per: dict[str, list] = {name: [] for name in variants}
     try:
         ids0 = torch.tensor([prompts[0]], device=dev)
-        run(ids0, 4)
-        if assistant is not None:
-            run(ids0, 4, assistant_model=assistant)  # warm-up
-        per = {"hf generate": [], "hf assisted (random assistant)": []}
+        for kw in variants.values():  # warm-up
+            run(ids0, min(16, new_tokens), **kw)
         for i, prompt in enumerate(prompts):
             ids = torch.tensor([prompt], device=dev)
-            t1 = run(ids, 1)[0]  # prefill + first token: subtracted from both
-            t, n, mem = run(ids, new_tokens)
-            per["hf generate"].append(((new_tokens - 1) / max(t - t1, 1e-9), (new_tokens - 1) / max(n - 1, 1), mem))
-            if assistant is not None:
-                t, n, mem = run(ids, new_tokens, assistant_model=assistant)
-                per["hf assisted (random assistant)"].append(
-                    ((new_tokens - 1) / max(t - t1, 1e-9), (new_tokens - 1) / max(n - 1, 1), mem))
-            log(f"  hf prompt {i + 1}/{len(prompts)} done")
-        for name, values in per.items():
-            if values:
-                rows.append(dict(config=name, tokens_per_s=median([v[0] for v in values]),
-                                 tau=median([v[1] for v in values]), peak_bytes=max(v[2] or 0 for v in values)))
+            t1 = run(ids, 1)[0]
+            for name, kw in variants.items():
+                t, n, mem = run(ids, new_tokens, **kw)
+                per[name].append(((new_tokens - 1) / max(t - t1, 1e-9), (new_tokens - 1) / max(n - 1, 1), mem))
+            log(f"  transformers prompt {i + 1}/{len(prompts)} done")
     finally:
         hook.remove()
-    return rows
+    return [dict(config=name, tokens_per_s=median([v[0] for v in values]), tau=median([v[1] for v in values]),
+                 peak_bytes=max(v[2] or 0 for v in values)) for name, values in per.items()]
 
 
 # ---------------------------------------------------------------- output
@@ -324,9 +343,8 @@ def report(meta: dict, units: dict, rows: list[dict], block: int, gpu: bool) -> 
     hf_plain = next((r["tokens_per_s"] for r in rows if r["config"] == "hf generate"), None)
     table = []
     for r in rows:
-        base = hf_plain if r["config"].startswith("hf assisted") else plain
-        if r["config"] == "hf generate":
-            base = plain  # vs the engine's own plain loop
+        # hf speculative rows against hf generate; everything else (hf generate too) against the engine's plain loop
+        base = hf_plain if r["config"].startswith("hf ") and r["config"] != "hf generate" else plain
         cells = [r["config"], fmt(r.get("tau_goal"), ".1f"), fmt(r["tau"], ".2f"), fmt(r["tokens_per_s"], ".1f"),
                  fmt(r["tokens_per_s"] / base if base else None, ".2f") + "x", fmt(r.get("ideal_speedup"), ".2f"),
                  fmt(r.get("draft_ms"), ".2f"), fmt(r.get("verify_ms"), ".2f"), fmt(r.get("other_ms"), ".2f"),
@@ -335,10 +353,11 @@ def report(meta: dict, units: dict, rows: list[dict], block: int, gpu: bool) -> 
         table.append(cells)
     print_table(["config", "tau goal", "tau", "tok/s", "speedup", "ideal", "draft ms", "verify ms", "other ms",
                  "step ms", "same", "peak GiB"], table)
-    print(f"speedup: vs the engine's plain row (hf assisted: vs hf generate). ideal = tau * t(decode 1) / "
+    print(f"speedup: vs the engine's plain row (other hf rows: vs hf generate). ideal = tau * t(decode 1) / "
           f"(t(verify {block}) + t(draft {block})). other = loop overhead per step (decode time - draft - verify).")
     print("same: share of tokens before the first difference from plain greedy output (1.00 = identical).")
-    print("hf rows: tau = new tokens per target forward; the random assistant almost never agrees with the target.")
+    print("hf rows: transformers' generate(); tau = new tokens per target forward. Their assistants have random")
+    print("weights, so they almost never agree with the target: these rows show overhead, not a real speedup.")
     if not gpu:
         print(f"peak memory (process RSS, whole run): {meta.get('peak_rss_gib', '-')} GiB")
 
@@ -367,6 +386,7 @@ def parse_args(argv=None):
                    help="successor (default): plant a successor permutation so greedy output is stable; "
                         "random: plain std-0.02 weights (bf16 oracle runs then drift off their reference)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate() baselines")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
     p.add_argument("--json", metavar="FILE", help="also write all numbers to FILE")
@@ -402,6 +422,8 @@ def device_name(device: torch.device) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = pick_dtype(args.dtype, device)
     gpu = device.type == "cuda"
@@ -460,13 +482,18 @@ def main(argv=None) -> int:
 
     if not args.no_hf:
         log("transformers generate() baselines")
+        variants = {"hf generate": {},
+                    "hf assisted (random LM)": dict(assistant_model=build_assistant(tcfg, device, dtype, args.seed + 2))}
+        hf_dflash = build_hf_dflash_assistant(dcfg, device, dtype, args.seed + 3)
+        if hf_dflash is not None:
+            variants["hf dflash (random drafter)"] = dict(assistant_model=hf_dflash, speculation_type="dflash")
+        else:
+            log("  this transformers has no speculation_type='dflash' (5.24+): skipping that row")
         try:
-            assistant = build_assistant(tcfg, device, dtype, args.seed + 2)
-            rows += hf_rows(target, assistant, prompts, new_tokens)
+            rows += hf_rows(target, variants, prompts, new_tokens)
         except Exception as e:  # an outside baseline must not sink the run
             log(f"transformers baseline failed: {type(e).__name__}: {e}")
-    # transformers 5.24 also has generate(..., speculation_type="dflash") with its own assistant class
-    # (MuseGlimmerAssistant, different tensor names); not measured here: it is absent from older versions.
+        del variants, hf_dflash
 
     if not gpu:
         meta["peak_rss_gib"] = f"{peak_memory(device).peak_bytes / 2**30:.2f}"

@@ -121,3 +121,25 @@ def smollm2_converted(tmp_path_factory) -> Converted:
     seconds = time.monotonic() - started
     digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     return Converted(cache, folder, seconds, messages, digest)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
+    """A character-level tokenizer whose ids fit the tiny targets, with a ChatML template; eos = 2."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "é", "ü", "—"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    vocab.update({f"<extra_{i}>": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(folder)

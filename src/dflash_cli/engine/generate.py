@@ -142,8 +142,9 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
         tally.generated = 1
 
         finish = _finish_reason(first_id, stops, len(state.tokens), limit)
-        text = _text(decoder, first_id, finish)
-        yield Step(tuple(first_id), text, 0, 0, (False,), 0.0, 0.0, tally.snapshot(finish), finish)
+        pieces = _pieces(decoder, first_id, finish)
+        yield Step(tuple(first_id), "".join(pieces), pieces, 0, 0, (False,), 0.0, 0.0, tally.snapshot(finish),
+                   finish)
         if finish:
             return
 
@@ -157,21 +158,25 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
                 tokens = tokens[: stop_at + 1]
             tally.add_round(r, len(tokens))
             finish = _finish_reason(tokens, stops, len(state.tokens), limit)
-            text = _text(decoder, tokens, finish)
+            pieces = _pieces(decoder, tokens, finish)
             accepted = min(r.accepted, len(tokens))
             from_draft = tuple([True] * accepted + [False] * (len(tokens) - accepted))
-            yield Step(tuple(tokens), text, r.drafted, accepted, from_draft, r.draft_seconds, r.verify_seconds,
-                       tally.snapshot(finish), finish)
+            yield Step(tuple(tokens), "".join(pieces), pieces, r.drafted, accepted, from_draft,
+                       r.draft_seconds, r.verify_seconds, tally.snapshot(finish), finish)
             if finish:
                 return
     finally:
         state.repair()
 
 
-def _text(decoder, tokens: list[int], finish: str | None) -> str:
+def _pieces(decoder, tokens: list[int], finish: str | None) -> tuple[str, ...]:
+    """Printable text per token (held-back bytes show up with a later token); flushed at the end."""
     if decoder is None:
-        return ""
-    return decoder.add(tokens) + (decoder.flush() if finish else "")
+        return ("",) * len(tokens)
+    pieces = [decoder.add([t]) for t in tokens]
+    if finish:
+        pieces[-1] += decoder.flush()
+    return tuple(pieces)
 
 
 def _finish_reason(tokens: Sequence[int], stops: set[int], length: int, limit: int) -> str | None:

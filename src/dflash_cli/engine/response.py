@@ -79,6 +79,7 @@ class Step:
 
     tokens: tuple[int, ...]
     text: str  # newly printable text; may be empty while a multi-byte character is incomplete
+    pieces: tuple[str, ...]  # `text` split per token, aligned with `tokens` and `from_draft`
     drafted: int
     accepted: int
     from_draft: tuple[bool, ...]  # per token: proposed by the drafter (True) or chosen by the target

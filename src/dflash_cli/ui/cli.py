@@ -2,15 +2,75 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import click
 
 from dflash_cli import __version__
+from dflash_cli import settings as S
+from dflash_cli.ui.options import model_options, output_options, sampling_options
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "-V", "--version", prog_name="dflash-cli")
 def cli() -> None:
-    """Lossless block-diffusion speculative decoding (DFlash) on your own machine."""
+    """Lossless block-diffusion speculative decoding (DFlash) on your own machine.
+
+    A small drafter proposes a block of tokens in one pass; the target verifies the block in one pass
+    and keeps what it agrees with. The output is exactly the target's own.
+    """
+
+
+def guarded(out_factory: Callable, body: Callable[[], int], debug: bool) -> None:
+    """Runs a command body, turning known errors into one line + hint and the right exit code."""
+    from dflash_cli.ui.errors import EXIT_INTERRUPTED, describe
+
+    out = out_factory()
+    try:
+        code = body(out)
+    except (click.ClickException, click.exceptions.Exit, click.Abort):
+        raise
+    except KeyboardInterrupt:
+        out.close_status()
+        out.info("interrupted")
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as error:  # noqa: BLE001 - the one place that turns errors into messages
+        out.close_status()
+        if debug or S.debug_enabled():
+            raise
+        message, hint, code = describe(error)
+        out.error(message, hint)
+        sys.exit(code)
+    sys.exit(code)
+
+
+@cli.command()
+@click.argument("prompt", nargs=-1)
+@click.option("-f", "--file", type=click.Path(dir_okay=False), help="Read the prompt (a document) from FILE.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
+@click.option("--compare", is_flag=True, help="Also run plain decoding; report the speedup and whether outputs match.")
+@model_options
+@sampling_options
+@output_options
+def generate(prompt, file, as_json, compare, **opts):
+    """Generate a reply to PROMPT and stream it to stdout.
+
+    The prompt comes from the arguments, from stdin when it is piped, or both (stdin first, then the
+    instruction), or from -f FILE. Only generated text goes to stdout; statistics go to stderr.
+
+    \b
+    Examples:
+      dflash-cli generate -m ./Qwen3-8B --draft ./Qwen3-8B-DFlash-b16 "Explain KV caches"
+      git diff | dflash-cli generate -m ./model --draft ./drafter "write a commit message"
+      dflash-cli generate -m ./model --draft ./drafter --compare -v "Solve 12*17 step by step"
+    """
+    from dflash_cli.ui.render import Output
+    from dflash_cli.ui.run import read_prompt, run_generate
+
+    text = read_prompt(prompt, file, sys.stdin)
+    guarded(lambda: Output(opts["color"], provenance=opts["provenance"]),
+            lambda out: run_generate(out, opts, text, compare=compare, as_json=as_json), opts["debug"])
 
 
 def main() -> None:

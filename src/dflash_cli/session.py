@@ -1,0 +1,193 @@
+"""A loaded model pair and a conversation with it: what the terminal commands drive.
+
+No terminal code here: chat and one-shot generation both go through `Conversation`, which keeps the
+engine's caches between turns so a new turn only prefills its new tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_cli import settings as S
+from dflash_cli.engine.errors import CheckpointError, DFlashError
+
+
+class ModelNotFoundError(CheckpointError):
+    """A --model/--draft value names nothing this version can find."""
+
+
+class TranscriptError(DFlashError):
+    """A saved chat transcript cannot be read."""
+
+
+@dataclass
+class GenerationSettings:
+    """Per-reply settings; chat changes them with /set."""
+
+    max_tokens: int = S.DEFAULT_MAX_TOKENS
+    temperature: float = S.DEFAULT_TEMPERATURE
+    top_p: float = S.DEFAULT_TOP_P
+    top_k: int = S.DEFAULT_TOP_K
+    seed: int | None = None
+    block_size: int | None = None  # None: the drafter's trained size
+    think: bool | None = None  # None: the chat template's default
+    chat_template: bool = True
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, seed=self.seed, block_size=self.block_size)
+
+
+def resolve_folder(spec: str, what: str) -> Path:
+    """A --model/--draft value -> a local checkpoint folder."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{what} {spec!r} is a file, not a model folder")
+    raise ModelNotFoundError(
+        f"{what} {spec!r} was not found",
+        hint="pass a local folder holding config.json and *.safetensors (Hub ids arrive with 'dflash-cli pull')")
+
+
+@dataclass
+class Runtime:
+    """A target, its drafter (or None) and its tokenizer, loaded once per process."""
+
+    target: Any
+    drafter: Any
+    tokenizer: Any
+    target_dir: Path
+    drafter_dir: Path | None
+    load_seconds: float
+    quant: str | None
+    dtype: str
+    device: str
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None
+
+    def info(self) -> dict[str, Any]:
+        """What /show info and --verbose print about the loaded pair."""
+        cfg = self.target.config
+        out = {"target": str(self.target_dir), "architecture": type(self.target.model).__name__,
+               "layers": self.target.num_layers, "hidden size": self.target.hidden_size,
+               "vocabulary": self.target.vocab_rows, "dtype": self.dtype, "quantization": self.quant or "none",
+               "device": self.device, "context length": getattr(cfg, "max_position_embeddings", None)}
+        if self.drafter is not None:
+            dc = self.drafter.config
+            out.update({"drafter": str(self.drafter_dir), "draft layers": dc.num_hidden_layers,
+                        "block size": dc.block_size, "tapped layers": self.target._taps,
+                        "mask token id": dc.mask_token_id})
+        else:
+            out["drafter"] = "none (speculation off)"
+        return out
+
+
+def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dtype: str | None = None,
+                 device: str | None = None) -> Runtime:
+    """Resolves and loads a target (and drafter), checking the pair before any weights load."""
+    from dflash_cli.engine.device import pick_device, pick_dtype
+    from dflash_cli.engine.load import load_pair
+
+    target_dir = resolve_folder(model, "model")
+    drafter_dir = resolve_folder(draft, "drafter") if draft else None
+    started = time.perf_counter()
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    quant = None if quant in (None, "none") else quant
+    pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer from {target_dir}: {e}") from None
+    return Runtime(pair.target, pair.drafter, tokenizer, target_dir, drafter_dir,
+                   time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev))
+
+
+@dataclass
+class Conversation:
+    """Messages of a chat plus the engine state that caches them."""
+
+    runtime: Runtime
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    interrupted: bool = False  # the last reply was cut short (and kept)
+    cached_before: int = 0  # tokens the caches held before the last reply
+
+    def __post_init__(self) -> None:
+        from dflash_cli.engine.state import DecodeState
+
+        self.state = DecodeState(self.runtime.target, self.runtime.drafter)
+
+    def prompt_ids(self, settings: GenerationSettings) -> list[int]:
+        from dflash_cli.engine.text import encode_prompt
+
+        return encode_prompt(self.runtime.tokenizer, self.messages, chat_template=settings.chat_template,
+                             enable_thinking=settings.think, system=self.system)
+
+    def ask(self, text: str, settings: GenerationSettings) -> Iterator[Any]:
+        """Adds a user message and streams the reply (engine Steps); the reply joins the conversation."""
+        self.messages.append({"role": "user", "content": text})
+        return self._respond(settings)
+
+    def regenerate(self, settings: GenerationSettings) -> Iterator[Any]:
+        """Drops the last reply and answers the last user message again."""
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if not self.messages:
+            raise TranscriptError("nothing to regenerate yet")
+        return self._respond(settings)
+
+    def _respond(self, settings: GenerationSettings) -> Iterator[Any]:
+        from dflash_cli.engine.generate import stream_generate
+
+        prompt = self.prompt_ids(settings)
+        self.cached_before = len(self.state.tokens)
+        drafter = self.runtime.drafter
+        parts: list[str] = []
+        self.interrupted = True
+        try:
+            for step in stream_generate(self.runtime.target, drafter, prompt, tokenizer=self.runtime.tokenizer,
+                                        state=self.state, **settings.engine_kwargs()):
+                parts.append(step.text)
+                yield step
+            self.interrupted = False
+        finally:  # a reply cut short by Ctrl-C stays in the conversation
+            self.messages.append({"role": "assistant", "content": "".join(parts)})
+
+    def clear(self) -> None:
+        self.messages.clear()
+        self.state.reset()
+
+    def save(self, path: Path, settings: GenerationSettings) -> None:
+        data = {"format": "dflash-cli chat", "version": 1, "model": str(self.runtime.target_dir),
+                "drafter": str(self.runtime.drafter_dir) if self.runtime.drafter_dir else None,
+                "system": self.system, "settings": asdict(settings), "messages": self.messages}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        tmp.replace(path)  # never leave a half-written transcript
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Replaces the conversation with a saved transcript; returns its saved settings."""
+        try:
+            data = json.loads(Path(path).read_text())
+            messages = data["messages"]
+            ok = isinstance(messages, list) and all(
+                isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
+                and isinstance(m.get("content"), str) for m in messages)
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise TranscriptError(f"cannot read transcript {path}: {e}") from None
+        if not ok:
+            raise TranscriptError(f"{path} is not a dflash-cli transcript (bad 'messages')")
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        self.system = data.get("system")
+        return data.get("settings") or {}

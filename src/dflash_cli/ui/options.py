@@ -1,0 +1,74 @@
+"""Option groups shared by commands, each declared once with its default and environment variable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+from dflash_cli import settings as S
+
+
+def _apply(options: list[Callable]) -> Callable:
+    def decorator(f: Callable) -> Callable:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorator
+
+
+model_options = _apply([
+    click.option("-m", "--model", envvar=S.ENV["model"], show_envvar=True, metavar="MODEL",
+                 help="Target model: a local folder with config.json and *.safetensors."),
+    click.option("--draft", envvar=S.ENV["draft"], show_envvar=True, metavar="DRAFTER",
+                 help="DFlash drafter folder for the target. Without one, decoding is plain (speculation off)."),
+    click.option("--no-draft", is_flag=True, help="Plain decoding: do not load or use a drafter."),
+    click.option("--quant", type=click.Choice(["none", "int8", "nf4"]), default=S.DEFAULT_QUANT,
+                 envvar=S.ENV["quant"], show_envvar=True, show_default=True,
+                 help="Quantize the target with bitsandbytes."),
+    click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=S.DEFAULT_DTYPE,
+                 envvar=S.ENV["dtype"], show_envvar=True, show_default=True,
+                 help="Compute dtype (auto: bf16 on GPUs and bf16-capable CPUs, else fp32)."),
+    click.option("--device", default=S.DEFAULT_DEVICE, envvar=S.ENV["device"], show_envvar=True, show_default=True,
+                 help="cuda, cuda:N, cpu or auto."),
+])
+
+sampling_options = _apply([
+    click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=S.DEFAULT_MAX_TOKENS,
+                 envvar=S.ENV["max_tokens"], show_envvar=True, show_default=True, help="Most tokens to generate."),
+    click.option("--temperature", type=click.FloatRange(min=0), default=S.DEFAULT_TEMPERATURE,
+                 envvar=S.ENV["temperature"], show_envvar=True, show_default=True,
+                 help="0 = greedy (identical to the target alone); > 0 samples, lossless in distribution."),
+    click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=S.DEFAULT_TOP_P,
+                 envvar=S.ENV["top_p"], show_envvar=True, show_default=True, help="Nucleus sampling mass."),
+    click.option("--top-k", type=click.IntRange(min=0), default=S.DEFAULT_TOP_K, envvar=S.ENV["top_k"],
+                 show_envvar=True, show_default=True, help="Sample among the k likeliest tokens (0 = off)."),
+    click.option("--seed", type=int, default=None, envvar=S.ENV["seed"], show_envvar=True,
+                 help="Seed for reproducible sampling."),
+    click.option("--block-size", type=click.IntRange(min=1), default=None, envvar=S.ENV["block_size"],
+                 show_envvar=True, help="Tokens per verify step, 1..the drafter's trained size [default: trained size]."),
+    click.option("-s", "--system", envvar=S.ENV["system"], show_envvar=True, help="System prompt."),
+    click.option("--think/--no-think", default=None,
+                 help="Turn the model's thinking mode on or off, where its chat template supports it."),
+    click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text, without the chat template."),
+])
+
+output_options = _apply([
+    click.option("--color", type=click.Choice(["auto", "always", "never"]), default=S.DEFAULT_COLOR,
+                 envvar=S.ENV["color"], show_envvar=True, show_default=True, help="Colours on terminals."),
+    click.option("--provenance/--no-provenance", default=True, show_default=True,
+                 help="Colour drafted-and-accepted tokens apart from the target's own (terminals only)."),
+    click.option("-v", "--verbose", is_flag=True, help="Print detailed statistics on stderr."),
+    click.option("-q", "--quiet", is_flag=True, help="Print only the generated text (and errors)."),
+    click.option("--debug", is_flag=True, envvar=S.DEBUG_ENV, help="Show tracebacks of unexpected errors."),
+])
+
+
+def generation_settings(kwargs: dict):
+    from dflash_cli.session import GenerationSettings
+
+    return GenerationSettings(max_tokens=kwargs["max_tokens"], temperature=kwargs["temperature"],
+                              top_p=kwargs["top_p"], top_k=kwargs["top_k"], seed=kwargs["seed"],
+                              block_size=kwargs["block_size"], think=kwargs["think"],
+                              chat_template=not kwargs["no_chat_template"])

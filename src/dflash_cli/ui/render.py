@@ -1,0 +1,299 @@
+"""All terminal output: generated text on stdout; status, statistics, warnings and errors on stderr.
+
+Streaming text goes out as plain writes (no rich Live: it would buffer stdout and hide long replies). The
+live status line sits in a reserved bottom row when stdout and stderr share a terminal, or on its own
+line of stderr when stdout is redirected. Nothing but generated text ever reaches stdout, and no escape
+code reaches a stream that is not a terminal unless --color always.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from typing import Any, TextIO
+
+DRAFT_STYLE = "\x1b[36m"  # cyan: proposed by the drafter and accepted by the target
+TARGET_STYLE = ""  # default colour: chosen by the target itself (corrections and bonus tokens)
+DIM, BOLD, RED, YELLOW, RESET = "\x1b[2m", "\x1b[1m", "\x1b[31m", "\x1b[33m", "\x1b[0m"
+
+
+class OutputClosed(Exception):
+    """stdout was closed by its reader (`| head`): stop generating quietly."""
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def use_color(mode: str, stream: TextIO) -> bool:
+    """--color auto|always|never. auto: a terminal, NO_COLOR unset, TERM not dumb (FORCE_COLOR ignored)."""
+    if mode == "always":
+        return True
+    if mode == "never":
+        return False
+    return _isatty(stream) and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1000:.0f}ms" if s < 1 else f"{s:.2f}s"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class Output:
+    """The one place that writes to stdout and stderr."""
+
+    def __init__(self, color: str = "auto", *, provenance: bool = True, stdout: TextIO | None = None,
+                 stderr: TextIO | None = None):
+        self.out = stdout or sys.stdout
+        self.err = stderr or sys.stderr
+        self.out_tty, self.err_tty = _isatty(self.out), _isatty(self.err)
+        self.color_out = use_color(color, self.out)
+        self.color_err = use_color(color, self.err)
+        self.provenance = provenance and self.color_out
+        self._last_char = "\n"
+        self._status: StatusLine | None = None
+
+    # -- stdout: generated text only ------------------------------------------------------------
+    def text(self, step: Any) -> None:
+        """Writes one Step's text, coloured by provenance when enabled, and flushes."""
+        if not step.text:
+            return
+        if self.provenance:
+            chunks = [f"{DRAFT_STYLE}{p}{RESET}" if drafted and p else p
+                      for p, drafted in zip(step.pieces, step.from_draft)]
+            self._write_out("".join(chunks), step.text[-1])
+        else:
+            self._write_out(step.text, step.text[-1])
+
+    def end_text(self) -> None:
+        """Ends the reply on a fresh line, so prompts and files never run into the text."""
+        if self._last_char != "\n":
+            self._write_out("\n", "\n")
+
+    def _write_out(self, s: str, last: str) -> None:
+        try:
+            self.out.write(s)
+            self.out.flush()
+        except BrokenPipeError:
+            raise OutputClosed from None
+        self._last_char = last
+        if self._status is not None:
+            self._status.refresh()
+
+    # -- stderr: everything else ------------------------------------------------------------------
+    def _style(self, s: str, style: str) -> str:
+        return f"{style}{s}{RESET}" if self.color_err and style else s
+
+    def info(self, message: str, *, dim: bool = True) -> None:
+        self._err_line(self._style(message, DIM if dim else ""))
+
+    def warn(self, message: str) -> None:
+        self._err_line(self._style("warning: ", YELLOW) + message)
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        self._err_line(self._style("Error: ", RED + BOLD) + message)
+        if hint:
+            self._err_line(self._style("Hint: ", BOLD) + hint)
+
+    def _err_line(self, line: str) -> None:
+        try:
+            if self._status is not None:
+                self._status.clear()
+            self.out.flush()
+            self.err.write(line + "\n")
+            self.err.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def legend(self) -> None:
+        if self.provenance:
+            self._err_line(f"{DIM}colours:{RESET} {DRAFT_STYLE}drafted and accepted{RESET}{DIM} · "
+                           f"{RESET}from the target{DIM} (--no-provenance turns this off){RESET}")
+
+    def spinner(self, message: str):
+        """A spinner on stderr while loading (a plain context manager elsewhere)."""
+        if not self.err_tty:
+            import contextlib
+
+            return contextlib.nullcontext()
+        from rich.console import Console
+
+        return Console(file=self.err, force_terminal=self.color_err or None).status(message)
+
+    def status_line(self) -> StatusLine | None:
+        """A live one-line status on the terminal, or None when stderr is not one."""
+        if not self.err_tty:
+            return None
+        reserve = self.out_tty and _same_terminal(self.out, self.err)
+        self._status = StatusLine(self.err, self.out, reserve_row=reserve, color=self.color_err)
+        return self._status
+
+    def close_status(self) -> None:
+        if self._status is not None:
+            self._status.close()
+            self._status = None
+
+
+def _same_terminal(a: TextIO, b: TextIO) -> bool:
+    try:
+        return os.ttyname(a.fileno()) == os.ttyname(b.fileno())
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
+def status_text(stats: Any, speculative: bool, color: bool = False) -> str:
+    marker = "● spec on" if speculative else "○ spec off"
+    if color:
+        marker = f"{DRAFT_STYLE if speculative else DIM}{marker}{RESET}"
+    parts = [marker, f"{stats.decode_tokens_per_second:6.1f} tok/s", f"{stats.generated_tokens} tok"]
+    if speculative and stats.steps:
+        parts.insert(2, f"τ {stats.acceptance_length:.2f}")
+        parts.insert(3, f"draft {stats.draft_acceptance:.0%}")
+    return "  ".join(parts)
+
+
+class StatusLine:
+    """A status line that does not disturb the streamed text.
+
+    With stdout on the same terminal, the bottom row is reserved with a scroll region (DECSTBM) and the
+    text scrolls above it; otherwise the line is redrawn in place on stderr.
+    """
+
+    def __init__(self, err: TextIO, out: TextIO, *, reserve_row: bool, color: bool):
+        self.err, self.out, self.reserve, self.color = err, out, reserve_row, color
+        self.rows = shutil.get_terminal_size().lines
+        self.reserve = self.reserve and self.rows >= 3
+        self._line = ""
+        self._last = 0.0
+        if self.reserve:  # make room, then confine scrolling to the rows above the last one
+            self._raw(f"\n\x1b7\x1b[1;{self.rows - 1}r\x1b8\x1b[1A")
+
+    def _raw(self, s: str) -> None:
+        try:
+            self.out.flush()
+            self.err.write(s)
+            self.err.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def update(self, line: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < 0.1:  # at most 10 redraws a second
+            self._line = line
+            return
+        self._line, self._last = line, now
+        self.refresh()
+
+    def refresh(self) -> None:
+        if not self._line:
+            return
+        if self.reserve:
+            self._raw(f"\x1b7\x1b[{self.rows};1H\x1b[2K{self._line}\x1b8")
+        else:
+            self._raw(f"\r\x1b[2K{self._line}")
+
+    def clear(self) -> None:
+        if self.reserve:
+            self._raw(f"\x1b7\x1b[{self.rows};1H\x1b[2K\x1b8")
+        elif self._line:
+            self._raw("\r\x1b[2K")
+
+    def close(self) -> None:
+        self.clear()
+        if self.reserve:
+            self._raw(f"\x1b7\x1b[1;{self.rows}r\x1b8")
+        self._line = ""
+
+
+def summary_line(stats: Any, speculative: bool) -> str:
+    """The compact line after each chat reply."""
+    parts = [f"{stats.generated_tokens} tokens", f"{stats.decode_tokens_per_second:.1f} tok/s",
+             f"{stats.prefill_seconds + stats.decode_seconds:.1f}s"]
+    if speculative:
+        parts += [f"τ {stats.acceptance_length:.2f}", f"draft acceptance {stats.draft_acceptance:.0%}",
+                  f"block {stats.block_size}"]
+    else:
+        parts.append("speculation off")
+    if stats.finish_reason == "length":
+        parts.append("stopped at the token limit")
+    return " · ".join(parts)
+
+
+def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: float | None = None,
+                baseline: Any = None) -> list[str]:
+    """ollama-style labelled statistics, extended with the speculative rows."""
+    rows: list[tuple[str, str]] = []
+    if wall_seconds is not None:
+        rows.append(("total duration", fmt_seconds(wall_seconds)))
+    if load_seconds is not None:
+        rows.append(("load duration", fmt_seconds(load_seconds)))
+    rate = stats.prefilled_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0
+    rows += [("prompt eval count", f"{stats.prompt_tokens} token(s)"
+              + (f" ({stats.prompt_tokens - stats.prefilled_tokens} reused from cache)"
+                 if stats.prefilled_tokens < stats.prompt_tokens else "")),
+             ("prompt eval duration", fmt_seconds(stats.prefill_seconds)),
+             ("prompt eval rate", f"{rate:.2f} tokens/s"),
+             ("eval count", f"{stats.generated_tokens} token(s)"),
+             ("eval duration", fmt_seconds(stats.decode_seconds)),
+             ("eval rate", f"{stats.decode_tokens_per_second:.2f} tokens/s")]
+    if stats.speculative:
+        other = max(stats.decode_seconds - stats.draft_seconds - stats.verify_seconds, 0.0)
+        per_pos = " ".join(f"{k + 1}:{p:.0%}" for k, p in enumerate(stats.per_position_acceptance))
+        rows += [("speculation", f"on, block size {stats.block_size}"),
+                 ("acceptance length", f"{stats.acceptance_length:.2f} tokens/step (tau, bonus included)"),
+                 ("draft acceptance", f"{stats.draft_acceptance:.1%} ({stats.accepted}/{stats.drafted} drafted)"),
+                 ("steps", str(stats.steps)),
+                 ("per-position accept", per_pos),
+                 ("draft / verify time", f"{fmt_seconds(stats.draft_seconds)} / "
+                  f"{fmt_seconds(stats.verify_seconds)} (+{fmt_seconds(other)} loop)")]
+    else:
+        rows.append(("speculation", "off"))
+    if baseline is not None and baseline.decode_tokens_per_second > 0:
+        speedup = stats.decode_tokens_per_second / baseline.decode_tokens_per_second
+        rows += [("plain eval rate", f"{baseline.decode_tokens_per_second:.2f} tokens/s"),
+                 ("speedup", f"{speedup:.2f}x (measured against plain decoding)")]
+    if stats.peak_memory_bytes is not None:
+        rows.append(("peak memory", f"{fmt_bytes(stats.peak_memory_bytes)} ({stats.peak_memory_kind})"))
+    width = max(len(k) for k, _ in rows) + 1
+    return [f"{k + ':':<{width}} {v}" for k, v in rows]
+
+
+def stats_json(stats: Any) -> dict[str, Any]:
+    """The documented --json keys (stable names for scripts) plus the raw counters."""
+    return {
+        "finish_reason": stats.finish_reason,
+        "prompt_tokens": stats.prompt_tokens,
+        "prefilled_tokens": stats.prefilled_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "steps": stats.steps,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "block_size": stats.block_size,
+        "speculative": stats.speculative,
+        "acceptance_length": stats.acceptance_length,
+        "draft_acceptance": stats.draft_acceptance,
+        "per_position_acceptance": list(stats.per_position_acceptance),
+        "committed_histogram": list(stats.committed_histogram),
+        "prefill_seconds": stats.prefill_seconds,
+        "time_to_first_token_seconds": stats.time_to_first_token,
+        "decode_seconds": stats.decode_seconds,
+        "draft_seconds": stats.draft_seconds,
+        "verify_seconds": stats.verify_seconds,
+        "decode_tokens_per_second": stats.decode_tokens_per_second,
+        "peak_memory_bytes": stats.peak_memory_bytes,
+        "peak_memory_kind": stats.peak_memory_kind,
+    }

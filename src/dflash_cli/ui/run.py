@@ -1,0 +1,191 @@
+"""One-shot generation: the prompt from arguments, stdin and/or a file; text to stdout, the rest to stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import click
+
+from dflash_cli.ui.render import Output, OutputClosed, stats_block, stats_json, status_text, summary_line
+
+
+def read_prompt(words: tuple[str, ...], file: str | None, stdin: Any) -> str:
+    """stdin (when piped) or -f FILE first, then the instruction from the arguments (ollama and llm agree)."""
+    parts = []
+    if file is not None:
+        try:
+            with open(file, encoding="utf-8", errors="replace") as f:
+                parts.append(f.read())
+        except OSError as e:
+            raise click.BadParameter(f"cannot read {file}: {e.strerror}", param_hint="-f/--file") from None
+    if stdin is not None and not _isatty(stdin):
+        data = stdin.read()
+        if data.strip():
+            parts.append(data)
+    if words:
+        parts.append(" ".join(words))
+    prompt = "\n\n".join(p.rstrip("\n") for p in parts)
+    if not prompt.strip():
+        raise click.UsageError("no prompt: give it as arguments, pipe it on stdin, or use -f FILE")
+    return prompt
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
+    """Loads the pair named by the options, with a spinner on a terminal and a note when speculation is off."""
+    from dflash_cli.session import load_runtime
+
+    if not opts.get("model"):
+        raise click.UsageError("no model given: pass -m/--model FOLDER (or set DFLASH_MODEL)")
+    draft = None if opts["no_draft"] else opts.get("draft")
+    label = f"Loading {opts['model']}" + (f" + drafter {draft}" if draft else "")
+    with out.spinner(label + " ..."):
+        runtime = load_runtime(opts["model"], draft, quant=opts["quant"], dtype=opts["dtype"],
+                               device=opts["device"])
+    if not quiet:
+        if runtime.speculative:
+            out.info(f"speculation on: {runtime.drafter_dir} (block {runtime.drafter.block_size}) · "
+                     f"{runtime.device} {runtime.dtype}" + (f" {runtime.quant}" if runtime.quant else "")
+                     + f" · loaded in {runtime.load_seconds:.1f}s")
+        else:
+            why = "--no-draft" if opts["no_draft"] else "no drafter given (--draft FOLDER)"
+            out.info(f"speculation off: {why} · {runtime.device} {runtime.dtype}"
+                     f" · loaded in {runtime.load_seconds:.1f}s")
+    return runtime
+
+
+def check_thinking(out: Output, runtime: Any, think: bool | None) -> None:
+    from dflash_cli.engine.text import supports_thinking
+
+    if think is not None and not supports_thinking(runtime.tokenizer):
+        out.warn("this model's chat template has no thinking switch: --think/--no-think is ignored")
+
+
+def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: bool, as_json: bool) -> int:
+    """Streams one reply. Returns the exit code (0, or 130 when interrupted)."""
+    from dflash_cli.session import Conversation
+    from dflash_cli.ui.options import generation_settings
+
+    quiet = opts["quiet"] or as_json
+    runtime = load_runtime_for(out, opts, quiet=quiet)
+    check_thinking(out, runtime, opts["think"])
+    settings = generation_settings(opts)
+    if compare:
+        if not runtime.speculative:
+            raise click.UsageError("--compare needs a drafter (--draft FOLDER)")
+        _warm_up(runtime, settings)
+    if not quiet and not compare:
+        out.legend()
+    conversation = Conversation(runtime, system=opts["system"])
+    started = time.perf_counter()
+    status = None if quiet else out.status_line()
+    last, tokens, interrupted = None, [], False
+    try:
+        for step in conversation.ask(prompt, settings):
+            last = step
+            tokens.extend(step.tokens)
+            if not as_json:
+                out.text(step)
+            if status is not None:
+                status.update(status_text(step.stats, runtime.speculative, out.color_err))
+    except KeyboardInterrupt:
+        interrupted = True
+    except OutputClosed:
+        _silence_stdout()
+        return 0
+    finally:
+        out.close_status()
+    if not as_json:
+        out.end_text()
+    wall = time.perf_counter() - started
+    if last is None:
+        return 130
+    stats = last.stats
+    baseline = None
+    if compare and not interrupted:
+        baseline = _baseline(runtime, conversation, settings)
+    if as_json:
+        data = {"text": conversation.messages[-1]["content"], **stats_json(stats),
+                "interrupted": interrupted, "model": str(runtime.target_dir),
+                "drafter": str(runtime.drafter_dir) if runtime.drafter_dir else None}
+        if baseline is not None:
+            data.update(_comparison(tokens, stats, baseline, greedy=settings.temperature == 0))
+        out.out.write(json.dumps(data, ensure_ascii=False) + "\n")
+        out.out.flush()
+    elif opts["verbose"]:
+        for line in stats_block(stats, load_seconds=runtime.load_seconds, wall_seconds=wall,
+                                baseline=baseline[1] if baseline else None):
+            out.info(line, dim=False)
+    elif not opts["quiet"] and out.err_tty:
+        out.info(summary_line(stats, runtime.speculative))
+    if baseline is not None and not as_json:
+        cmp = _comparison(tokens, stats, baseline, greedy=settings.temperature == 0)
+        if cmp["identical"] is None:
+            same = "sampled: the two outputs are not expected to match"
+        elif cmp["identical"]:
+            same = f"identical output ({len(tokens)}/{len(tokens)} tokens)"
+        else:
+            same = f"first divergence at token {cmp['first_divergence']}"
+            if runtime.dtype != "float32" or runtime.quant:
+                same += f" (expected now and then in {runtime.quant or runtime.dtype}: a block forward and a " \
+                        "1-token forward round differently; float32 is exact)"
+        out.info(f"compare: speculative {stats.decode_tokens_per_second:.1f} tok/s vs plain "
+                 f"{cmp['baseline']['decode_tokens_per_second']:.1f} tok/s = {cmp['speedup']:.2f}x · {same}",
+                 dim=False)
+    if interrupted:
+        out.info("interrupted")
+        return 130
+    return 0
+
+
+def _warm_up(runtime: Any, settings: Any) -> None:
+    """A few tokens of both modes first, so neither side of --compare pays one-time costs."""
+    from dflash_cli.engine.generate import generate
+
+    ids = runtime.tokenizer.encode("Hello", add_special_tokens=False) or [0]
+    for drafter in (runtime.drafter, None):
+        generate(runtime.target, drafter, ids, max_new_tokens=4, stop_ids=[])
+
+
+def _baseline(runtime: Any, conversation: Any, settings: Any) -> tuple[list[int], Any]:
+    from dflash_cli.engine.generate import generate
+
+    # the conversation now ends with the reply: rebuild the prompt that produced it
+    messages, conversation.messages = conversation.messages, conversation.messages[:-1]
+    try:
+        prompt = conversation.prompt_ids(settings)
+    finally:
+        conversation.messages = messages
+    result = generate(runtime.target, None, prompt, **settings.engine_kwargs())
+    return result.tokens, result.stats
+
+
+def _comparison(tokens: list[int], stats: Any, baseline: tuple[list[int], Any], *, greedy: bool) -> dict[str, Any]:
+    base_tokens, base_stats = baseline
+    diverge = next((i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), None)
+    if diverge is None and len(tokens) != len(base_tokens):
+        diverge = min(len(tokens), len(base_tokens))
+    rate = base_stats.decode_tokens_per_second
+    return {"baseline": stats_json(base_stats),
+            "speedup": stats.decode_tokens_per_second / rate if rate else None,
+            "identical": (diverge is None) if greedy else None,
+            "first_divergence": diverge if greedy else None}
+
+
+def _silence_stdout() -> None:
+    """After `| head` closed the pipe: point stdout at /dev/null so exiting prints no BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

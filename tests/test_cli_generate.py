@@ -1,0 +1,151 @@
+"""`dflash-cli generate`: prompt sources, stdout/stderr separation, --json, --verbose, --compare, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
+from dflash_cli.ui.cli import cli
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    cfg = target_config("qwen3")
+    target = save_target(root / "target", cfg, seed=1, scale=3.0)
+    save_tiny_tokenizer(target)
+    drafter = save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)
+    return target, drafter
+
+
+def run(folders, *args, input=None, env=None):
+    target, drafter = folders
+    base = ["generate", "-m", str(target), "--draft", str(drafter), "--dtype", "float32", "--device", "cpu"]
+    return CliRunner().invoke(cli, base + list(args), input=input, env=env)
+
+
+def as_json(result) -> dict:
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_argument_prompt_streams_text_to_stdout_and_the_rest_to_stderr(folders):
+    result = run(folders, "-n", "12", "Hello there")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.endswith("\n") and len(result.stdout) > 1
+    assert "speculation on" in result.stderr
+    assert "speculation" not in result.stdout and "\x1b" not in result.stdout
+
+
+def test_prompt_sources_stdin_file_and_both(folders, tmp_path):
+    from transformers import AutoTokenizer
+
+    from dflash_cli.engine.text import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(folders[0])
+    both = as_json(run(folders, "-n", "3", "--json", "summarize", input="the document\n"))
+    assert both["prompt_tokens"] == len(encode_prompt(tokenizer, "the document\n\nsummarize"))
+    only_stdin = as_json(run(folders, "-n", "3", "--json", input="just stdin"))
+    assert only_stdin["prompt_tokens"] == len(encode_prompt(tokenizer, "just stdin"))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("from a file")
+    from_file = as_json(run(folders, "-n", "3", "--json", "-f", str(doc), "and an instruction"))
+    assert from_file["prompt_tokens"] == len(encode_prompt(tokenizer, "from a file\n\nand an instruction"))
+
+
+def test_json_has_the_documented_keys_and_the_streamed_text(folders):
+    data = as_json(run(folders, "-n", "20", "--json", "Tell me"))
+    for key in ("text", "finish_reason", "prompt_tokens", "generated_tokens", "steps", "drafted", "accepted",
+                "acceptance_length", "draft_acceptance", "per_position_acceptance", "prefill_seconds",
+                "decode_seconds", "decode_tokens_per_second"):
+        assert key in data, key
+    assert data["generated_tokens"] == 20 and data["finish_reason"] == "length"
+    streamed = run(folders, "-n", "20", "Tell me").stdout
+    assert streamed == data["text"] + "\n"
+
+
+def test_speculative_text_equals_plain_decoding(folders):
+    spec = run(folders, "-n", "25", "Lossless?").stdout
+    plain = run(folders, "-n", "25", "--no-draft", "Lossless?")
+    assert plain.exit_code == 0 and "speculation off" in plain.stderr
+    assert spec == plain.stdout
+
+
+def test_verbose_prints_the_stats_block(folders):
+    result = run(folders, "-n", "10", "-v", "Hi")
+    for label in ("prompt eval count:", "eval rate:", "acceptance length:", "draft acceptance:",
+                  "per-position accept:", "draft / verify time:"):
+        assert label in result.stderr
+    assert "acceptance" not in result.stdout
+
+
+def test_compare_reports_speedup_and_identical_output(folders):
+    result = run(folders, "-n", "15", "--compare", "Compare")
+    assert result.exit_code == 0, result.stderr
+    assert "identical output (15/15 tokens)" in result.stderr and "tok/s" in result.stderr
+    data = as_json(run(folders, "-n", "15", "--compare", "--json", "Compare"))
+    assert data["identical"] is True and data["first_divergence"] is None
+    assert data["speedup"] > 0 and data["baseline"]["generated_tokens"] == 15
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "-1", "x"], "--temperature"),
+    (["--block-size", "99", "x"], "block size 99 is outside 1..8"),
+    (["--quant", "fp3", "x"], "--quant"),
+    (["-n", "0", "x"], "--max-tokens"),
+])
+def test_bad_options_exit_2_with_a_clear_message(folders, args, message):
+    result = run(folders, *args)
+    assert result.exit_code == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_model_and_missing_prompt(folders, tmp_path):
+    missing = CliRunner().invoke(cli, ["generate", "-m", str(tmp_path / "nope"), "hi"])
+    assert missing.exit_code == 1
+    assert "was not found" in missing.stderr and "Hint:" in missing.stderr and "Traceback" not in missing.stderr
+    no_model = CliRunner().invoke(cli, ["generate", "hi"], env={"DFLASH_MODEL": ""})
+    assert no_model.exit_code == 2 and "no model given" in no_model.stderr
+    no_prompt = run(folders)
+    assert no_prompt.exit_code == 2 and "no prompt" in no_prompt.stderr
+
+
+def test_no_ansi_on_a_pipe_even_with_force_color(folders):
+    result = run(folders, "-n", "10", "-v", "colour?", env={"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1"})
+    assert result.exit_code == 0 and "\x1b" not in result.stdout
+
+
+def _command(folders, *args):
+    target, drafter = folders
+    return [sys.executable, "-m", "dflash_cli", "generate", "-m", str(target), "--draft", str(drafter),
+            "--dtype", "float32", "--device", "cpu", *args]
+
+
+def test_head_closing_the_pipe_ends_quietly(folders):
+    proc = subprocess.Popen(_command(folders, "-n", "400", "go on"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    first = proc.stdout.read(3)
+    proc.stdout.close()  # what `| head -c 3` does
+    _, err = proc.communicate(timeout=120)
+    assert first and proc.returncode == 0
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
+
+
+def test_ctrl_c_prints_what_was_generated_and_exits_130(folders):
+    proc = subprocess.Popen(_command(folders, "-n", "5000", "--temperature", "1", "--seed", "1", "long"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    first = proc.stdout.read(5)  # generation has started
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert first and (first + rest).endswith(b"\n")
+    assert b"interrupted" in err and b"Traceback" not in err
