@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -356,7 +357,8 @@ def report(meta: dict, units: dict, rows: list[dict], block: int, gpu: bool) -> 
     print(f"speedup: vs the engine's plain row (other hf rows: vs hf generate). ideal = tau * t(decode 1) / "
           f"(t(verify {block}) + t(draft {block})). other = loop overhead per step (decode time - draft - verify).")
     print("same: share of tokens before the first difference from plain greedy output (1.00 = identical).")
-    print("hf rows: transformers' generate(); tau = new tokens per target forward. Their assistants have random")
+    print(f"hf rows: transformers' generate() on {meta['hf_prompts']} prompt(s); tau = new tokens per target forward. "
+          "Their assistants have random")
     print("weights, so they almost never agree with the target: these rows show overhead, not a real speedup.")
     if not gpu:
         print(f"peak memory (process RSS, whole run): {meta.get('peak_rss_gib', '-')} GiB")
@@ -367,7 +369,7 @@ def report(meta: dict, units: dict, rows: list[dict], block: int, gpu: bool) -> 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.split("\n\n")[1:]))
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small",
                    help="target shape (default cpu-small: Qwen3, hidden 512, 8 layers, vocab 32k)")
     p.add_argument("--target-config", metavar="PATH", help="a transformers config.json for the target (overrides --preset)")
@@ -376,9 +378,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU / bf16 CPUs)")
     p.add_argument("--quant", choices=["none", "nf4", "int8"], default="none",
                    help="bitsandbytes quantization of the target's decoder layers (default none)")
-    p.add_argument("--prompts", type=int, default=3, help="random prompts, results are medians (default 3)")
+    p.add_argument("--prompts", type=int, help="random prompts, results are medians (default 3; 2 quantized on GPU)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt length in tokens (default 128)")
-    p.add_argument("--new-tokens", type=int, help="tokens to generate per prompt (default 128 CPU, 256 GPU)")
+    p.add_argument("--new-tokens", type=int,
+                   help="tokens to generate per prompt (default 128 on CPU and for quantized GPU targets, 256 on GPU)")
     p.add_argument("--block-size", type=int, default=16, help="drafter block size B (default 16)")
     p.add_argument("--taus", type=float, nargs="*", default=list(TAUS), help="oracle target tau values (default 2 4 6.5)")
     p.add_argument("--repeats", type=int, help="timed calls per unit cost (default 10 CPU, 30 GPU)")
@@ -386,6 +389,7 @@ def parse_args(argv=None):
                    help="successor (default): plant a successor permutation so greedy output is stable; "
                         "random: plain std-0.02 weights (bf16 oracle runs then drift off their reference)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate() baselines")
+    p.add_argument("--hf-prompts", type=int, default=1, help="prompts for the transformers baselines (default 1)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
@@ -393,6 +397,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.prompt_len, args.new_tokens, args.repeats = 1, 32, 24, 3
+    if args.target_config and not Path(args.target_config).is_file():
+        p.error(f"--target-config {args.target_config}: no such file")
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be >= 1")
     if args.quant != "none" and importlib.util.find_spec("bitsandbytes") is None:
         p.error(f"--quant {args.quant} needs bitsandbytes, which is not installed (pip install bitsandbytes)")
     return args
@@ -427,7 +435,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = pick_dtype(args.dtype, device)
     gpu = device.type == "cuda"
-    new_tokens = args.new_tokens or (256 if gpu else 128)
+    # Quantized GPU runs get less work: quantizing takes about a minute and their verify forwards are slower.
+    new_tokens = args.new_tokens or (256 if gpu and args.quant == "none" else 128)
+    n_prompts = args.prompts or (2 if gpu and args.quant != "none" else 3)
     repeats = args.repeats or (30 if gpu else 10)
     tcfg = target_config(args)
     dcfg = drafter_config(tcfg, args.block_size)
@@ -442,21 +452,26 @@ def main(argv=None) -> int:
     n_drafter = sum(p.numel() for p in drafter.parameters())
     log(f"built in {time.perf_counter() - t0:.1f}s: target {n_target / 1e6:.0f}M, drafter {n_drafter / 1e6:.0f}M params")
 
+    if not gpu and hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+        log(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: other processes compete "
+            "for the CPU and timings may swing widely (--threads 1 is steadier)")
     meta = dict(versions(), device=device_name(device), dtype=str(dtype).replace("torch.", ""), quant=args.quant,
                 target=f"{args.target_config or args.preset}: {tcfg['num_hidden_layers']} layers, hidden "
                        f"{tcfg['hidden_size']}, vocab {tcfg['vocab_size']}, {n_target / 1e6:.0f}M params",
                 drafter=f"5 layers, taps {dcfg['dflash_config']['target_layer_ids']}, B={args.block_size}, "
                         f"{n_drafter / 1e6:.0f}M params",
-                prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=new_tokens, init=args.init,
+                prompts=n_prompts, hf_prompts=min(args.hf_prompts, n_prompts), prompt_len=args.prompt_len, new_tokens=new_tokens, init=args.init,
                 build_seconds=time.perf_counter() - t0)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, tcfg["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-               for _ in range(args.prompts)]
+               for _ in range(n_prompts)]
     block = args.block_size
 
+    # A full-length speculative run: on GPUs the first run to a new cache length is much slower
+    # (allocator growth), and it would otherwise land in the first measured prompt.
     log("warm-up")
-    for d in (None, drafter):
-        generate(target, d, prompts[0], max_new_tokens=min(16, new_tokens), stop_ids=[])
+    generate(target, None, prompts[0], max_new_tokens=min(16, new_tokens), stop_ids=[])
+    generate(target, drafter, prompts[0], max_new_tokens=new_tokens, stop_ids=[])
 
     log("unit costs")
     blocks = sorted({4, 8, 16, block} & set(range(2, block + 1)) | {block})
@@ -490,7 +505,7 @@ def main(argv=None) -> int:
         else:
             log("  this transformers has no speculation_type='dflash' (5.24+): skipping that row")
         try:
-            rows += hf_rows(target, variants, prompts, new_tokens)
+            rows += hf_rows(target, variants, prompts[:args.hf_prompts], new_tokens)
         except Exception as e:  # an outside baseline must not sink the run
             log(f"transformers baseline failed: {type(e).__name__}: {e}")
         del variants, hf_dflash

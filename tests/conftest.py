@@ -15,6 +15,10 @@ import torch
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.load import save_drafter
 
+# One thread: the tiny models gain nothing from two, and a busy second core (another process) would
+# otherwise slow every small op by orders of magnitude (OpenMP threads waiting on each other).
+torch.set_num_threads(1)
+
 # The engine tests run on the CPU; DFLASH_TEST_DEVICE=cuda runs the same checks on a GPU.
 DEVICE = os.environ.get("DFLASH_TEST_DEVICE", "cpu")
 VOCAB = 160

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 DRAFT_STYLE = "\x1b[36m"  # cyan: proposed by the drafter and accepted by the target
@@ -65,6 +66,7 @@ class Output:
         self.color_err = use_color(color, self.err)
         self.provenance = provenance and self.color_out
         self._last_char = "\n"
+        self._column = 0  # terminal cells since the last newline of the streamed text
         self._status: StatusLine | None = None
 
     # -- stdout: generated text only ------------------------------------------------------------
@@ -91,8 +93,21 @@ class Output:
         except BrokenPipeError:
             raise OutputClosed from None
         self._last_char = last
+        self._track_column(s)
         if self._status is not None:
             self._status.refresh()
+
+    def _track_column(self, s: str) -> None:
+        from rich.cells import cell_len
+
+        tail = s.rsplit("\n", 1)
+        self._column = (0 if len(tail) == 2 else self._column) + cell_len(_strip_ansi(tail[-1]))
+
+    def _at_pending_wrap(self) -> bool:
+        """True when the text exactly filled the last line: the terminal has not wrapped yet, and saving
+        and restoring the cursor (as the status redraw does) would cancel the wrap and lose a character."""
+        width = shutil.get_terminal_size().columns
+        return self._column > 0 and self._column % width == 0
 
     # -- stderr: everything else ------------------------------------------------------------------
     def _style(self, s: str, style: str) -> str:
@@ -139,13 +154,20 @@ class Output:
         if not self.err_tty:
             return None
         reserve = self.out_tty and _same_terminal(self.out, self.err)
-        self._status = StatusLine(self.err, self.out, reserve_row=reserve, color=self.color_err)
+        self._status = StatusLine(self.err, self.out, reserve_row=reserve, color=self.color_err,
+                                  hold=self._at_pending_wrap)
         return self._status
 
     def close_status(self) -> None:
         if self._status is not None:
             self._status.close()
             self._status = None
+
+
+def _strip_ansi(s: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", s)
 
 
 def _same_terminal(a: TextIO, b: TextIO) -> bool:
@@ -173,8 +195,9 @@ class StatusLine:
     text scrolls above it; otherwise the line is redrawn in place on stderr.
     """
 
-    def __init__(self, err: TextIO, out: TextIO, *, reserve_row: bool, color: bool):
-        self.err, self.out, self.reserve, self.color = err, out, reserve_row, color
+    def __init__(self, err: TextIO, out: TextIO, *, reserve_row: bool, color: bool,
+                 hold: Callable[[], bool] = lambda: False):
+        self.err, self.out, self.reserve, self.color, self.hold = err, out, reserve_row, color, hold
         self.rows = shutil.get_terminal_size().lines
         self.reserve = self.reserve and self.rows >= 3
         self._line = ""
@@ -199,7 +222,7 @@ class StatusLine:
         self.refresh()
 
     def refresh(self) -> None:
-        if not self._line:
+        if not self._line or (self.reserve and self.hold()):
             return
         if self.reserve:
             self._raw(f"\x1b7\x1b[{self.rows};1H\x1b[2K{self._line}\x1b8")

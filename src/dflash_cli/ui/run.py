@@ -68,7 +68,7 @@ def check_thinking(out: Output, runtime: Any, think: bool | None) -> None:
     from dflash_cli.engine.text import supports_thinking
 
     if think is not None and not supports_thinking(runtime.tokenizer):
-        out.warn("this model's chat template has no thinking switch: --think/--no-think is ignored")
+        out.warn("this model's chat template has no thinking switch: the think setting is ignored")
 
 
 def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: bool, as_json: bool) -> int:
