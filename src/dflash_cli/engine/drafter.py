@@ -290,6 +290,13 @@ class DFlashDrafter(nn.Module):
                    num_attention_heads=self.config.num_attention_heads)
         self.rotary = Qwen3RotaryEmbedding(Qwen3Config(**raw)).to(device)
 
+    def _apply(self, fn, recurse=True):
+        # .to(dtype)/.to(device) would cast RoPE's fp32 frequencies too: recompute them instead
+        super()._apply(fn, recurse)
+        if self.rotary is not None:
+            self.init_rotary(self.fc.weight.device)
+        return self
+
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
 
@@ -309,7 +316,7 @@ class DFlashDrafter(nn.Module):
         n_ctx = 0 if context is None else context.shape[1]
         assert cache.length + n_ctx == start, (cache.length, n_ctx, start)
         n_block = block.shape[1]
-        ctx = None if context is None else self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))
+        ctx = None if context is None else self.hidden_norm(self.fc(context[0].to(self.fc.weight.dtype)))[None]
         h = block
         positions = torch.arange(start - n_ctx, start + n_block, device=h.device)[None]
         cos, sin = self.rotary(h, positions)
@@ -331,9 +338,11 @@ class DFlashDrafter(nn.Module):
         block = F.embedding(ids, embed_weight)[None].to(self.fc.weight.dtype)  # (1, B, H)
         if self.config.input_embedding_scale != 1.0:
             block = block * self.config.input_embedding_scale
-        h = self(context, block, start, cache)[:, 1:]  # slot 0 (the anchor) predicts nothing
-        logits = lm_head(h.to(lm_head_dtype(lm_head) or embed_weight.dtype))
-        return self.postprocess_logits(logits)[0].argmax(-1)
+        # slot 0 (the anchor) predicts nothing; a 2-D input keeps the LM head on the plain matmul path
+        # (a 3-D slice makes CPU bf16 kernels copy the whole vocabulary matrix on every call)
+        h = self(context, block, start, cache)[0, 1:]  # (B-1, H)
+        logits = self.postprocess_logits(lm_head(h.to(lm_head_dtype(lm_head) or embed_weight.dtype)))
+        return logits.float().argmax(-1)
 
     def postprocess_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.config.output_multiplier != 1.0:

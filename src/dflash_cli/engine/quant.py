@@ -49,16 +49,17 @@ def quantize_linears(module: nn.Module, name: str, compute_dtype: torch.dtype, d
             full = f"{parent_name}.{child_name}" if parent_name else child_name
             if not isinstance(child, nn.Linear) or full in skip:
                 continue
-            weight = child.weight.data.to(compute_dtype).cpu()
+            weight = child.weight.data.to(compute_dtype)
             bias = child.bias is not None
-            if name == "nf4":
+            if name == "nf4":  # quantized where the weight already is, on the move below
                 new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias,
                                         compute_dtype=compute_dtype, quant_type="nf4", device="cpu")
                 new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
             else:
                 new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias,
                                           has_fp16_weights=False, device="cpu")
-                new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+                # Int8Params quantizes only on a move from the CPU
+                new.weight = bnb.nn.Int8Params(weight.cpu(), requires_grad=False, has_fp16_weights=False)
             if bias:
-                new.bias = nn.Parameter(child.bias.data.to(compute_dtype).cpu(), requires_grad=False)
+                new.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
             setattr(parent, child_name, new.to(device))  # bitsandbytes quantizes on the move to a device

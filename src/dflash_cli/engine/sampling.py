@@ -50,6 +50,6 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (T, V) -> token ids (T,), on the logits' device."""
         if self.greedy:
-            return logits.argmax(dim=-1)
+            return logits.float().argmax(dim=-1)  # fp32: CPU argmax over bf16 is several times slower
         probs = sampling_probs(logits, self.temperature, self.top_p, self.top_k)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

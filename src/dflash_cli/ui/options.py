@@ -20,7 +20,8 @@ def _apply(options: list[Callable]) -> Callable:
 
 model_options = _apply([
     click.option("-m", "--model", envvar=S.ENV["model"], show_envvar=True, metavar="MODEL",
-                 help="Target model: a local folder with config.json and *.safetensors."),
+                 help="Target model: a local folder with config.json and *.safetensors, or smollm2-135m "
+                      "(built in, offline)."),
     click.option("--draft", envvar=S.ENV["draft"], show_envvar=True, metavar="DRAFTER",
                  help="DFlash drafter folder for the target. Without one, decoding is plain (speculation off)."),
     click.option("--no-draft", is_flag=True, help="Plain decoding: do not load or use a drafter."),

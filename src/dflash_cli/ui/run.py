@@ -43,15 +43,18 @@ def _isatty(stream: Any) -> bool:
 
 def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
     """Loads the pair named by the options, with a spinner on a terminal and a note when speculation is off."""
-    from dflash_cli.session import load_runtime
+    from dflash_cli.session import load_runtime, resolve_folder
 
     if not opts.get("model"):
         raise click.UsageError("no model given: pass -m/--model FOLDER (or set DFLASH_MODEL)")
     draft = None if opts["no_draft"] else opts.get("draft")
+    note = None if quiet else out.info
+    model_dir = resolve_folder(opts["model"], "model", note)  # may convert a built-in model once
+    draft_dir = resolve_folder(draft, "drafter", note) if draft else None
     label = f"Loading {opts['model']}" + (f" + drafter {draft}" if draft else "")
     with out.spinner(label + " ..."):
-        runtime = load_runtime(opts["model"], draft, quant=opts["quant"], dtype=opts["dtype"],
-                               device=opts["device"])
+        runtime = load_runtime(str(model_dir), str(draft_dir) if draft_dir else None, quant=opts["quant"],
+                               dtype=opts["dtype"], device=opts["device"])
     if not quiet:
         if runtime.speculative:
             out.info(f"speculation on: {runtime.drafter_dir} (block {runtime.drafter.block_size}) · "
