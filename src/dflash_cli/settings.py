@@ -6,7 +6,9 @@ Only this module reads the environment; the engine receives plain values.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_TEMPERATURE = 0.0  # greedy: fastest with speculation, and reproducible
@@ -50,3 +52,67 @@ def data_dir() -> Path:
 
 def history_path() -> Path:
     return data_dir() / "chat_history"
+
+
+# -- the config file ---------------------------------------------------------------------------------
+
+CONFIG_ENV = "DFLASH_CONFIG"
+# key -> type of the value in the file; every key is also an option of generate/chat (same name).
+CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
+    "model": str, "draft": str, "quant": str, "dtype": str, "device": str, "max_tokens": int,
+    "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
+    "system": str, "color": str, "provenance": bool,
+}
+
+
+class ConfigError(Exception):
+    """The config file cannot be used. It is never rewritten by dflash-cli."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    values: dict[str, Any] = field(default_factory=dict)
+    pairs: dict[str, Any] = field(default_factory=dict)
+
+    def default_map(self) -> dict[str, dict[str, Any]]:
+        """click's default_map: config values become option defaults (flags and env vars still win)."""
+        return {"generate": dict(self.values), "chat": dict(self.values)}
+
+
+def config_path() -> Path:
+    if os.environ.get(CONFIG_ENV):
+        return Path(os.environ[CONFIG_ENV]).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "dflash-cli" / "config.toml"
+
+
+def load_config(path: Path | None = None) -> Config:
+    """Reads the TOML config file; a missing file is an empty config."""
+    import tomllib
+
+    path = path or config_path()
+    if not path.is_file():
+        return Config(path)
+    hint = f"fix or remove {path} (dflash-cli never rewrites it)"
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}", hint) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}", hint) from None
+    pairs = data.pop("pairs", {})
+    if not isinstance(pairs, dict):
+        raise ConfigError(f"config file {path}: [pairs] must be a table of tables", hint)
+    for key, value in data.items():
+        expected = CONFIG_KEYS.get(key)
+        if expected is None:
+            raise ConfigError(f"config file {path}: unknown key {key!r}",
+                              f"known keys: {', '.join(CONFIG_KEYS)}, and [pairs.NAME] tables")
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ConfigError(f"config file {path}: {key} = {value!r} has the wrong type", hint)
+    return Config(path, data, pairs)

@@ -98,4 +98,15 @@ def chat(no_history, **opts):
 
 
 def main() -> None:
-    cli()
+    """Entry point: config-file values become option defaults (environment variables and flags win)."""
+    try:
+        config = S.load_config()
+    except S.ConfigError as error:
+        from dflash_cli.ui.render import Output
+
+        cheap = not sys.argv[1:] or any(a in ("-h", "--help", "-V", "--version") for a in sys.argv[1:])
+        Output("auto").error(str(error), error.hint)
+        if not cheap:
+            sys.exit(1)
+        config = S.Config(S.config_path())
+    cli(default_map=config.default_map())
