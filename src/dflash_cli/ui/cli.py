@@ -97,6 +97,35 @@ def chat(no_history, **opts):
             lambda out: run_chat(out, opts, history=not no_history), opts["debug"])
 
 
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: {\"checks\": [...], \"ok\": bool}.")
+@click.option("--color", type=click.Choice(["auto", "always", "never"]), default=S.DEFAULT_COLOR,
+              envvar=S.ENV["color"], show_envvar=True, show_default=True, help="Colours on terminals.")
+@click.option("--debug", is_flag=True, envvar=S.DEBUG_ENV, help="Show tracebacks of unexpected errors.")
+def doctor(as_json, color, debug):
+    """Report the environment for bug reports: versions, GPU and memory, bitsandbytes, Hub cache, token.
+
+    Exits 1 when a check is fatal (the hint says how to fix it), else 0. The token itself is never shown.
+
+    \b
+    Examples:
+      dflash-cli doctor
+      dflash-cli doctor --json > doctor.json
+    """
+    from dflash_cli.ui.doctor import run_doctor
+    from dflash_cli.ui.render import Output, use_color
+
+    guarded(lambda: Output(color, provenance=False),
+            lambda out: run_doctor(out, as_json=as_json, color=use_color(color, out.out)), debug)
+
+
+# pull, list/ls, show, rm: defined in ui/models_cmd.py (no heavy imports at module level).
+from dflash_cli.ui import models_cmd as _models_cmd  # noqa: E402
+
+for _command in _models_cmd.COMMANDS:
+    cli.add_command(_command)
+
+
 def main() -> None:
     """Entry point: config-file values become option defaults (environment variables and flags win)."""
     try:

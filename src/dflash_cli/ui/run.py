@@ -42,28 +42,22 @@ def _isatty(stream: Any) -> bool:
 
 
 def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
-    """Loads the pair named by the options, with a spinner on a terminal and a note when speculation is off."""
-    from dflash_cli.session import load_runtime, resolve_folder
+    """Resolves the pair (registry, preflight, download on first use), then loads it with a spinner."""
+    from dflash_cli.models.resolve import resolve_pair
+    from dflash_cli.session import load_runtime
 
     if not opts.get("model"):
-        raise click.UsageError("no model given: pass -m/--model FOLDER (or set DFLASH_MODEL)")
-    draft = None if opts["no_draft"] else opts.get("draft")
-    note = None if quiet else out.info
-    model_dir = resolve_folder(opts["model"], "model", note)  # may convert a built-in model once
-    draft_dir = resolve_folder(draft, "drafter", note) if draft else None
-    label = f"Loading {opts['model']}" + (f" + drafter {draft}" if draft else "")
-    with out.spinner(label + " ..."):
-        runtime = load_runtime(str(model_dir), str(draft_dir) if draft_dir else None, quant=opts["quant"],
-                               dtype=opts["dtype"], device=opts["device"])
+        raise click.UsageError("no model given: pass -m/--model (a folder, a known name such as qwen3-8b, "
+                               "or a Hub repo id), or set DFLASH_MODEL")
+    pair = resolve_pair(opts["model"], opts.get("draft"), no_draft=opts["no_draft"],
+                        on_status=out.info if not quiet else (lambda _: None))
+    with out.spinner(f"Loading {opts['model']} ..."):
+        runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None,
+                               quant=opts["quant"], dtype=opts["dtype"], device=opts["device"])
     if not quiet:
-        if runtime.speculative:
-            out.info(f"speculation on: {runtime.drafter_dir} (block {runtime.drafter.block_size}) · "
-                     f"{runtime.device} {runtime.dtype}" + (f" {runtime.quant}" if runtime.quant else "")
-                     + f" · loaded in {runtime.load_seconds:.1f}s")
-        else:
-            why = "--no-draft" if opts["no_draft"] else "no drafter given (--draft FOLDER)"
-            out.info(f"speculation off: {why} · {runtime.device} {runtime.dtype}"
-                     f" · loaded in {runtime.load_seconds:.1f}s")
+        where = f"{runtime.device} {runtime.dtype}" + (f" {runtime.quant}" if runtime.quant else "")
+        block = f" (block {runtime.drafter.block_size})" if runtime.speculative else ""
+        out.info(f"{pair.drafter_note}{block} · {where} · loaded in {runtime.load_seconds:.1f}s")
     return runtime
 
 

@@ -1,0 +1,71 @@
+"""--model values -> folders: registry pairs, preflight from configs before weights, download on first use."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import drafter_config, save_random_drafter, target_config
+from dflash_cli.engine.errors import IncompatiblePairError, UnsupportedModelError
+from dflash_cli.models import hub
+from dflash_cli.models.resolve import resolve_pair
+from test_hub import DRAFTER, TARGET, _read_folder, cache, fake, online, repo_files, server  # noqa: F401
+
+WIDE = "tiny-org/wide-dflash"
+
+
+@pytest.fixture
+def config(tmp_path, monkeypatch):
+    path = tmp_path / "config.toml"
+    path.write_text(f'[pairs.tiny]\ntarget = "{TARGET}"\ndrafter = "{DRAFTER}"\n\n'
+                    f'[pairs.mismatched]\ntarget = "{TARGET}"\ndrafter = "{WIDE}"\n')
+    monkeypatch.setenv("DFLASH_CONFIG", str(path))
+    return path
+
+
+def weight_downloads(fake) -> int:
+    return len([r for r in fake.requests if "/resolve/" in r.path and r.path.endswith(".safetensors")])
+
+
+def test_alias_downloads_the_pair_on_first_use_then_works_offline(fake, online, config, monkeypatch):
+    notes = []
+    pair = resolve_pair("tiny", endpoint=fake.endpoint, on_status=notes.append)
+    assert (pair.target_dir / "model.safetensors").is_file() and (pair.drafter_dir / "config.json").is_file()
+    assert "paired with tiny" in pair.drafter_note
+    assert any(note.startswith(f"Downloading {TARGET}:") for note in notes)  # says what and how much first
+    fake.reset_requests()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    again = resolve_pair("tiny", endpoint=fake.endpoint)
+    assert again.target_dir == pair.target_dir and fake.requests == []
+
+
+def test_a_mismatched_pair_is_refused_before_any_weights_download(fake, online, config, tmp_path):
+    wide = save_random_drafter(tmp_path / "wide", drafter_config(target_config(hidden_size=96)))
+    fake.add_revision(WIDE, _read_folder(wide))
+    fake.reset_requests()
+    with pytest.raises(IncompatiblePairError, match="hidden size 96"):
+        resolve_pair("mismatched", endpoint=fake.endpoint)
+    assert weight_downloads(fake) == 0
+
+
+def test_offline_and_not_downloaded_names_the_command(fake, config, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(hub.NotDownloadedError) as err:
+        resolve_pair("tiny", endpoint=fake.endpoint)
+    assert "pull" in err.value.hint and fake.requests == []
+
+
+def test_unsupported_pairs_are_refused_with_the_reason():
+    with pytest.raises(UnsupportedModelError, match="linear-attention"):
+        resolve_pair("qwen3.5-4b")
+
+
+def test_no_draft_and_explicit_folders(tiny_models):
+    plain = resolve_pair(str(tiny_models["qwen3"]), no_draft=True)
+    assert plain.drafter_dir is None and "--no-draft" in plain.drafter_note
+    explicit = resolve_pair(str(tiny_models["qwen3"]), str(tiny_models["qwen3-drafter"]))
+    assert explicit.drafter_dir == tiny_models["qwen3-drafter"]
+    unknown = resolve_pair(str(tiny_models["qwen3"]))
+    assert unknown.drafter_dir is None and "no drafter known" in unknown.drafter_note
+    json.loads((plain.target_dir / "config.json").read_text())
