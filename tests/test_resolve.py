@@ -69,3 +69,35 @@ def test_no_draft_and_explicit_folders(tiny_models):
     unknown = resolve_pair(str(tiny_models["qwen3"]))
     assert unknown.drafter_dir is None and "no drafter known" in unknown.drafter_note
     json.loads((plain.target_dir / "config.json").read_text())
+
+
+def test_an_impossible_plan_is_refused_before_any_weights_download(fake, online, config):
+    from dflash_cli.models.resolve import MemoryBudget, MemoryPlanError
+
+    fake.reset_requests()
+    with pytest.raises(MemoryPlanError) as err:
+        resolve_pair("tiny", endpoint=fake.endpoint, quant="auto",
+                     budget=MemoryBudget(1 << 20, 8192, "bf16", "GPU memory"))
+    assert "GiB of GPU memory are free" in str(err.value) and "target" in str(err.value)
+    assert err.value.hint and weight_downloads(fake) == 0
+    fits = resolve_pair("tiny", endpoint=fake.endpoint, quant="auto",
+                        budget=MemoryBudget(64 << 30, 8192, "bf16", "GPU memory"))
+    assert fits.quant == "none"  # the best quality that fits: no quantization
+
+
+def test_quant_auto_from_the_command_line(tiny_models, tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from conftest import save_tiny_tokenizer
+    from dflash_cli.ui.cli import cli
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_models["qwen3"], target)
+    save_tiny_tokenizer(target)
+    result = CliRunner().invoke(cli, ["generate", "-m", str(target), "--draft",
+                                      str(tiny_models["qwen3-drafter"]), "--quant", "auto", "-n", "3",
+                                      "--dtype", "float32", "--device", "cpu", "--json"], input="1 2 3")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["generated_tokens"] == 3

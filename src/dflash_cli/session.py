@@ -37,10 +37,11 @@ class GenerationSettings:
     block_size: int | None = None  # None: the drafter's trained size
     think: bool | None = None  # None: the chat template's default
     chat_template: bool = True
+    max_context: int | None = None  # None: the target's context length
 
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, block_size=self.block_size)
+                    top_k=self.top_k, seed=self.seed, block_size=self.block_size, max_context=self.max_context)
 
 
 from dflash_cli.models.registry import BUILTIN_MODELS  # noqa: E402

@@ -18,6 +18,7 @@ DEFAULT_QUANT = "none"
 DEFAULT_DTYPE = "auto"
 DEFAULT_DEVICE = "auto"
 DEFAULT_COLOR = "auto"
+DEFAULT_MAX_CONTEXT = 8192
 
 ENV = {
     "model": "DFLASH_MODEL",
@@ -34,6 +35,7 @@ ENV = {
     "system": "DFLASH_SYSTEM",
     "color": "DFLASH_COLOR",
     "no_history": "DFLASH_NO_HISTORY",
+    "max_context": "DFLASH_MAX_CONTEXT",
 }
 DEBUG_ENV = "DFLASH_DEBUG"
 
@@ -61,7 +63,7 @@ CONFIG_ENV = "DFLASH_CONFIG"
 CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "model": str, "draft": str, "quant": str, "dtype": str, "device": str, "max_tokens": int,
     "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
-    "system": str, "color": str, "provenance": bool,
+    "system": str, "color": str, "provenance": bool, "max_context": int,
 }
 
 

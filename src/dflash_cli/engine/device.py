@@ -101,3 +101,17 @@ def peak_memory(device: torch.device) -> MemoryReading:
         return MemoryReading(torch.cuda.max_memory_allocated(device), "cuda allocated")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return MemoryReading(rss if sys.platform == "darwin" else rss * 1024, "process RSS")
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for a model on `device`: free GPU memory, or the system's available memory on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -88,7 +88,8 @@ class _Tally:
 def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Sequence[int], *,
                     tokenizer: Any = None, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, block_size: int | None = None,
-                    stop_ids: Sequence[int] | None = None, state: DecodeState | None = None) -> Iterator[Step]:
+                    stop_ids: Sequence[int] | None = None, state: DecodeState | None = None,
+                    max_context: int | None = None) -> Iterator[Step]:
     """Generates from `prompt` (token ids), yielding one Step per target forward.
 
     Args:
@@ -102,6 +103,7 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
         block_size: tokens per verify step, anchor included; default the drafter's trained size.
         stop_ids: generation ends after any of these; default the target's eos ids.
         state: a DecodeState from an earlier call (a chat): the shared prefix of its tokens is not re-read.
+        max_context: most tokens (prompt + reply) to hold; default the target's context length.
     Yields:
         Step objects; the last has finish_reason set. Leaving the loop early (break, Ctrl-C) leaves
         `state` consistent and reusable.
@@ -119,11 +121,12 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
     if state is None or state.drafter is not drafter or state.target is not target:
         state = DecodeState(target, drafter)
     limit = len(prompt) + max_new_tokens
-    if target.max_positions:
-        limit = min(limit, target.max_positions)
+    context = min((c for c in (target.max_positions, max_context) if c), default=None)
+    if context:
+        limit = min(limit, context)
         if len(prompt) >= limit:
-            raise InvalidSettingError(
-                f"the prompt has {len(prompt)} tokens, the target's context holds {target.max_positions}")
+            raise InvalidSettingError(f"the prompt has {len(prompt)} tokens, the context holds {context}",
+                                      hint="shorten the prompt, /clear the chat, or raise --max-context")
     decoder = None
     if tokenizer is not None:
         from dflash_cli.engine.text import StreamDecoder

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.engine.errors import CheckpointError
+from dflash_cli.engine.errors import CheckpointError, DFlashError
 from dflash_cli.models.registry import ModelSpec, looks_like_repo_id, resolve_spec
+
+
+class MemoryPlanError(DFlashError):
+    """The pair cannot fit in the memory available, at any setting tried."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,41 @@ class ResolvedPair:
     drafter_dir: Path | None
     spec: ModelSpec
     drafter_note: str  # why speculation is on or off, for the user
+    quant: str  # the quantization to load with: the one asked for, or what --quant auto chose
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What the preflight plans against: bytes free, tokens to hold, dtype when not quantized."""
+
+    available_bytes: int
+    context_tokens: int
+    dtype: str  # bf16, fp16 or fp32
+    where: str  # "cuda" or "system memory", for messages
+
+
+def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, budget: MemoryBudget,
+                     name: str) -> str:
+    """Returns the quantization to use; raises MemoryPlanError naming components and alternatives."""
+    from dflash_cli.models.plan import GIB, choose_quant, plan_memory
+
+    planned = budget.dtype if quant == "none" else quant
+    if quant == "auto":
+        chosen = choose_quant(target_cfg, drafter_cfg, context_tokens=budget.context_tokens,
+                              available_bytes=budget.available_bytes)
+        if chosen is not None:
+            return "none" if chosen in ("bf16", "fp16", "fp32") else chosen
+        planned = "nf4"
+    plan = plan_memory(target_cfg, drafter_cfg, quant=planned, context_tokens=budget.context_tokens,
+                       available_bytes=budget.available_bytes)
+    if plan.fits:
+        return quant
+    parts = (f"target {plan.target_weights / GIB:.1f} + drafter {plan.drafter_weights / GIB:.1f} + "
+             f"KV caches {(plan.target_kv + plan.drafter_kv) / GIB:.1f} + working {plan.activations / GIB:.1f}")
+    raise MemoryPlanError(
+        f"{name} needs about {plan.total / GIB:.1f} GiB in {planned} at {budget.context_tokens:,} tokens "
+        f"({parts}), but {budget.available_bytes / GIB:.1f} GiB of {budget.where} are free",
+        hint="; ".join(plan.suggestions[:3]) or "use a smaller model")
 
 
 def _registry():
@@ -64,7 +103,8 @@ def _fetch(repo: str, revision: str | None, endpoint: str | None, on_status: Cal
 
 
 def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False, endpoint: str | None = None,
-                 on_status: Callable[[str], None] = lambda _: None, tqdm_class: Any = None) -> ResolvedPair:
+                 on_status: Callable[[str], None] = lambda _: None, tqdm_class: Any = None,
+                 quant: str = "none", budget: MemoryBudget | None = None) -> ResolvedPair:
     """Finds (and downloads if needed) the target and its drafter for a --model/--draft pair of values."""
     from dflash_cli.engine.drafter import DrafterConfig
     from dflash_cli.engine.pairing import check_pair, check_target_config
@@ -95,10 +135,15 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     # Preflight from config files only: a bad pair fails here, before any weights download.
     target_cfg = _config_of(target_kind, target_where, spec.target_revision, endpoint)
     check_target_config(target_cfg, target_where)
+    drafter_cfg = None
     if drafter_kind is not None:
-        raw = _config_of(drafter_kind, drafter_where, drafter_rev, endpoint)
-        check_pair(target_cfg, DrafterConfig.from_dict(raw, source=f"{drafter_where}/config.json"),
+        drafter_cfg = _config_of(drafter_kind, drafter_where, drafter_rev, endpoint)
+        check_pair(target_cfg, DrafterConfig.from_dict(drafter_cfg, source=f"{drafter_where}/config.json"),
                    target_name=target_where, drafter_name=drafter_where)
+    if budget is not None:
+        quant = preflight_memory(target_cfg, drafter_cfg, quant, budget, model)
+        if quant == "auto":
+            quant = "none"
 
     target_dir = Path(target_where) if target_kind == "folder" else _fetch(
         target_where, spec.target_revision, endpoint, on_status, tqdm_class)
@@ -107,4 +152,4 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
         drafter_dir = Path(drafter_where)
     elif drafter_kind == "repo":
         drafter_dir = _fetch(drafter_where, drafter_rev, endpoint, on_status, tqdm_class)
-    return ResolvedPair(target_dir, drafter_dir, spec, note)
+    return ResolvedPair(target_dir, drafter_dir, spec, note, quant)

@@ -25,9 +25,12 @@ model_options = _apply([
     click.option("--draft", envvar=S.ENV["draft"], show_envvar=True, metavar="DRAFTER",
                  help="DFlash drafter folder for the target. Without one, decoding is plain (speculation off)."),
     click.option("--no-draft", is_flag=True, help="Plain decoding: do not load or use a drafter."),
-    click.option("--quant", type=click.Choice(["none", "int8", "nf4"]), default=S.DEFAULT_QUANT,
+    click.option("--quant", type=click.Choice(["none", "int8", "nf4", "auto"]), default=S.DEFAULT_QUANT,
                  envvar=S.ENV["quant"], show_envvar=True, show_default=True,
-                 help="Quantize the target with bitsandbytes."),
+                 help="Quantize the target with bitsandbytes; auto = the best quality that fits in memory."),
+    click.option("--max-context", type=click.IntRange(min=16), default=S.DEFAULT_MAX_CONTEXT,
+                 envvar=S.ENV["max_context"], show_envvar=True, show_default=True,
+                 help="Most tokens (prompt + replies) to hold; sizes the memory check before loading."),
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=S.DEFAULT_DTYPE,
                  envvar=S.ENV["dtype"], show_envvar=True, show_default=True,
                  help="Compute dtype (auto: bf16 on GPUs and bf16-capable CPUs, else fp32)."),
@@ -72,4 +75,5 @@ def generation_settings(kwargs: dict):
     return GenerationSettings(max_tokens=kwargs["max_tokens"], temperature=kwargs["temperature"],
                               top_p=kwargs["top_p"], top_k=kwargs["top_k"], seed=kwargs["seed"],
                               block_size=kwargs["block_size"], think=kwargs["think"],
-                              chat_template=not kwargs["no_chat_template"])
+                              chat_template=not kwargs["no_chat_template"],
+                              max_context=kwargs.get("max_context"))

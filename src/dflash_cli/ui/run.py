@@ -50,15 +50,31 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
         raise click.UsageError("no model given: pass -m/--model (a folder, a known name such as qwen3-8b, "
                                "or a Hub repo id), or set DFLASH_MODEL")
     pair = resolve_pair(opts["model"], opts.get("draft"), no_draft=opts["no_draft"],
-                        on_status=out.info if not quiet else (lambda _: None))
+                        on_status=out.info if not quiet else (lambda _: None), quant=opts["quant"],
+                        budget=memory_budget(opts))
+    if opts["quant"] == "auto" and not quiet:
+        out.info(f"--quant auto: {pair.quant if pair.quant != 'none' else 'no quantization'} fits")
     with out.spinner(f"Loading {opts['model']} ..."):
         runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None,
-                               quant=opts["quant"], dtype=opts["dtype"], device=opts["device"])
+                               quant=pair.quant, dtype=opts["dtype"], device=opts["device"])
     if not quiet:
         where = f"{runtime.device} {runtime.dtype}" + (f" {runtime.quant}" if runtime.quant else "")
         block = f" (block {runtime.drafter.block_size})" if runtime.speculative else ""
         out.info(f"{pair.drafter_note}{block} · {where} · loaded in {runtime.load_seconds:.1f}s")
     return runtime
+
+
+def memory_budget(opts: dict[str, Any]):
+    """What the pair must fit in: free GPU memory on CUDA, available system memory on CPU."""
+    from dflash_cli.engine.device import free_memory, pick_device, pick_dtype
+    from dflash_cli.models.resolve import MemoryBudget
+
+    device = pick_device(opts["device"])
+    free = free_memory(device)
+    if free is None:
+        return None
+    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(pick_dtype(opts["dtype"], device)), "fp32")
+    return MemoryBudget(free, opts["max_context"], dtype, "GPU memory" if device.type == "cuda" else "system memory")
 
 
 def check_thinking(out: Output, runtime: Any, think: bool | None) -> None:

@@ -1,0 +1,287 @@
+"""pull, list/ls, show and rm through the CLI, against the loopback FakeHub with the real huggingface_hub client."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
+from dflash_cli.ui.cli import cli
+from hub_server import FakeHub
+
+TARGET, DRAFTER = "tiny-org/qwen3-tiny", "tiny-org/qwen3-tiny-dflash"
+OTHER_T, OTHER_D = "other-org/qwen3-tiny", "other-org/qwen3-tiny-dflash"
+JUNK = {"model.py": b"raise SystemExit('never run me')\n", "pytorch_model.bin": b"\x80\x04pickle" * 50}
+
+
+def _read_folder(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def repo_files(tmp_path_factory) -> dict[str, dict[str, bytes]]:
+    root = tmp_path_factory.mktemp("hub-src")
+    cfg = target_config("qwen3")
+    target = save_target(root / "target", cfg, seed=1, scale=3.0)
+    save_tiny_tokenizer(target)
+    drafter = save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)
+    t, d = {**_read_folder(target), **JUNK}, {**_read_folder(drafter), **JUNK}
+    return {TARGET: t, DRAFTER: d, OTHER_T: t, OTHER_D: d}
+
+
+@pytest.fixture(scope="module")
+def server():
+    fake = FakeHub()
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def fake(server, repo_files):
+    server.repos.clear()
+    server.reset_requests()
+    for repo_id, files in repo_files.items():
+        server.add_revision(repo_id, files)
+    return server
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch) -> Path:
+    """A private Hub cache and a config file naming two user pairs."""
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.delenv("DFLASH_QUANT", raising=False)
+    config = tmp_path / "config.toml"
+    config.write_text(f'[pairs.tiny]\ntarget = "{TARGET}"\ndrafter = "{DRAFTER}"\nblock_size = 8\n'
+                      f'notes = "a tiny test pair"\n\n'
+                      f'[pairs.other]\ntarget = "{OTHER_T}"\ndrafter = "{OTHER_D}"\n')
+    monkeypatch.setenv("DFLASH_CONFIG", str(config))
+    return cache
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """conftest sets HF_HUB_OFFLINE=1 for every test; these tests talk to the loopback server."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+def invoke(*args: str, endpoint: str | None = None, input: str | None = None):
+    extra = ["--endpoint", endpoint] if endpoint and args[0] in ("pull", "show") else []
+    return CliRunner().invoke(cli, [*args, *extra], input=input)
+
+
+def _snapshot_files(cache: Path, repo_id: str) -> set[str]:
+    snaps = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    return {p.relative_to(next(snaps.iterdir())).as_posix() for p in snaps.rglob("*") if p.is_file()}
+
+
+def test_pull_pair(fake, online, env, repo_files):
+    result = invoke("pull", "tiny", endpoint=fake.endpoint)
+    assert result.exit_code == 0, result.output
+    for repo in (TARGET, DRAFTER):
+        names = _snapshot_files(env, repo)
+        assert "config.json" in names and "model.safetensors" in names
+        assert not [n for n in names if n.endswith((".py", ".bin"))], names
+        assert f"{repo} -> {env}" in result.stderr
+    assert "tokenizer.json" in _snapshot_files(env, TARGET)
+    assert not fake.gets("/model.py") and not fake.gets("/pytorch_model.bin")
+    assert result.stdout == ""  # everything but tables goes to stderr
+    assert "\x1b[" not in result.stderr  # no bars without a terminal
+
+
+def test_pull_repo_id_finds_drafter_and_no_draft(fake, online, env):
+    result = invoke("pull", TARGET, "--no-draft", endpoint=fake.endpoint)
+    assert result.exit_code == 0, result.output
+    assert (env / f"models--{TARGET.replace('/', '--')}").is_dir()
+    assert not (env / f"models--{DRAFTER.replace('/', '--')}").exists()
+    result = invoke("pull", TARGET, endpoint=fake.endpoint)  # the registry names the drafter
+    assert result.exit_code == 0, result.output
+    assert (env / f"models--{DRAFTER.replace('/', '--')}").is_dir()
+
+
+def test_pull_dry_run_sizes_and_nothing_downloaded(fake, online, env, repo_files):
+    result = invoke("pull", "tiny", "--dry-run", endpoint=fake.endpoint)
+    assert result.exit_code == 0, result.output
+    from dflash_cli.models.hub import wanted
+    from dflash_cli.ui.render import fmt_bytes
+
+    lines = result.stdout.splitlines()
+    for repo in (TARGET, DRAFTER):
+        files = {p: d for p, d in repo_files[repo].items() if wanted(p)}
+        for path, data in files.items():
+            assert any(line.split()[:3] == [path, *fmt_bytes(len(data)).split()] for line in lines), (path, lines)
+        total = sum(len(d) for d in files.values())
+        assert f"{repo} (revision main" in result.stdout and f"{fmt_bytes(total)} to download" in result.stdout
+    assert "model.py" not in [line.split()[0] for line in lines if line.strip()]
+    assert not fake.gets("/model.safetensors") and not fake.gets("/config.json")
+    assert not any(env.rglob("*.safetensors"))
+    assert "nothing downloaded" in result.stderr
+
+    assert invoke("pull", "tiny", endpoint=fake.endpoint).exit_code == 0  # then: everything is cached
+    again = invoke("pull", "tiny", "--dry-run", endpoint=fake.endpoint)
+    assert "0 B to download" in again.stdout and "cached" in again.stdout
+
+
+def test_list_shows_both_repos(fake, online, env):
+    assert invoke("pull", "tiny", endpoint=fake.endpoint).exit_code == 0
+    result = invoke("list")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:4] == ["REPO", "PAIR", "ROLE", "SIZE"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(rows) == {TARGET, DRAFTER}
+    assert rows[TARGET][1:3] == ["tiny", "target"] and rows[DRAFTER][1:3] == ["tiny", "drafter"]
+    assert rows[TARGET][4] in ("KiB", "MiB") and "main" in rows[TARGET]
+    assert [line.index("ROLE") for line in lines[:1]] == [lines[1].index("target")]  # aligned
+
+    quiet = invoke("ls", "-q")
+    assert quiet.exit_code == 0 and quiet.stdout.split() == [TARGET, DRAFTER]
+
+    data = json.loads(invoke("list", "--json").stdout)
+    by_id = {d["repo_id"]: d for d in data}
+    assert set(by_id) == {TARGET, DRAFTER}
+    assert by_id[DRAFTER]["role"] == "drafter" and by_id[DRAFTER]["pair"] == "tiny"
+    assert by_id[TARGET]["size_bytes"] > 0 and by_id[TARGET]["refs"] == ["main"]
+    assert len(by_id[TARGET]["revisions"][0]) == 40
+
+
+def test_list_empty_and_known(env):
+    result = invoke("list")
+    assert result.exit_code == 0 and result.stdout == "" and "no models" in result.stderr
+    known = invoke("list", "--known")
+    assert known.exit_code == 0
+    rows = {line.split()[0]: line for line in known.stdout.splitlines()[1:]}
+    assert "qwen3-8b" in rows and "Qwen/Qwen3-8B" in rows["qwen3-8b"]
+    assert "z-lab/Qwen3-8B-DFlash-b16" in rows["qwen3-8b"]
+    assert "tiny" in rows and "unsupported" in rows["qwen3.5-4b"]
+    data = json.loads(invoke("list", "--known", "--json").stdout)
+    assert {"alias": "qwen3-8b", "target": "Qwen/Qwen3-8B"}.items() <= next(
+        d for d in data if d["alias"] == "qwen3-8b").items()
+
+
+def test_show_pair_and_memory_plan(fake, online, env):
+    result = invoke("show", "tiny", endpoint=fake.endpoint)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert TARGET in out and DRAFTER in out and "a tiny test pair" in out
+    assert "hidden 64, 6 layers, vocab 160" in out
+    assert "block size 8, taps [1, 3, 4], mask id 150" in out
+    assert "memory plan" in out and "target weights (bf16)" in out and "total" in out
+    assert "8,192 tokens" in out and "(default)" in out
+
+    data = json.loads(invoke("show", "tiny", "--json", "--quant", "nf4", "--context", "1024",
+                             endpoint=fake.endpoint).stdout)
+    assert data["target"] == TARGET and data["drafter"] == DRAFTER
+    assert data["summary"]["drafter"]["block_size"] == 8
+    assert data["memory"]["quant"] == "nf4" and data["memory"]["context_tokens"] == 1024
+    assert data["settings"]["quant"] == {"value": "nf4", "from": "flag"}
+    assert data["memory"]["total_bytes"] > 0 and data["memory"]["available_bytes"] > 0
+
+
+def test_show_offline_not_cached_says_so(env):
+    result = invoke("show", "tiny")
+    assert result.exit_code == 0, result.output
+    assert "HF_HUB_OFFLINE" in result.stdout and "unavailable" in result.stdout
+
+
+def test_rm_removes_exactly_one_pair(fake, online, env):
+    assert invoke("pull", "tiny", endpoint=fake.endpoint).exit_code == 0
+    assert invoke("pull", "other", endpoint=fake.endpoint).exit_code == 0
+    assert set(invoke("ls", "-q").stdout.split()) == {TARGET, DRAFTER, OTHER_T, OTHER_D}
+
+    refused = invoke("rm", "tiny")  # CliRunner's stdin is not a terminal
+    assert refused.exit_code == 2
+    assert "-y" in refused.stderr and TARGET in refused.stderr
+    assert len(invoke("ls", "-q").stdout.split()) == 4
+
+    result = invoke("rm", "tiny", "-y")
+    assert result.exit_code == 0, result.output
+    assert "freed" in result.stderr
+    assert set(invoke("ls", "-q").stdout.split()) == {OTHER_T, OTHER_D}
+
+    one = invoke("rm", OTHER_D, "-y")  # a repo id removes that repo only
+    assert one.exit_code == 0, one.output
+    assert invoke("ls", "-q").stdout.split() == [OTHER_T]
+
+    gone = invoke("rm", "tiny", "-y")
+    assert gone.exit_code == 1 and "not in the local cache" in gone.stderr
+
+
+def test_rm_confirmation_on_a_terminal(fake, online, env, monkeypatch):
+    assert invoke("pull", "tiny", endpoint=fake.endpoint).exit_code == 0
+    monkeypatch.setattr("dflash_cli.ui.render._isatty", lambda stream: True)
+    no = invoke("rm", "tiny", input="n\n")
+    assert no.exit_code == 0 and "nothing removed" in no.stderr
+    assert len(invoke("ls", "-q").stdout.split()) == 2
+    yes = invoke("rm", "tiny", input="y\n")
+    assert yes.exit_code == 0 and "Remove 2 repos" in yes.stderr
+    assert invoke("ls", "-q").stdout == ""
+
+
+@pytest.mark.parametrize("command", ["pull", "show", "rm"])
+def test_unknown_model_one_line_error(env, command):
+    result = invoke(command, "no-such-model")
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert lines[0] == "Error: model 'no-such-model' is not a known name or a Hub repo id (org/name)"
+    assert lines[1].startswith("Hint: known names:") and "qwen3-8b" in lines[1] and "tiny" in lines[1]
+    assert len(lines) == 2
+
+
+def test_pull_offline_not_downloaded(env):
+    result = invoke("pull", "tiny")
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: {TARGET} is not downloaded")
+
+
+def test_unknown_repo_on_hub(fake, online, env):
+    result = invoke("pull", "nobody/nothing", endpoint=fake.endpoint)
+    assert result.exit_code == 1
+    assert "was not found on the Hub" in result.stderr and len(result.stderr.splitlines()) == 2
+
+
+def test_rich_tqdm_forwards_to_progress():
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from dflash_cli.ui.models_cmd import make_tqdm_class
+
+    progress = Progress(console=Console(file=io.StringIO()))
+    cls = make_tqdm_class(progress, "org/repo")
+    transfer = cls(desc="Downloading bytes", total=0, unit="B")
+    written = cls(desc="Reconstructing (incomplete total...)", total=0, unit="B")
+    files = cls(desc="Fetching 3 files", total=3)
+    written.total = 100
+    written.refresh()
+    written.update(40)
+    files.update(1)
+    transfer.update(10)
+    tasks = {t.description: t for t in progress.tasks}
+    assert set(tasks) == {"org/repo", "org/repo files"}
+    assert (tasks["org/repo"].completed, tasks["org/repo"].total) == (40, 100)
+    assert (tasks["org/repo files"].completed, tasks["org/repo files"].total) == (1, 3)
+    for bar in (transfer, written, files):
+        bar.close()
+
+
+def test_progress_disabled_by_env(monkeypatch):
+    from dflash_cli.ui.models_cmd import progress_enabled
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    assert progress_enabled(Tty()) and not progress_enabled(io.StringIO())
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    assert not progress_enabled(Tty())
