@@ -284,8 +284,9 @@ def pull(model, revision, dry_run, no_draft, endpoint, color, debug):
     """Download MODEL (a known name or a Hub repo id) and its drafter into the Hugging Face cache.
 
     Only configs, tokenizer files and safetensors weights are fetched (never code or pickles); files
-    already cached are not fetched again and interrupted downloads resume. The cache is HF_HUB_CACHE
-    (or HF_HOME/hub); HF_TOKEN is used for gated repos.
+    already cached are not fetched again, and a transfer cut off mid-file is resumed from where it
+    stopped (within the same run). The cache is HF_HUB_CACHE (or HF_HOME/hub); HF_TOKEN is used for
+    gated repos.
 
     \b
     Examples:
