@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from click.testing import CliRunner
@@ -68,6 +67,7 @@ def test_json_has_the_documented_keys_and_the_streamed_text(folders):
                 "decode_seconds", "decode_tokens_per_second"):
         assert key in data, key
     assert data["generated_tokens"] == 20 and data["finish_reason"] == "length"
+    assert data["adaptive"] is True and sum(data["block_rounds"]) == data["steps"]
     streamed = run(folders, "-n", "20", "Tell me").stdout
     assert streamed == data["text"] + "\n"
 
@@ -85,6 +85,9 @@ def test_verbose_prints_the_stats_block(folders):
                   "per-position accept:", "draft / verify time:"):
         assert label in result.stderr
     assert "acceptance" not in result.stdout
+    assert "adaptive blocks" in result.stderr  # the adaptive choice is visible
+    fixed = run(folders, "-n", "10", "-v", "--block-size", "4", "Hi")
+    assert "block 4" in fixed.stderr and "adaptive" not in fixed.stderr
 
 
 def test_compare_reports_speedup_and_identical_output(folders):
@@ -142,8 +145,7 @@ def test_head_closing_the_pipe_ends_quietly(folders):
 def test_ctrl_c_prints_what_was_generated_and_exits_130(folders):
     proc = subprocess.Popen(_command(folders, "-n", "5000", "--temperature", "1", "--seed", "1", "long"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    first = proc.stdout.read(5)  # generation has started
-    time.sleep(0.5)
+    first = proc.stdout.read(1)  # generation has started (and cannot finish soon: ~500 tokens to go)
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

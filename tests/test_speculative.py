@@ -52,7 +52,7 @@ def test_partially_right_drafts_stay_lossless(pair, acceptance):
     for i, prompt in enumerate(random_prompts(4, seed=11)):
         expected = hf_greedy(pair.target, prompt, 40)
         oracle = oracle_for(pair, prompt, 40, acceptance=acceptance, seed=i)
-        got = generate(pair.target, oracle, prompt, max_new_tokens=40, stop_ids=[])
+        got = generate(pair.target, oracle, prompt, max_new_tokens=40, stop_ids=[], adaptive=False)
         assert got.tokens == expected
         if acceptance < 1.0:
             assert 0 < got.stats.accepted < got.stats.drafted  # both paths ran: accepts and rejections
@@ -63,7 +63,7 @@ def test_oracle_drafter_is_accepted_in_full(pair):
     B = pair.drafter.block_size
     n_new = 1 + 4 * B  # the prefill token, then exactly four full blocks
     oracle = oracle_for(pair, prompt, n_new)
-    got = generate(pair.target, oracle, prompt, max_new_tokens=n_new, stop_ids=[])
+    got = generate(pair.target, oracle, prompt, max_new_tokens=n_new, stop_ids=[], adaptive=False)
     assert got.tokens == hf_greedy(pair.target, prompt, n_new)
     assert got.stats.steps == 4
     assert got.stats.acceptance_length == B
@@ -94,7 +94,8 @@ def test_stop_token_inside_an_accepted_block(pair):
     stop = continuation[position]
     oracle = oracle_for(pair, prompt, 60)
     state = DecodeState(pair.target, oracle)
-    steps = list(stream_generate(pair.target, oracle, prompt, max_new_tokens=60, stop_ids=[stop], state=state))
+    steps = list(stream_generate(pair.target, oracle, prompt, max_new_tokens=60, stop_ids=[stop], state=state,
+                                 adaptive=False))
     tokens = [t for s in steps for t in s.tokens]
     assert tokens == hf_greedy(pair.target, prompt, 60, eos=stop)
     assert tokens[-1] == stop and len(tokens) == position + 1

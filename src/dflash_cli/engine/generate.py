@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.baseline import baseline_rounds
 from dflash_cli.engine.device import peak_memory, reset_peak_memory
 from dflash_cli.engine.drafter import DFlashDrafter
@@ -51,8 +52,12 @@ def resolve_block_size(drafter: DFlashDrafter | None, block_size: int | None) ->
 class _Tally:
     """Mutable counters behind the frozen GenerationStats snapshots."""
 
-    def __init__(self, prompt_tokens: int, prefilled: int, block_size: int, device: torch.device):
+    def __init__(self, prompt_tokens: int, prefilled: int, block_size: int, device: torch.device,
+                 adaptive: bool = False):
         self.prompt_tokens, self.prefilled, self.block_size, self.device = prompt_tokens, prefilled, block_size, device
+        self.adaptive = adaptive
+        self.block_rounds = [0] * block_size  # [n-1] = rounds run with n slots
+        self.last_block = 0
         self.prefill_seconds = self.decode_seconds = self.draft_seconds = self.verify_seconds = 0.0
         self.generated = self.steps = self.drafted = self.accepted = 0
         self.histogram = [0] * block_size
@@ -65,6 +70,8 @@ class _Tally:
         self.drafted += r.drafted
         self.accepted += min(r.accepted, committed)
         self.histogram[committed - 1] += 1
+        self.block_rounds[r.drafted] += 1
+        self.last_block = r.drafted + 1
         for k in range(r.drafted):
             self.pos_drafted[k] += 1
         for k in range(min(r.accepted, committed)):
@@ -82,14 +89,17 @@ class _Tally:
             draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds, block_size=self.block_size,
             committed_histogram=tuple(self.histogram), position_drafted=tuple(self.pos_drafted),
             position_accepted=tuple(self.pos_accepted), peak_memory_bytes=memory.peak_bytes,
-            peak_memory_kind=memory.kind, finish_reason=finish_reason)
+            peak_memory_kind=memory.kind, adaptive=self.adaptive, block_rounds=tuple(self.block_rounds),
+            last_block=self.last_block,
+            finish_reason=finish_reason)
 
 
 def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Sequence[int], *,
                     tokenizer: Any = None, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, block_size: int | None = None,
                     stop_ids: Sequence[int] | None = None, state: DecodeState | None = None,
-                    max_context: int | None = None) -> Iterator[Step]:
+                    max_context: int | None = None, adaptive: bool | None = None,
+                    controller: BlockSizeController | None = None) -> Iterator[Step]:
     """Generates from `prompt` (token ids), yielding one Step per target forward.
 
     Args:
@@ -101,6 +111,9 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
         temperature, top_p, top_k: 0 = greedy (default); otherwise sampling, lossless in distribution.
         seed: makes sampling reproducible.
         block_size: tokens per verify step, anchor included; default the drafter's trained size.
+        adaptive: choose the block size each round from measured acceptance and costs (down to pausing
+            drafting when it does not pay); default on unless block_size is given.
+        controller: the BlockSizeController to use (keeps what it learned across calls, e.g. a chat).
         stop_ids: generation ends after any of these; default the target's eos ids.
         state: a DecodeState from an earlier call (a chat): the shared prefix of its tokens is not re-read.
         max_context: most tokens (prompt + reply) to hold; default the target's context length.
@@ -116,6 +129,12 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
     if bad:
         raise InvalidSettingError(f"prompt token id {bad[0]} is outside the target's vocabulary")
     block = resolve_block_size(drafter, block_size)
+    if adaptive is None:
+        adaptive = block_size is None
+    if adaptive and block > 1 and controller is None:
+        controller = BlockSizeController(block)
+    if not adaptive or block == 1:
+        controller = None
     stops = set(default_stop_ids(target, tokenizer) if stop_ids is None else stop_ids)
     sample = Sampler(temperature, top_p, top_k, seed, device=target.device)
     if state is None or state.drafter is not drafter or state.target is not target:
@@ -140,7 +159,7 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
         first = sample(logits)  # (1,)
         first_id = first.tolist()
         state.commit(first_id, None, anchor=first)
-        tally = _Tally(len(prompt), len(prompt) - reused, block, target.device)
+        tally = _Tally(len(prompt), len(prompt) - reused, block, target.device, adaptive=controller is not None)
         tally.prefill_seconds = time.perf_counter() - t0
         tally.generated = 1
 
@@ -151,8 +170,8 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
         if finish:
             return
 
-        rounds = (speculative_rounds(state, drafter, sample, block_size=block, limit=limit) if block > 1
-                  else baseline_rounds(state, sample, limit=limit))
+        rounds = (speculative_rounds(state, drafter, sample, block_size=block, limit=limit, controller=controller)
+                  if block > 1 else baseline_rounds(state, sample, limit=limit))
         for r in rounds:
             tokens = r.tokens
             stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)

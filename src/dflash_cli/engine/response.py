@@ -28,6 +28,9 @@ class GenerationStats:
     position_accepted: tuple[int, ...]  # [k] = steps that accepted the draft at position k+1
     peak_memory_bytes: int | None
     peak_memory_kind: str
+    adaptive: bool = False  # block sizes chosen per round (see engine/adaptive.py)
+    block_rounds: tuple[int, ...] = ()  # [n-1] = rounds run with n slots (1 = drafting paused)
+    last_block: int = 0  # slots of the latest round: the current adaptive choice
     finish_reason: str | None = None
 
     @property
@@ -68,7 +71,7 @@ class GenerationStats:
                      "acceptance_length", "draft_acceptance", "per_position_acceptance"):
             value = getattr(self, name)
             data[name] = list(value) if isinstance(value, tuple) else value
-        for name in ("committed_histogram", "position_drafted", "position_accepted"):
+        for name in ("committed_histogram", "position_drafted", "position_accepted", "block_rounds"):
             data[name] = list(data[name])
         return data
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.device import Stopwatch
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.sampling import Sampler
@@ -27,7 +28,7 @@ class Round:
     """What one verify step committed. The first `accepted` tokens came from the drafter."""
 
     tokens: list[int]
-    drafted: int
+    drafted: int  # block length - 1
     accepted: int
     draft_seconds: float
     verify_seconds: float
@@ -35,17 +36,19 @@ class Round:
 
 
 def speculative_rounds(state: DecodeState, drafter: DFlashDrafter, sample: Sampler, *, block_size: int,
-                       limit: int) -> Iterator[Round]:
+                       limit: int, controller: BlockSizeController | None = None) -> Iterator[Round]:
     """Yields one Round per target verify step until len(state.tokens) reaches `limit`.
 
-    The caller has prefilled `state` and committed the first token. The last block is clamped so that no
-    more than `limit` tokens are ever committed.
+    The caller has prefilled `state` and committed the first token. Each block has `block_size` slots,
+    or what `controller` chooses (1 = a plain step that still feeds the drafter's context). The last
+    block is clamped so that no more than `limit` tokens are ever committed.
     """
     target = state.target
     draft_watch, verify_watch = Stopwatch(target.device), Stopwatch(target.device)
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
-        n = min(block_size, limit - len(state.tokens))  # block length, anchor included
+        want = controller.choose() if controller is not None else block_size
+        n = min(want, limit - len(state.tokens))  # block length, anchor included
         start, anchor = state.start, state.anchor
 
         draft_watch.start()
@@ -67,5 +70,8 @@ def speculative_rounds(state: DecodeState, drafter: DFlashDrafter, sample: Sampl
 
         a = host[-1]
         state.commit(host[: a + 1], hidden[:, : a + 1], anchor=choice[a : a + 1])
-        yield Round(host[: a + 1], n - 1, a, draft_watch.seconds, verify_watch.seconds,
-                    time.perf_counter() - t0)
+        round_ = Round(host[: a + 1], n - 1, a, draft_watch.seconds, verify_watch.seconds,
+                       time.perf_counter() - t0)
+        if controller is not None:
+            controller.observe(n, a, round_.wall_seconds)
+        yield round_

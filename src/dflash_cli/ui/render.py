@@ -185,6 +185,8 @@ def status_text(stats: Any, speculative: bool, color: bool = False) -> str:
     if speculative and stats.steps:
         parts.insert(2, f"τ {stats.acceptance_length:.2f}")
         parts.insert(3, f"draft {stats.draft_acceptance:.0%}")
+        if stats.adaptive:
+            parts.insert(4, "drafting paused" if stats.last_block == 1 else f"block {stats.last_block}")
     return "  ".join(parts)
 
 
@@ -242,13 +244,23 @@ class StatusLine:
         self._line = ""
 
 
+def block_summary(stats: Any) -> str:
+    """'block 16', or for adaptive runs the block sizes used: 'blocks 16x40 8x3, paused 5 steps'."""
+    if not stats.adaptive:
+        return f"block {stats.block_size}"
+    used = [f"{n + 1}x{count}" for n, count in reversed(list(enumerate(stats.block_rounds))) if count and n > 0]
+    paused = stats.block_rounds[0] if stats.block_rounds else 0
+    text = "adaptive blocks " + (" ".join(used) if used else "none")
+    return text + (f", paused {paused} step(s)" if paused else "")
+
+
 def summary_line(stats: Any, speculative: bool) -> str:
     """The compact line after each chat reply."""
     parts = [f"{stats.generated_tokens} tokens", f"{stats.decode_tokens_per_second:.1f} tok/s",
              f"{stats.prefill_seconds + stats.decode_seconds:.1f}s"]
     if speculative:
         parts += [f"τ {stats.acceptance_length:.2f}", f"draft acceptance {stats.draft_acceptance:.0%}",
-                  f"block {stats.block_size}"]
+                  block_summary(stats)]
     else:
         parts.append("speculation off")
     if stats.finish_reason == "length":
@@ -276,7 +288,7 @@ def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: 
     if stats.speculative:
         other = max(stats.decode_seconds - stats.draft_seconds - stats.verify_seconds, 0.0)
         per_pos = " ".join(f"{k + 1}:{p:.0%}" for k, p in enumerate(stats.per_position_acceptance))
-        rows += [("speculation", f"on, block size {stats.block_size}"),
+        rows += [("speculation", f"on, {block_summary(stats)} (trained block {stats.block_size})"),
                  ("acceptance length", f"{stats.acceptance_length:.2f} tokens/step (tau, bonus included)"),
                  ("draft acceptance", f"{stats.draft_acceptance:.1%} ({stats.accepted}/{stats.drafted} drafted)"),
                  ("steps", str(stats.steps)),
@@ -306,6 +318,9 @@ def stats_json(stats: Any) -> dict[str, Any]:
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "block_size": stats.block_size,
+        "adaptive": stats.adaptive,
+        "block_rounds": list(stats.block_rounds),
+        "last_block": stats.last_block,
         "speculative": stats.speculative,
         "acceptance_length": stats.acceptance_length,
         "draft_acceptance": stats.draft_acceptance,

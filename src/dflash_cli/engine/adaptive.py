@@ -1,0 +1,99 @@
+"""Adaptive speculation: pick each round's block size to maximise expected tokens per second.
+
+The controller keeps, with exponential forgetting, the acceptance rate at each draft position given
+that the earlier ones were accepted (q_k), and the measured cost of a draft and of a verify at each
+block size it has used. The expected tokens of a round of n slots are 1 + sum_k prod_{j<=k} q_j (the
+bonus token always counts), its cost draft(n) + verify(n); a plain round (n = 1) commits one token for
+verify(1). When nothing beats plain decoding, drafting pauses and is re-probed now and then, so a
+drafter that starts to pay again (code after prose, say) is noticed. Output stays lossless whatever is
+chosen: the block size only changes how many tokens each verify step can commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class BlockSizeController:
+    """Chooses the block length (anchor included) of the next round, from 1 to `max_block`."""
+
+    def __init__(self, max_block: int, *, decay: float = 0.97, probe_every: int = 24, warmup: int = 3,
+                 cost: Callable[[int], float] | None = None):
+        """`cost(n)`, when given, replaces measured round costs (tests and simulations)."""
+        self.max_block = max_block
+        self.decay, self.probe_every, self.warmup = decay, probe_every, warmup
+        self.injected_cost = cost
+        self.reached = [0.0] * max_block  # [k] = weighted rounds whose block drafted position k (k >= 1)
+        self.accepted = [0.0] * max_block  # [k] = ... that accepted it
+        self._cost: dict[int, float] = {}  # block length -> smoothed seconds per round
+        self.rounds = 0
+        self._plain_streak = 0
+        self.choice = max_block
+
+    # -- estimates ---------------------------------------------------------------------------------
+    def acceptance(self, k: int) -> float:
+        """Estimated P(draft k accepted | drafts 1..k-1 accepted), with a weak prior of 1/2."""
+        return (self.accepted[k] + 0.5) / (self.reached[k] + 1.0)
+
+    def expected_tokens(self, n: int) -> float:
+        total, run = 1.0, 1.0
+        for k in range(1, n):
+            run *= self.acceptance(k)
+            total += run
+        return total
+
+    def cost(self, n: int) -> float | None:
+        """Seconds per round of n slots: measured, or interpolated linearly from measured sizes."""
+        if self.injected_cost is not None:
+            return self.injected_cost(n)
+        if n in self._cost:
+            return self._cost[n]
+        drafted = sorted(m for m in self._cost if m > 1)
+        if not drafted or n == 1:
+            return None
+        if len(drafted) == 1:
+            return self._cost[drafted[0]]  # one measurement: assume the block size barely matters
+        lo, hi = drafted[0], drafted[-1]
+        slope = (self._cost[hi] - self._cost[lo]) / (hi - lo)
+        return max(self._cost[lo] + slope * (n - lo), 1e-9)
+
+    def rates(self) -> dict[int, float]:
+        """Expected tokens per second at each block size whose cost is known or can be estimated."""
+        out = {}
+        for n in range(1, self.max_block + 1):
+            c = self.cost(n)
+            if c:
+                out[n] = self.expected_tokens(n) / c
+        return out
+
+    # -- decisions -----------------------------------------------------------------------------------
+    def choose(self) -> int:
+        if self.rounds < self.warmup:
+            self.choice = self.max_block  # measure acceptance with full blocks first
+        elif self.cost(1) is None:
+            self.choice = 1  # measure what plain decoding costs once
+        elif self.choice == 1 and self._plain_streak >= self.probe_every:
+            self.choice = max(self._best_drafting(), 2)  # re-probe a paused drafter
+        else:
+            rates = self.rates()
+            self.choice = max(rates, key=rates.get) if rates else self.max_block
+        return self.choice
+
+    def _best_drafting(self) -> int:
+        rates = {n: r for n, r in self.rates().items() if n > 1}
+        return max(rates, key=rates.get) if rates else self.max_block
+
+    def observe(self, n: int, accepted: int, seconds: float) -> None:
+        """Records a round of n slots that accepted `accepted` drafts and took `seconds`."""
+        self.rounds += 1
+        self._plain_streak = self._plain_streak + 1 if n == 1 else 0
+        if n > 1:
+            for k in range(1, self.max_block):
+                self.reached[k] *= self.decay
+                self.accepted[k] *= self.decay
+            for k in range(1, min(accepted + 1, n - 1) + 1):  # positions 1..a accepted, a+1 rejected
+                self.reached[k] += 1.0
+                if k <= accepted:
+                    self.accepted[k] += 1.0
+        previous = self._cost.get(n)
+        self._cost[n] = seconds if previous is None else 0.8 * previous + 0.2 * seconds

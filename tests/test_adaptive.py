@@ -1,0 +1,105 @@
+"""Adaptive block sizes: decisions (not timings), with drafters of controlled quality and injected costs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import DEVICE
+from dflash_cli.engine.adaptive import BlockSizeController
+from dflash_cli.engine.generate import generate
+from dflash_cli.engine.load import load_pair
+from dflash_cli.engine.oracle import OracleDrafter
+
+B = 16
+
+
+def round_cost(draft: float, verify_slope: float):
+    """Seconds of a round of n slots: a 1.0 s plain decode, a verify that grows with n, a draft."""
+    return lambda n: 1.0 if n == 1 else 1.0 + verify_slope * (n - 1) + draft
+
+
+def simulate(q: float, cost, rounds: int = 600, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    controller = BlockSizeController(B, cost=cost)
+    chosen = []
+    for _ in range(rounds):
+        n = controller.choose()
+        accepted = 0
+        while accepted < n - 1 and rng.random() < q:
+            accepted += 1
+        controller.observe(n, accepted, cost(n))
+        chosen.append(n)
+    return chosen[100:]  # after the learning phase
+
+
+def best_block(q: float, cost) -> int:
+    def rate(n):
+        return sum(q**k for k in range(n)) / cost(n)
+    return max(range(1, B + 1), key=rate)
+
+
+def test_a_useless_drafter_ends_up_drafting_rarely():
+    chosen = simulate(0.0, round_cost(draft=0.3, verify_slope=0.05))
+    drafting = sum(n > 1 for n in chosen) / len(chosen)
+    assert drafting < 0.1  # paused, with an occasional re-probe
+
+
+def test_a_good_drafter_keeps_full_blocks():
+    chosen = simulate(0.95, round_cost(draft=0.2, verify_slope=0.01))
+    assert sum(n == B for n in chosen) / len(chosen) > 0.9
+
+
+def test_a_mediocre_drafter_settles_on_a_shorter_block():
+    cost = round_cost(draft=0.1, verify_slope=0.12)
+    best = best_block(0.6, cost)
+    assert 2 <= best < B // 2
+    chosen = simulate(0.6, cost)
+    typical = max(set(chosen), key=chosen.count)
+    assert abs(typical - best) <= 1 and sum(n > 1 for n in chosen) / len(chosen) > 0.9
+
+
+def test_a_drafter_that_starts_to_pay_is_picked_up_again():
+    rng = random.Random(1)
+    cost = round_cost(draft=0.2, verify_slope=0.01)
+    controller = BlockSizeController(B, cost=cost)
+    for phase_q, rounds in ((0.0, 300), (0.95, 300)):
+        chosen = []
+        for _ in range(rounds):
+            n = controller.choose()
+            accepted = 0
+            while accepted < n - 1 and rng.random() < phase_q:
+                accepted += 1
+            controller.observe(n, accepted, cost(n))
+            chosen.append(n)
+        if phase_q == 0.0:
+            assert chosen[-50:].count(1) > 40
+        else:
+            assert chosen[-50:].count(B) > 40  # a re-probe noticed the better drafter
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models):
+    return load_pair(tiny_models["qwen3"], tiny_models["qwen3-drafter"], device=DEVICE, dtype="float32")
+
+
+@pytest.mark.parametrize("acceptance, expect_drafting", [(0.0, False), (1.0, True)])
+def test_the_loop_follows_the_controller_and_stays_lossless(pair, acceptance, expect_drafting):
+    prompt = [5, 9, 14, 20, 33]
+    plain = generate(pair.target, None, prompt, max_new_tokens=150, stop_ids=[])
+    oracle = OracleDrafter(pair.drafter, prompt + plain.tokens + [0] * 32, acceptance=acceptance)
+    controller = BlockSizeController(pair.drafter.block_size, cost=round_cost(draft=0.3, verify_slope=0.02))
+    got = generate(pair.target, oracle, prompt, max_new_tokens=150, stop_ids=[], controller=controller)
+    assert got.tokens == plain.tokens
+    stats = got.stats
+    assert stats.adaptive and sum(stats.block_rounds) == stats.steps
+    if expect_drafting:
+        assert stats.block_rounds[-1] > 0.8 * stats.steps
+    else:
+        assert stats.block_rounds[0] > 0.7 * stats.steps  # mostly plain steps
+
+
+def test_a_fixed_block_size_turns_adaptation_off(pair):
+    got = generate(pair.target, pair.drafter, [1, 2, 3], max_new_tokens=20, stop_ids=[], block_size=4)
+    assert not got.stats.adaptive and got.stats.block_rounds[3] >= got.stats.steps - 3  # the tail is clamped
