@@ -140,6 +140,11 @@ class Conversation:
         from dflash_cli.engine.state import DecodeState
 
         self.state = DecodeState(self.runtime.target, self.runtime.drafter)
+        self.controller = None  # the adaptive block-size choice, kept across turns
+        if self.runtime.drafter is not None:
+            from dflash_cli.engine.adaptive import BlockSizeController
+
+            self.controller = BlockSizeController(self.runtime.drafter.block_size)
 
     def prompt_ids(self, settings: GenerationSettings) -> list[int]:
         from dflash_cli.engine.text import encode_prompt
@@ -169,8 +174,11 @@ class Conversation:
         parts: list[str] = []
         self.interrupted = True
         try:
+            adaptive = settings.block_size is None
             for step in stream_generate(self.runtime.target, drafter, prompt, tokenizer=self.runtime.tokenizer,
-                                        state=self.state, **settings.engine_kwargs()):
+                                        state=self.state, adaptive=adaptive,
+                                        controller=self.controller if adaptive else None,
+                                        **settings.engine_kwargs()):
                 parts.append(step.text)
                 yield step
             self.interrupted = False
