@@ -83,7 +83,9 @@ class Config:
 
     def default_map(self) -> dict[str, dict[str, Any]]:
         """click's default_map: config values become option defaults (flags and env vars still win)."""
-        return {"generate": dict(self.values), "chat": dict(self.values)}
+        model_keys = {k: v for k, v in self.values.items()
+                      if k in ("model", "draft", "quant", "dtype", "device", "max_context", "block_size", "color")}
+        return {"generate": dict(self.values), "chat": dict(self.values), "bench": model_keys}
 
 
 def config_path() -> Path:

@@ -1,0 +1,188 @@
+"""train_drafter: distils a DFlash drafter for a local causal LM, from data the target generates itself.
+
+Output folder layout (the drafter itself is what the engine loads like any published drafter):
+    OUT/config.json, OUT/model.safetensors   the drafter (public DFlash format) + a `training` entry
+    OUT/data/                                 generated sequences + tapped features (resumable cache)
+    OUT/checkpoint/latest.safetensors(+.json) drafter, optimizer, step, rng (resumable; no pickle)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_cli.engine.device import pick_device, pick_dtype
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, _fallback_taps
+from dflash_cli.engine.errors import InvalidSettingError
+from dflash_cli.engine.generate import default_stop_ids
+from dflash_cli.engine.load import load_target, save_drafter
+from dflash_cli.train.data import build_dataset, load_dataset, read_prompts
+from dflash_cli.train.trainer import TrainConfig, checkpoint_config, make_head, sub_vocabulary, train_loop
+
+CHECKPOINT = Path("checkpoint") / "latest.safetensors"
+
+
+def default_taps(num_target_layers: int, layers: int) -> list[int]:
+    """The reference fallback spread (docs/dflash-format.md section 2) for max(layers, 5) taps, deduplicated:
+    published drafters tap 5 layers, and more taps help a shallow drafter (prototype: 2 layers, 5 taps)."""
+    n = min(max(layers, 5), num_target_layers)
+    return sorted(set(_fallback_taps(n, num_target_layers)))
+
+
+def pick_mask_token(tokenizer, embed: torch.Tensor, seen: set[int]) -> tuple[int, str]:
+    """A token id that never occurs in normal text, with a non-zero embedding row.
+
+    In order: the highest special token the tokenizer declares that has no role (not bos/eos/pad/unk)
+    and never occurs in the generated data; else the first embedding row past the tokenizer's vocabulary;
+    else the highest id that never occurs in the data.
+    """
+    norms = embed.float().norm(dim=-1)
+    usable = lambda i: 0 <= i < embed.shape[0] and i not in seen and norms[i] > 0  # noqa: E731
+    roles = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    specials = [i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)]
+    for i in sorted(specials, reverse=True):
+        if i not in roles and usable(i):
+            return i, "an unused special token of the tokenizer"
+    if embed.shape[0] > len(tokenizer) and usable(len(tokenizer)):
+        return len(tokenizer), "the first embedding row past the tokenizer's vocabulary"
+    for i in range(embed.shape[0] - 1, -1, -1):
+        if i not in roles and usable(i):
+            return i, "the highest id absent from the generated data"
+    raise InvalidSettingError("found no token id usable as the mask token")
+
+
+def drafter_config(target_cfg, *, layers: int, block_size: int, taps: list[int], mask_id: int,
+                   vocab_rows: int) -> dict[str, Any]:
+    """A Qwen3-style drafter config shaped like the target's layers (public DFlash format)."""
+    cfg = getattr(target_cfg, "text_config", None) or target_cfg
+    heads = cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = getattr(cfg, "rope_theta", None) or rope.get("rope_theta") or 1e6
+    return dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), hidden_act="silu", attention_bias=False,
+                rope_theta=float(theta), rope_scaling=None,
+                max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+                num_target_layers=cfg.num_hidden_layers, vocab_size=vocab_rows, tie_word_embeddings=False,
+                layer_types=["full_attention"] * layers, sliding_window=None, use_sliding_window=False,
+                block_size=block_size,
+                dflash_config={"mask_token_id": mask_id, "target_layer_ids": taps, "block_size": block_size})
+
+
+def init_drafter(raw: dict, device: torch.device, seed: int) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    drafter.init_rotary(device)
+    return drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; compute may autocast
+
+
+def split_heldout(n: int) -> tuple[list[int], list[int]]:
+    """Every 10th prompt (at most 16) is held out for the acceptance estimate; none below 4 prompts."""
+    held = [i for i in range(9, n, 10)][:16] if n >= 10 else ([n - 1] if n >= 4 else [])
+    return [i for i in range(n) if i not in set(held)], held
+
+
+def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Sequence[str] | str | Path | None = None,
+                  layers: int = 2, block_size: int = 16, taps: Sequence[int] | None = None, lr: float = 6e-4,
+                  steps: int | None = None, time_budget: float | None = None, batch: int = 4, anchors: int = 16,
+                  gamma: float = 7.0, sub_vocab: bool = True, max_new_tokens: int = 200, gen_batch: int = 16,
+                  checkpoint_every: int = 100, eval_every: int = 50, seed: int = 0,
+                  device: str | None = None, dtype: str | None = None,
+                  on_progress: Callable[[str, Any], None] | None = None) -> Path:
+    """Distils a drafter for the target in `target_dir` and writes it to `out_dir`; returns out_dir.
+
+    Args:
+        prompts: prompt strings, a file (one per line or JSONL with "prompt"), or None for the built-in set.
+        steps / time_budget: total optimizer steps, or seconds of training (all runs of this out_dir).
+        sub_vocab: compute the loss over the tokens occurring in the responses only (much faster on big
+            vocabularies; drafting still uses the full head).
+        on_progress: called with ("data", dict(done, total, tokens, seconds)) per generated batch and
+            ("train", trainer.Progress) per step.
+    Re-running with the same out_dir resumes: stored prompts are not generated again and training
+    continues from the checkpoint (pass a larger `steps` to train further).
+    """
+    if steps is None and time_budget is None:
+        steps = 1000
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    call = dict(target=str(target_dir), layers=layers, block_size=block_size, lr=lr, steps=steps,
+                time_budget=time_budget, batch=batch, anchors=anchors, gamma=gamma, sub_vocab=sub_vocab,
+                max_new_tokens=max_new_tokens, seed=seed, dtype=str(dt).removeprefix("torch."))
+    if prompts is None:
+        from dflash_cli.train.prompts import DEFAULT_PROMPTS
+
+        prompt_list, call["prompts"] = list(DEFAULT_PROMPTS), "built-in"
+    elif isinstance(prompts, (str, Path)):
+        prompt_list, call["prompts"] = read_prompts(prompts), str(prompts)
+    else:
+        prompt_list, call["prompts"] = list(prompts), f"{len(prompts)} prompts given to the API"
+    if not prompt_list:
+        raise InvalidSettingError("no prompts to train on")
+
+    from transformers import AutoTokenizer
+
+    target = load_target(target_dir, device=dev, dtype=dt)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    ckpt = out_dir / CHECKPOINT
+    previous = checkpoint_config(ckpt)
+    if previous is not None:
+        taps = list(previous["dflash_config"]["target_layer_ids"])
+        if previous["num_hidden_layers"] != layers or previous["block_size"] != block_size:
+            raise InvalidSettingError(f"{out_dir} holds a checkpoint with {previous['num_hidden_layers']} layers "
+                                      f"and block size {previous['block_size']}",
+                                      hint="use the same --layers/--block-size to resume, or another output folder")
+    taps = list(taps) if taps is not None else default_taps(target.num_layers, layers)
+
+    def data_progress(done: int, total: int, tokens: int, seconds: float) -> None:
+        if on_progress:
+            on_progress("data", dict(done=done, total=total, tokens=tokens, seconds=seconds))
+
+    build_dataset(target, tokenizer, prompt_list, taps, out_dir / "data", max_new_tokens=max_new_tokens,
+                  batch_size=gen_batch, stop_ids=default_stop_ids(target, tokenizer), on_progress=data_progress)
+    train_ids, held_ids = split_heldout(len(prompt_list))
+    train_set = [e for e in load_dataset(out_dir / "data", train_ids) if len(e.ids) - e.prompt_len >= 2]
+    held_set = [e for e in load_dataset(out_dir / "data", held_ids) if len(e.ids) - e.prompt_len >= 2]
+    if not train_set:
+        raise InvalidSettingError("the target produced no usable responses (each needs at least 2 tokens)")
+
+    if previous is not None:
+        raw = dict(previous)
+    else:
+        seen = set(torch.cat([e.ids for e in train_set + held_set]).tolist())
+        mask_id, why = pick_mask_token(tokenizer, target.embed_weight, seen)
+        raw = drafter_config(target.config, layers=layers, block_size=block_size, taps=taps, mask_id=mask_id,
+                             vocab_rows=target.vocab_rows)
+        call["mask_token"] = why
+    raw["training"] = {**raw.get("training", {}), **call}
+    drafter = init_drafter(raw, dev, seed)
+    head = make_head(target.lm_head, sub_vocabulary(train_set) if sub_vocab else None)
+    cfg = TrainConfig(steps=steps, time_budget=time_budget, lr=lr, batch=min(batch, len(train_set)),
+                      anchors=anchors, gamma=gamma, checkpoint_every=checkpoint_every, eval_every=eval_every,
+                      seed=seed, warmup=min(50, max(1, (steps or 1000) // 20)))
+    autocast = dt if dt != torch.float32 else None
+    state = train_loop(drafter, target.embed_weight, target.lm_head, head, train_set, held_set, cfg, ckpt,
+                       autocast_dtype=autocast,
+                       on_progress=(lambda p: on_progress("train", p)) if on_progress else None)
+    raw["training"].update(step=state.step, train_seconds=round(state.seconds, 1),
+                           train_sequences=len(train_set), heldout_sequences=len(held_set),
+                           final_loss=sum(state.losses[-10:]) / max(len(state.losses[-10:]), 1),
+                           heldout_tau=state.evals[-1][2] if state.evals else None)
+    drafter.config.raw.clear()
+    drafter.config.raw.update(raw)
+    save_drafter(drafter.to(dt), out_dir)
+    (out_dir / "training_log.json").write_text(json.dumps(
+        {"losses": state.losses, "evals": state.evals, "wall_seconds": time.perf_counter() - started}))
+    return out_dir

@@ -1,0 +1,103 @@
+"""`dflash-cli train`: the click command (registered in ui/cli.py). Imports torch only when run."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+def _parse_taps(_ctx, _param, value):
+    if value is None:
+        return None
+    try:
+        return [int(t) for t in value.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter("give comma-separated layer ids, e.g. 1,7,14,20,27") from None
+
+
+@click.command("train")
+@click.option("-m", "--model", "target", required=True, type=click.Path(file_okay=False, exists=True),
+              help="Local target folder (a transformers causal LM with safetensors weights and a tokenizer).")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Output folder: the drafter (config.json + model.safetensors), data cache, checkpoint. "
+                   "Re-running with the same folder resumes.")
+@click.option("--prompts", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Prompts: one per line, or JSONL with a \"prompt\" field [default: a small built-in set].")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True, help="Drafter layers.")
+@click.option("--block-size", type=click.IntRange(min=2), default=16, show_default=True,
+              help="Block length B, anchor included.")
+@click.option("--taps", callback=_parse_taps, default=None, metavar="IDS",
+              help="Target layers to tap, e.g. 1,7,14,20,27 [default: evenly spread, reference rule].")
+@click.option("--lr", type=float, default=6e-4, show_default=True, help="Peak learning rate (AdamW, cosine decay).")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Total optimizer steps [default: 1000].")
+@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MIN",
+              help="Train for this many minutes instead of a step count.")
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="Sequences per step.")
+@click.option("--anchors", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Random anchors (blocks) per sequence per step.")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=200, show_default=True,
+              help="Longest generated response per prompt.")
+@click.option("--gen-batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Prompts per batched generation.")
+@click.option("--sub-vocab/--full-vocab", default=True, show_default=True,
+              help="Loss over the tokens seen in the responses only (faster), or the whole vocabulary.")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 [default: cuda when available].")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="Compute dtype.")
+@click.option("--debug", is_flag=True, help="Show tracebacks of unexpected errors.")
+def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_budget, batch, anchors,
+          max_new_tokens, gen_batch, sub_vocab, device, dtype, debug):
+    """Distil a DFlash drafter for a local target from the target's own answers to prompts.
+
+    \b
+    Examples:
+      dflash-cli train -m ./SmolLM2-135M-Instruct -o ./smollm2-dflash --time-budget 60
+      dflash-cli train -m ./target -o ./drafter --prompts prompts.jsonl --steps 2000 --taps 1,7,14,20,27
+    """
+    from dflash_cli.ui.cli import guarded
+    from dflash_cli.ui.render import Output
+
+    if steps is not None and time_budget is not None:
+        raise click.UsageError("give --steps or --time-budget, not both")
+    kwargs = dict(prompts=prompts, layers=layers, block_size=block_size, taps=taps, lr=lr, steps=steps,
+                  time_budget=time_budget * 60 if time_budget else None, batch=batch, anchors=anchors,
+                  max_new_tokens=max_new_tokens, gen_batch=gen_batch, sub_vocab=sub_vocab, device=device,
+                  dtype=None if dtype == "auto" else dtype)
+    guarded(lambda: Output("auto", provenance=False), lambda out: _run(out, target, out_dir, kwargs), debug)
+
+
+def _run(out, target: str, out_dir: str, kwargs: dict) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from dflash_cli.train.api import train_drafter
+
+    console = Console(file=sys.stderr)
+    total = kwargs["steps"] or (None if kwargs["time_budget"] else 1000)
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total}"),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console, transient=False) as bar:
+        tasks: dict[str, int] = {}
+        gen_tokens = [0, 0.0]
+
+        def on_progress(kind, info):
+            if kind == "data":
+                gen_tokens[0] += info["tokens"]
+                gen_tokens[1] += info["seconds"]
+                if "data" not in tasks:
+                    tasks["data"] = bar.add_task("generating", total=info["total"], info="")
+                bar.update(tasks["data"], completed=info["done"],
+                           info=f"{gen_tokens[0]} tokens, {gen_tokens[0] / max(gen_tokens[1], 1e-9):.0f} tok/s")
+            else:
+                if "train" not in tasks:
+                    budget = kwargs["time_budget"]
+                    tasks["train"] = bar.add_task("training", total=total if total else budget, info="")
+                tau = f" tau~{info.tau:.2f}" if info.tau is not None else ""
+                done = info.step if total else min(info.seconds, kwargs["time_budget"])
+                bar.update(tasks["train"], completed=done,
+                           info=f"step {info.step} loss {info.loss:.3f}{tau} {info.tokens_per_s:.0f} tok/s")
+
+        folder = train_drafter(target, out_dir, on_progress=on_progress, **kwargs)
+    out.info(f"drafter written to {folder} (load it with --draft {folder})", dim=False)
+    return 0

@@ -1,0 +1,175 @@
+"""Training data: the target answers prompts itself; token ids and tapped features are cached on disk.
+
+Prompts are chat-templated and answered greedily in batches (left padding) by the target's transformers
+model. Forward hooks on the tapped decoder layers capture their outputs during the same generate call, so
+no second pass is needed. Each batch becomes one safetensors shard (`ids.{i}`, `feat.{i}` in bf16) and
+the JSON index records which prompts are done: a re-run skips them and resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_cli.engine.target import Target
+
+INDEX = "index.json"
+
+
+@dataclass
+class Example:
+    ids: torch.Tensor  # (L,) prompt + response token ids
+    features: torch.Tensor  # (L-1, n_taps*H) tapped states of every token fed to the target (not the last)
+    prompt_len: int
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """One prompt per line, or JSONL objects with a "prompt" field; blank lines are skipped."""
+    prompts = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            line = str(json.loads(line)["prompt"])
+        prompts.append(line)
+    return prompts
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    from dflash_cli.engine.text import encode_prompt
+
+    return encode_prompt(tokenizer, prompt)
+
+
+class _TapRecorder:
+    """Forward hooks that append each tapped layer's output on every forward of a generate call."""
+
+    def __init__(self, target: Target, taps: Sequence[int]):
+        self.taps = list(taps)
+        self.chunks: dict[int, list[torch.Tensor]] = {t: [] for t in set(taps)}
+        last = target.num_layers - 1
+        self.handles = []
+        for t in set(taps):
+            def hook(_m, _i, output, t=t):
+                hidden = output[0] if isinstance(output, tuple) else output
+                if t == last and target._final_norm is not None:  # hidden_states[-1] is after the final norm
+                    hidden = target._final_norm(hidden)
+                self.chunks[t].append(hidden.to(torch.bfloat16))
+            self.handles.append(target.layers[t].register_forward_hook(hook))
+
+    def features(self) -> torch.Tensor:
+        """(batch, fed_tokens, n_taps*H) in the drafter's tap order."""
+        return torch.cat([torch.cat(self.chunks[t], dim=1) for t in self.taps], dim=-1)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def generate_batch(target: Target, prompts_ids: list[list[int]], taps: Sequence[int], *, max_new_tokens: int,
+                   stop_ids: Sequence[int], pad_id: int) -> list[Example]:
+    """Greedy answers for a batch of prompts (left padded) with the tapped features of every fed token."""
+    width = max(map(len, prompts_ids))
+    dev = target.device
+    ids = torch.full((len(prompts_ids), width), pad_id, dtype=torch.long, device=dev)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts_ids):
+        ids[i, width - len(p):] = torch.tensor(p, device=dev)
+        attn[i, width - len(p):] = 1
+    rec = _TapRecorder(target, taps)
+    try:
+        out = target.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                                    do_sample=False, eos_token_id=list(stop_ids) or None, pad_token_id=pad_id,
+                                    temperature=None, top_p=None, top_k=None)
+        feats = rec.features()
+    finally:
+        rec.remove()
+    stops = set(stop_ids)
+    result = []
+    for i, p in enumerate(prompts_ids):
+        gen = out[i, width:].tolist()
+        end = next((k + 1 for k, t in enumerate(gen) if t in stops), len(gen))
+        seq = p + gen[:end]
+        pad = width - len(p)
+        f = feats[i, pad : pad + len(seq) - 1].cpu()
+        assert f.shape[0] == len(seq) - 1, (f.shape, len(seq))
+        result.append(Example(torch.tensor(seq), f.contiguous(), len(p)))
+    return result
+
+
+def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Sequence[int], cache_dir: str | Path, *,
+                  max_new_tokens: int = 200, batch_size: int = 16, stop_ids: Sequence[int] = (),
+                  on_progress: Callable[[int, int, int, float], None] | None = None) -> list[int]:
+    """Generates and stores answers for the prompts not yet in `cache_dir`; returns the indices done.
+
+    on_progress(done_prompts, total_prompts, new_tokens, seconds) is called after each batch.
+    """
+    import time
+
+    from safetensors.torch import save_file
+
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    index = read_index(cache_dir)
+    key = {"taps": list(taps), "max_new_tokens": max_new_tokens, "target": target.name}
+    if index.get("key", key)["taps"] != list(taps):
+        raise ValueError(f"{cache_dir} holds features of taps {index['key']['taps']}, not {list(taps)}: "
+                         "use another cache folder")
+    index.setdefault("key", key)
+    index.setdefault("shards", [])
+    done = {int(i) for s in index["shards"] for i in s["prompts"]}
+    todo = [i for i in range(len(prompts)) if i not in done]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (list(stop_ids) or [0])[0]
+    # similar lengths together: less padding
+    encoded = {i: _encode(tokenizer, prompts[i]) for i in todo}
+    todo.sort(key=lambda i: len(encoded[i]))
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        t0 = time.perf_counter()
+        seqs = generate_batch(target, [encoded[i] for i in chunk], taps, max_new_tokens=max_new_tokens,
+                              stop_ids=stop_ids, pad_id=pad_id)
+        name = f"shard-{len(index['shards']):05d}.safetensors"
+        tensors = {}
+        for j, s in enumerate(seqs):
+            tensors[f"ids.{j}"] = s.ids
+            tensors[f"feat.{j}"] = s.features
+        save_file(tensors, str(cache_dir / name))
+        index["shards"].append({"file": name, "prompts": chunk, "prompt_lens": [s.prompt_len for s in seqs]})
+        _write_index(cache_dir, index)  # after the shard: an interrupted run never indexes a partial file
+        done.update(chunk)
+        if on_progress:
+            new = sum(len(s.ids) - s.prompt_len for s in seqs)
+            on_progress(len(done), len(prompts), new, time.perf_counter() - t0)
+    return sorted(done)
+
+
+def read_index(cache_dir: Path) -> dict:
+    path = Path(cache_dir) / INDEX
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _write_index(cache_dir: Path, index: dict) -> None:
+    tmp = cache_dir / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index))
+    tmp.replace(cache_dir / INDEX)
+
+
+def load_dataset(cache_dir: str | Path, prompt_ids: Sequence[int] | None = None) -> list[Example]:
+    """The stored sequences (optionally only those of these prompt indices), ordered by prompt index."""
+    from safetensors.torch import load_file
+
+    cache_dir = Path(cache_dir)
+    wanted = None if prompt_ids is None else set(prompt_ids)
+    items = []
+    for shard in read_index(cache_dir).get("shards", []):
+        tensors = load_file(str(cache_dir / shard["file"]))
+        for j, (pi, plen) in enumerate(zip(shard["prompts"], shard["prompt_lens"])):
+            if wanted is None or pi in wanted:
+                items.append((pi, Example(tensors[f"ids.{j}"], tensors[f"feat.{j}"], plen)))
+    return [s for _, s in sorted(items, key=lambda x: x[0])]

@@ -1,0 +1,285 @@
+"""The training loop: random anchors per sequence, weighted block loss, AdamW, checkpoints, held-out tau.
+
+Recipe (DFlash paper): the target is frozen and only supplies features, embeddings and its LM head. Each
+step takes `batch` sequences and `anchors` random anchors in each response; block a is
+[x_p, MASK x (B-1)] at positions p..p+B-1 and slot k (1..B-1) is trained to predict x_{p+k} with weight
+exp(-(k-1)/gamma), since a draft is accepted only up to its first miss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.train.data import Example
+from dflash_cli.train.forward import block_ids, block_labels, training_forward
+
+IGNORE = -100
+
+
+@dataclass
+class TrainConfig:
+    steps: int | None = 1000
+    time_budget: float | None = None  # seconds of training (this run and earlier runs together)
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    batch: int = 4
+    anchors: int = 16
+    gamma: float = 7.0
+    weight_decay: float = 0.01
+    checkpoint_every: int = 100
+    eval_every: int = 50
+    seed: int = 0
+
+
+@dataclass
+class Progress:
+    step: int
+    total: int | None
+    loss: float
+    lr: float
+    seconds: float  # training seconds so far (all runs)
+    tokens_per_s: float  # block slots trained per second in this run
+    tau: float | None = None  # latest held-out acceptance estimate
+    eval_loss: float | None = None
+
+
+@dataclass
+class Head:
+    """The target's frozen LM head, optionally restricted to a sub-vocabulary for the loss."""
+
+    weight: torch.Tensor  # (V', H)
+    bias: torch.Tensor | None
+    lut: torch.Tensor | None = None  # (V,) full id -> row of `weight`, -1 when absent; None = full vocabulary
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight.to(h.dtype), None if self.bias is None else self.bias.to(h.dtype))
+
+    def map_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        if self.lut is None:
+            return labels
+        mapped = self.lut[labels.clamp(min=0)]
+        return torch.where((labels < 0) | (mapped < 0), IGNORE, mapped)
+
+
+def make_head(lm_head: torch.nn.Module, sub_ids: torch.Tensor | None) -> Head:
+    weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
+    if sub_ids is None:
+        return Head(weight, bias)
+    lut = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+    lut[sub_ids.to(weight.device)] = torch.arange(len(sub_ids), device=weight.device)
+    sub = sub_ids.to(weight.device)
+    return Head(weight[sub].contiguous(), None if bias is None else bias.detach()[sub], lut)
+
+
+def sub_vocabulary(examples: list[Example]) -> torch.Tensor:
+    """Sorted ids of every token that occurs in the responses (the only ids the loss ever targets)."""
+    return torch.unique(torch.cat([e.ids[e.prompt_len :] for e in examples]))
+
+
+def make_batch(examples: list[Example], n_anchors: int, block_size: int, rng: random.Random, device):
+    """Padded ids (N, L), features (N, L, D), lengths (N,), anchors (N, A) drawn from each response."""
+    width = max(len(e.ids) for e in examples)
+    dim = examples[0].features.shape[1]
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    feats = torch.zeros(len(examples), width, dim, dtype=examples[0].features.dtype)
+    anchors = torch.zeros(len(examples), n_anchors, dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.ids)
+        ids[i, :n] = e.ids
+        feats[i, : n - 1] = e.features
+        # the anchor is a committed response token with at least one token after it
+        candidates = range(e.prompt_len, n - 1)
+        picks = (rng.sample(candidates, n_anchors) if len(candidates) >= n_anchors
+                 else [rng.choice(candidates) for _ in range(n_anchors)])
+        anchors[i] = torch.tensor(sorted(picks))
+    lengths = torch.tensor([len(e.ids) for e in examples])
+    return ids.to(device), feats.to(device), lengths.to(device), anchors.to(device)
+
+
+def slot_weights(block_size: int, gamma: float, device) -> torch.Tensor:
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
+
+
+def block_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: Head, batch, gamma: float,
+               autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted cross-entropy of one batch; also returns the full-id labels (N, A, B) and hidden states."""
+    ids, feats, lengths, anchors = batch
+    bsz = drafter.block_size
+    labels = block_labels(ids, lengths, anchors, bsz, IGNORE)
+    emb = F.embedding(block_ids(ids, anchors, bsz, drafter.mask_token_id), embed)
+    with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        h = training_forward(drafter, feats, emb.to(drafter.fc.weight.dtype), anchors)
+        logits = head.logits(h)
+    mapped = head.map_labels(labels).flatten()
+    ce = F.cross_entropy(logits.float().flatten(0, 1), mapped, ignore_index=IGNORE, reduction="none")
+    w = slot_weights(bsz, gamma, ids.device).repeat(labels.shape[0] * labels.shape[1]) * (mapped != IGNORE)
+    return (ce * w).sum() / w.sum().clamp(min=1e-6), labels, h
+
+
+@torch.no_grad()
+def evaluate(drafter: DFlashDrafter, embed: torch.Tensor, full_head: torch.nn.Module, sub_head: Head,
+             examples: list[Example], cfg: TrainConfig, autocast_dtype) -> tuple[float, float]:
+    """(held-out loss, tau estimate): greedy drafts at fixed anchors vs the target's own tokens.
+
+    tau = 1 + mean number of leading drafted tokens equal to the target's continuation (what greedy
+    speculative decoding would accept, bonus token included), drafting with the full LM head.
+    """
+    was_training = drafter.training
+    drafter.eval()
+    rng = random.Random(1234)
+    losses, accepted, blocks = [], 0, 0
+    device = embed.device
+    for i in range(0, len(examples), cfg.batch):
+        batch = make_batch(examples[i : i + cfg.batch], cfg.anchors, drafter.block_size, rng, device)
+        loss, labels, h = block_loss(drafter, embed, sub_head, batch, cfg.gamma, autocast_dtype)
+        losses.append(loss.item())
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            drafts = full_head(h.to(full_head.weight.dtype)).argmax(-1).view_as(labels)
+        hit = (drafts[..., :-1] == labels[..., 1:]) & (labels[..., 1:] != IGNORE)
+        accepted += hit.long().cumprod(-1).sum().item()
+        blocks += labels.shape[0] * labels.shape[1]
+    drafter.train(was_training)
+    return sum(losses) / max(len(losses), 1), 1.0 + accepted / max(blocks, 1)
+
+
+def lr_at(cfg: TrainConfig, step: int, seconds: float) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr over the steps (or the time budget)."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.steps is not None:
+        frac = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    else:
+        frac = seconds / cfg.time_budget
+    frac = min(max(frac, 0.0), 1.0)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@dataclass
+class State:
+    step: int = 0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+def save_checkpoint(path: Path, drafter, optim, state: State, rng: random.Random) -> None:
+    """A resumable checkpoint without pickle: tensors in `path` (safetensors), the rest in path.json."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    optim_state = optim.state_dict()
+    tensors = {f"drafter.{k}": v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    for index, slots in optim_state["state"].items():
+        for name, value in slots.items():
+            tensors[f"optim.{index}.{name}"] = torch.as_tensor(value).detach().contiguous().cpu()
+    tensors["torch_rng"] = torch.get_rng_state()
+    meta = {"state": state.__dict__, "rng": _jsonable(rng.getstate()), "config": drafter.config.raw,
+            "param_groups": optim_state["param_groups"]}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp_meta = path.with_name(path.name + ".json.tmp")
+    tmp_meta.write_text(json.dumps(meta))
+    tmp.replace(path)
+    tmp_meta.replace(path.with_name(path.name + ".json"))
+
+
+def _jsonable(value):
+    return [_jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def checkpoint_config(path: Path) -> dict | None:
+    """The drafter config stored with a checkpoint, or None when there is none."""
+    meta = path.with_name(path.name + ".json")
+    return json.loads(meta.read_text())["config"] if path.exists() and meta.exists() else None
+
+
+def load_checkpoint(path: Path, drafter, optim, rng: random.Random) -> State:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    meta = json.loads(path.with_name(path.name + ".json").read_text())
+    drafter.load_state_dict({k[len("drafter."):]: v for k, v in tensors.items() if k.startswith("drafter.")})
+    slots: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, index, name = key.split(".", 2)
+            slots.setdefault(int(index), {})[name] = value
+    optim.load_state_dict({"state": slots, "param_groups": meta["param_groups"]})
+    rng.setstate(_tuples(meta["rng"]))
+    torch.set_rng_state(tensors["torch_rng"])
+    return State(**meta["state"])
+
+
+def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Module, head: Head,
+               train: list[Example], heldout: list[Example], cfg: TrainConfig, checkpoint: Path, *,
+               autocast_dtype: torch.dtype | None = None,
+               on_progress: Callable[[Progress], None] | None = None) -> State:
+    """Trains `drafter` in place, resuming from `checkpoint` when it exists; saves it every N steps."""
+    if cfg.steps is None and cfg.time_budget is None:
+        raise ValueError("give steps or a time budget")
+    device = embed.device
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
+                              fused=device.type == "cuda")
+    rng = random.Random(cfg.seed)
+    state = load_checkpoint(checkpoint, drafter, optim, rng) if checkpoint.exists() else State()
+    tau = eval_loss = None
+    if state.evals:
+        _, eval_loss, tau = state.evals[-1]
+    run_start, run_slots = time.perf_counter(), 0
+    base_seconds = state.seconds
+    order: list[int] = []
+
+    def done() -> bool:
+        if cfg.steps is not None and state.step >= cfg.steps:
+            return True
+        return cfg.time_budget is not None and state.seconds >= cfg.time_budget
+
+    while not done():
+        if len(order) < cfg.batch:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+        picked, order = order[: cfg.batch], order[cfg.batch :]
+        batch = make_batch([train[i] for i in picked], cfg.anchors, drafter.block_size, rng, device)
+        for g in optim.param_groups:
+            g["lr"] = lr = lr_at(cfg, state.step, state.seconds)
+        loss, _, _ = block_loss(drafter, embed, head, batch, cfg.gamma, autocast_dtype)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        state.step += 1
+        state.losses.append(loss.item())
+        run_slots += batch[3].numel() * drafter.block_size
+        state.seconds = base_seconds + time.perf_counter() - run_start
+        last = done()
+        if heldout and (state.step % cfg.eval_every == 0 or last):
+            eval_loss, tau = evaluate(drafter, embed, lm_head, head, heldout, cfg, autocast_dtype)
+            state.evals.append((state.step, eval_loss, tau))
+        if state.step % cfg.checkpoint_every == 0 or last:
+            save_checkpoint(checkpoint, drafter, optim, state, rng)
+        if on_progress:
+            elapsed = time.perf_counter() - run_start
+            on_progress(Progress(state.step, cfg.steps, state.losses[-1], lr, state.seconds,
+                                 run_slots / max(elapsed, 1e-9), tau, eval_loss))
+    return state

@@ -1,0 +1,126 @@
+"""Drafter training: the batched block mask matches inference, training lowers the loss, runs resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, drafter_config, save_random_drafter, save_tiny_tokenizer, save_target, target_config
+from dflash_cli.engine.load import attach_drafter, load_drafter, load_target
+from dflash_cli.train.forward import block_ids, block_labels, training_forward
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train-target") / "qwen3"
+    save_target(folder, target_config("qwen3"), seed=1, scale=3.0)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("layer_kind", ["full", "sliding"])
+def test_training_mask_gives_inference_logits(tmp_path, tiny_target_dir, layer_kind):
+    tcfg = target_config("qwen3")
+    extra = {}
+    if layer_kind == "sliding":  # one causal windowed layer (window < context) and one full layer
+        extra = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    dcfg = drafter_config(tcfg, block_size=5, **extra)
+    drafter = load_drafter(save_random_drafter(tmp_path / "d", dcfg, seed=3), device=DEVICE, dtype="float32")
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    attach_drafter(target, drafter)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 140, (2, 23), device=DEVICE)
+    feats = torch.cat([target.forward(row[None], target.new_cache(), 0, taps=True)[1] for row in ids])
+    anchors = torch.tensor([[3, 10, 17, 21], [1, 7, 12, 20]], device=DEVICE)
+    bsz = drafter.block_size
+    emb = F.embedding(block_ids(ids, anchors, bsz, drafter.mask_token_id), target.embed_weight)
+    with torch.no_grad():
+        h = training_forward(drafter, feats, emb, anchors)
+        train_logits = target.lm_head(h).view(2, 4, bsz, -1)
+    for n in range(2):
+        for a, p in enumerate(anchors[n].tolist()):
+            block = torch.tensor([ids[n, p].item()] + [drafter.mask_token_id] * (bsz - 1), device=DEVICE)
+            cache = drafter.new_cache()
+            with torch.no_grad():
+                ref = target.lm_head(drafter(feats[n : n + 1, :p], F.embedding(block, target.embed_weight)[None],
+                                             p, cache))[0]
+            torch.testing.assert_close(train_logits[n, a], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_block_labels_shift_and_end():
+    ids = torch.arange(10)[None] + 100
+    labels = block_labels(ids, torch.tensor([8]), torch.tensor([[2, 6]]), 4)
+    assert labels.tolist() == [[[-100, 103, 104, 105], [-100, 107, -100, -100]]]
+
+
+PROMPTS = [f"prompt {i}: tell me about {w}" for i, w in enumerate("cats dogs rain sun code math tea wind".split())]
+
+
+def _train(target_dir, out, steps, events=None):
+    from dflash_cli.train.api import train_drafter
+
+    def record(kind, info):
+        if events is not None:
+            events.append((kind, info))
+
+    return train_drafter(target_dir, out, prompts=PROMPTS, layers=2, block_size=8, steps=steps, batch=4,
+                         anchors=8, max_new_tokens=40, eval_every=10, checkpoint_every=10, lr=1e-3,
+                         device=DEVICE, dtype="float32", on_progress=record)
+
+
+def test_train_lowers_loss_and_writes_a_loadable_lossless_drafter(tmp_path, tiny_target_dir):
+    from dflash_cli.engine.generate import generate
+    from dflash_cli.engine.load import load_pair
+
+    events = []
+    out = _train(tiny_target_dir, tmp_path / "out", 40, events)
+    losses = [p.loss for kind, p in events if kind == "train"]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    config = json.loads((out / "config.json").read_text())
+    assert config["training"]["steps"] == 40 and config["dflash_config"]["mask_token_id"] >= 0
+    pair = load_pair(tiny_target_dir, out, device=DEVICE, dtype="float32")  # load_drafter + attach_drafter
+    target_only = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    for prompt in ([5, 9, 30, 41], [70, 71, 72, 3, 8, 100]):
+        plain = generate(target_only, None, prompt, max_new_tokens=30, stop_ids=[])
+        spec = generate(pair.target, pair.drafter, prompt, max_new_tokens=30, stop_ids=[])
+        assert spec.tokens == plain.tokens
+
+
+def test_train_resumes_from_checkpoint_without_regenerating(tmp_path, tiny_target_dir, monkeypatch):
+    import dflash_cli.train.data as data
+
+    out = _train(tiny_target_dir, tmp_path / "out", 10)
+    shards = sorted(p.name for p in (out / "data").glob("*.safetensors"))
+    calls = []
+    original = data.generate_batch
+    monkeypatch.setattr(data, "generate_batch", lambda *a, **k: calls.append(1) or original(*a, **k))
+    events = []
+    _train(tiny_target_dir, out, 20, events)
+    steps = [p.step for kind, p in events if kind == "train"]
+    assert steps == list(range(11, 21))
+    assert calls == [] and not [k for k, _ in events if k == "data"]
+    assert sorted(p.name for p in (out / "data").glob("*.safetensors")) == shards
+    log = json.loads((out / "training_log.json").read_text())
+    assert len(log["losses"]) == 20
+    assert json.loads((out / "config.json").read_text())["training"]["step"] == 20
+
+
+def test_cli_train_writes_a_drafter(tmp_path, tiny_target_dir):
+    from click.testing import CliRunner
+
+    from dflash_cli.ui.cli import cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:5]) + "\n")
+    result = CliRunner().invoke(cli, ["train", "-m", str(tiny_target_dir), "-o", str(tmp_path / "d"),
+                                      "--prompts", str(prompts), "--steps", "3", "--block-size", "4",
+                                      "--anchors", "4", "--max-new-tokens", "12", "--device", DEVICE,
+                                      "--dtype", "float32", "--taps", "1,4"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 4] and config["training"]["step"] == 3
+    load_drafter(tmp_path / "d", device=DEVICE, dtype="float32")
