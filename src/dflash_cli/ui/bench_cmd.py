@@ -1,0 +1,126 @@
+"""`dflash-cli bench`: plain vs DFlash decoding on prompt sets; the measuring itself is in dflash_cli.bench."""
+
+from __future__ import annotations
+
+import click
+
+from dflash_cli import settings as S
+from dflash_cli.ui.options import model_options
+
+
+@click.command()
+@model_options
+@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Most tokens to generate per prompt and mode.")
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="Tokens per verify step, 1..the drafter's trained size [default: trained size].")
+@click.option("--sets", default=None, metavar="NAMES",
+              help="Comma-separated prompt sets: math, code, chat (built in) or .jsonl files "
+                   "[default: math,code,chat, or none when --prompts is given].")
+@click.option("--prompts", "prompt_files", multiple=True, type=click.Path(dir_okay=False), metavar="FILE.jsonl",
+              help='Your own prompt set: one {"id": ..., "prompt": ...} object per line (repeatable).')
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Use only the first N prompts of each set.")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Prompts run in both modes, unmeasured, before the measurement.")
+@click.option("--think/--no-think", default=None,
+              help="Turn the model's thinking mode on or off, where its chat template supports it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole report as one JSON object on stdout.")
+@click.option("--color", type=click.Choice(["auto", "always", "never"]), default=S.DEFAULT_COLOR,
+              envvar=S.ENV["color"], show_envvar=True, show_default=True, help="Colours on terminals.")
+@click.option("-q", "--quiet", is_flag=True, help="Print no table or progress (only --json output and errors).")
+@click.option("--debug", is_flag=True, envvar=S.DEBUG_ENV, help="Show tracebacks of unexpected errors.")
+def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, as_json, color, quiet, debug, **opts):
+    """Measure DFlash against plain decoding on prompt sets (greedy, chat template, warm-up first).
+
+    Each prompt runs with plain decoding, then with the drafter, interleaved. Per set: tau (acceptance
+    length, macro-averaged per response and pooled), draft acceptance, per-position acceptance, decode
+    tokens/s of both, speedup, and whether the outputs were identical. The table goes to stderr; --json
+    puts the full report (per-prompt records included) on stdout.
+
+    \b
+    Examples:
+      dflash-cli bench -m qwen3-8b --limit 10
+      dflash-cli bench -m ./model --draft ./drafter --sets math -n 256 --json > math.json
+      dflash-cli bench -m ./model --draft ./drafter --prompts mine.jsonl
+    """
+    from pathlib import Path
+
+    from dflash_cli.bench import BUILTIN_SETS, PromptSetError, load_prompt_set
+    from dflash_cli.ui.render import Output
+
+    if opts["no_draft"]:
+        raise click.UsageError("bench compares plain decoding with a drafter: drop --no-draft")
+    if opts["model"] and not opts["draft"] and not _registry_drafter(opts["model"]):
+        raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO (this model has no known pair)")
+    names = [s.strip() for s in sets.split(",") if s.strip()] if sets else ([] if prompt_files else
+                                                                             list(BUILTIN_SETS))
+    prompt_sets = {}
+    for source, hint in [(n, "--sets") for n in names] + [(f, "--prompts") for f in prompt_files]:
+        key = source if source in BUILTIN_SETS else Path(source).stem
+        while key in prompt_sets:
+            key += "'"
+        try:
+            prompt_sets[key] = load_prompt_set(source)
+        except PromptSetError as e:
+            raise click.BadParameter(str(e), param_hint=hint) from None
+    if not prompt_sets:
+        raise click.UsageError("no prompt sets: give --sets and/or --prompts")
+    from dflash_cli.ui.cli import guarded
+
+    guarded(lambda: Output(color, provenance=False),
+            lambda out: _run_bench(out, opts, prompt_sets, max_tokens=max_tokens, block_size=block_size,
+                                   limit=limit, warmup=warmup, think=think, as_json=as_json, quiet=quiet),
+            debug)
+
+
+def _registry_drafter(model: str) -> bool:
+    """True unless the model is known to have no drafter (unknown names are left to the loader to report)."""
+    from dflash_cli.engine.errors import DFlashError
+    from dflash_cli.models.registry import load_registry, resolve_spec
+
+    try:
+        config = S.load_config()
+        return bool(resolve_spec(model, load_registry(config.pairs, user_source=str(config.path))).drafter)
+    except (DFlashError, S.ConfigError, OSError):
+        return True
+
+
+def _run_bench(out, opts, prompt_sets, *, max_tokens, block_size, limit, warmup, think, as_json, quiet) -> int:
+    import contextlib
+    import json as _json
+
+    from dflash_cli import __version__ as version
+    from dflash_cli.bench import format_table, run_bench
+    from dflash_cli.ui.run import load_runtime_for
+
+    runtime = load_runtime_for(out, opts, quiet=quiet)
+    if not runtime.speculative:
+        raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO")
+    total = sum(min(len(p), limit or len(p)) for p in prompt_sets.values())
+    progress, on_progress = contextlib.nullcontext(), None
+    if out.err_tty and not quiet:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=Console(file=out.err, force_terminal=out.color_err or None),
+                            transient=True)
+        task = progress.add_task("bench", total=total)
+
+        def on_progress(done: int, total_: int, label: str) -> None:
+            progress.update(task, completed=done, description=f"bench {label}")
+
+    with progress:
+        report = run_bench(runtime.target, runtime.drafter, runtime.tokenizer, prompt_sets,
+                           max_new_tokens=max_tokens, block_size=block_size, warmup=warmup, per_set=limit,
+                           on_progress=on_progress, enable_thinking=think)
+    report.meta.update({"dflash_cli": version, "model": str(runtime.target_dir),
+                        "drafter": str(runtime.drafter_dir), "device": runtime.device, "dtype": runtime.dtype,
+                        "quant": runtime.quant or "none"})
+    if not quiet:
+        for line in format_table(report):
+            out.info(line, dim=False)
+    if as_json:
+        out.out.write(_json.dumps(report.to_dict(), ensure_ascii=False) + "\n")
+        out.out.flush()
+    return 0
