@@ -151,3 +151,8 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130(folders):
     assert proc.returncode == 130, err
     assert first and (first + rest).endswith(b"\n")
     assert b"interrupted" in err and b"Traceback" not in err
+
+
+def test_a_model_folder_without_a_tokenizer_is_a_clear_error(tiny_models):
+    result = CliRunner().invoke(cli, ["generate", "-m", str(tiny_models["qwen3"]), "--no-draft", "hi"])
+    assert result.exit_code == 1 and "has no tokenizer files" in result.stderr and "Traceback" not in result.stderr

@@ -107,6 +107,9 @@ def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dty
 
     target_dir = resolve_folder(model, "model", on_status)
     drafter_dir = resolve_folder(draft, "drafter", on_status) if draft else None
+    if not any((target_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise CheckpointError(f"{target_dir} has no tokenizer files (tokenizer.json or tokenizer_config.json)",
+                              hint="the model folder must include its tokenizer; 'dflash-cli pull' fetches it")
     started = time.perf_counter()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)

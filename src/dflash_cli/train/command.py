@@ -17,8 +17,8 @@ def _parse_taps(_ctx, _param, value):
 
 
 @click.command("train")
-@click.option("-m", "--model", "target", required=True, type=click.Path(file_okay=False, exists=True),
-              help="Local target folder (a transformers causal LM with safetensors weights and a tokenizer).")
+@click.option("-m", "--model", "target", required=True, metavar="MODEL",
+              help="Target: a local folder, a known name (smollm2-135m, qwen3-8b, ...) or a Hub repo id.")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Output folder: the drafter (config.json + model.safetensors), data cache, checkpoint. "
                    "Re-running with the same folder resumes.")
@@ -71,7 +71,10 @@ def _run(out, target: str, out_dir: str, kwargs: dict) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from dflash_cli.models.resolve import resolve_pair
     from dflash_cli.train.api import train_drafter
+
+    target = str(resolve_pair(target, no_draft=True, on_status=out.info).target_dir)
 
     console = Console(file=sys.stderr)
     total = kwargs["steps"] or (None if kwargs["time_budget"] else 1000)
