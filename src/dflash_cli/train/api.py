@@ -76,13 +76,15 @@ def drafter_config(target_cfg, *, layers: int, block_size: int, taps: list[int],
                 dflash_config={"mask_token_id": mask_id, "target_layer_ids": taps, "block_size": block_size})
 
 
-def init_drafter(raw: dict, device: torch.device, seed: int) -> DFlashDrafter:
+def init_drafter(raw: dict, device: torch.device, seed: int, final_norm: torch.Tensor | None = None) -> DFlashDrafter:
     torch.manual_seed(seed)
     drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.02)
+        if final_norm is not None:  # the target's LM head expects hidden states scaled by its own final norm
+            drafter.norm.weight.copy_(final_norm.float())
     drafter.init_rotary(device)
     return drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; compute may autocast
 
@@ -167,7 +169,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                              vocab_rows=target.vocab_rows)
         call["mask_token"] = why
     raw["training"] = {**raw.get("training", {}), **call}
-    drafter = init_drafter(raw, dev, seed)
+    final_norm = getattr(target.model.get_decoder(), "norm", None)
+    drafter = init_drafter(raw, dev, seed, final_norm.weight.detach() if final_norm is not None else None)
     head = make_head(target.lm_head, sub_vocabulary(train_set) if sub_vocab else None)
     cfg = TrainConfig(steps=steps, time_budget=time_budget, lr=lr, batch=min(batch, len(train_set)),
                       anchors=anchors, gamma=gamma, checkpoint_every=checkpoint_every, eval_every=eval_every,

@@ -87,13 +87,14 @@ class Output:
             self._write_out("\n", "\n")
 
     def _write_out(self, s: str, last: str) -> None:
+        # Bookkeeping first: a Ctrl-C landing inside the write must still end the reply with a newline.
+        self._last_char = last
+        self._track_column(s)
         try:
             self.out.write(s)
             self.out.flush()
         except BrokenPipeError:
             raise OutputClosed from None
-        self._last_char = last
-        self._track_column(s)
         if self._status is not None:
             self._status.refresh()
 
