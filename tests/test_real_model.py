@@ -59,3 +59,24 @@ def test_generate_with_the_builtin_smollm2(smollm2_converted, monkeypatch):
                                       "What is the capital of France?"])
     assert result.exit_code == 0, result.stderr
     assert "Paris" in result.stdout and "speculation off" in result.stderr
+
+
+def test_the_shipped_demo_pair_loads_pairs_and_is_lossless(smollm2_converted, monkeypatch):
+    """`-m demo`: the drafter shipped in the package fits SmolLM2-135M and changes nothing in fp32."""
+    from dflash_cli.models.registry import demo_drafter_dir
+    from dflash_cli.models.resolve import resolve_pair
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(smollm2_converted.cache))
+    pair = resolve_pair("demo")  # pairing preflight from the two configs
+    assert pair.drafter_dir == demo_drafter_dir() and (pair.drafter_dir / "model.safetensors").stat().st_size < 30e6
+    loaded = load_pair(pair.target_dir, pair.drafter_dir, device="cpu", dtype="float32")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pair.target_dir)
+    prompt = encode_prompt(tokenizer, "Explain photosynthesis to a ten-year-old.")
+    ids = torch.tensor([prompt])
+    reference = loaded.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                                             do_sample=False)[0, len(prompt):].tolist()
+    got = generate(loaded.target, loaded.drafter, prompt, max_new_tokens=40, block_size=16)
+    assert got.tokens == reference
+    assert got.stats.accepted > 0  # a trained drafter, not a random one: some drafts are accepted

