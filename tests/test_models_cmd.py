@@ -11,15 +11,9 @@ from click.testing import CliRunner
 
 from conftest import drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
 from dflash_cli.ui.cli import cli
-from hub_server import FakeHub
+from test_hub import DRAFTER, JUNK, TARGET, _read_folder, online, server  # noqa: F401 (shared fixtures)
 
-TARGET, DRAFTER = "tiny-org/qwen3-tiny", "tiny-org/qwen3-tiny-dflash"
 OTHER_T, OTHER_D = "other-org/qwen3-tiny", "other-org/qwen3-tiny-dflash"
-JUNK = {"model.py": b"raise SystemExit('never run me')\n", "pytorch_model.bin": b"\x80\x04pickle" * 50}
-
-
-def _read_folder(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +25,6 @@ def repo_files(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     drafter = save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)
     t, d = {**_read_folder(target), **JUNK}, {**_read_folder(drafter), **JUNK}
     return {TARGET: t, DRAFTER: d, OTHER_T: t, OTHER_D: d}
-
-
-@pytest.fixture(scope="module")
-def server():
-    fake = FakeHub()
-    fake.start()
-    yield fake
-    fake.stop()
 
 
 @pytest.fixture
@@ -63,16 +49,6 @@ def env(tmp_path, monkeypatch) -> Path:
                       f'[pairs.other]\ntarget = "{OTHER_T}"\ndrafter = "{OTHER_D}"\n')
     monkeypatch.setenv("DFLASH_CONFIG", str(config))
     return cache
-
-
-@pytest.fixture
-def online(monkeypatch):
-    """conftest sets HF_HUB_OFFLINE=1 for every test; these tests talk to the loopback server."""
-    from huggingface_hub import constants
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
 
 def invoke(*args: str, endpoint: str | None = None, input: str | None = None):
