@@ -20,9 +20,8 @@ def round_cost(draft: float, verify_slope: float):
     return lambda n: 1.0 if n == 1 else 1.0 + verify_slope * (n - 1) + draft
 
 
-def simulate(q: float, cost, rounds: int = 600, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    controller = BlockSizeController(B, cost=cost)
+def run_rounds(controller: BlockSizeController, q: float, cost, rounds: int, rng: random.Random) -> list[int]:
+    """Each round: the controller picks n, drafts are accepted left to right with probability q."""
     chosen = []
     for _ in range(rounds):
         n = controller.choose()
@@ -31,6 +30,11 @@ def simulate(q: float, cost, rounds: int = 600, seed: int = 0) -> list[int]:
             accepted += 1
         controller.observe(n, accepted, cost(n))
         chosen.append(n)
+    return chosen
+
+
+def simulate(q: float, cost, rounds: int = 600, seed: int = 0) -> list[int]:
+    chosen = run_rounds(BlockSizeController(B, cost=cost), q, cost, rounds, random.Random(seed))
     return chosen[100:]  # after the learning phase
 
 
@@ -65,14 +69,7 @@ def test_a_drafter_that_starts_to_pay_is_picked_up_again():
     cost = round_cost(draft=0.2, verify_slope=0.01)
     controller = BlockSizeController(B, cost=cost)
     for phase_q, rounds in ((0.0, 300), (0.95, 300)):
-        chosen = []
-        for _ in range(rounds):
-            n = controller.choose()
-            accepted = 0
-            while accepted < n - 1 and rng.random() < phase_q:
-                accepted += 1
-            controller.observe(n, accepted, cost(n))
-            chosen.append(n)
+        chosen = run_rounds(controller, phase_q, cost, rounds, rng)
         if phase_q == 0.0:
             assert chosen[-50:].count(1) > 40
         else:

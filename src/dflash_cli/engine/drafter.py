@@ -249,7 +249,12 @@ def block_mask(q_start: int, n_query: int, n_key: int, *, causal: bool, window: 
     k_pos = torch.arange(n_key, device=device)[None, :]
     if not causal and (window is None or (q_start + n_query - 1 < window and n_key - 1 - q_start < window)):
         return None
-    visible = torch.ones(n_query, n_key, dtype=torch.bool, device=device)
+    return visibility(q_pos, k_pos, causal=causal, window=window)
+
+
+def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, window: int | None) -> torch.Tensor:
+    """The in-block attention rule on broadcastable position tensors: True where query may see key."""
+    visible = torch.ones(torch.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=torch.bool, device=q_pos.device)
     if causal:
         visible &= k_pos <= q_pos
     if window is not None:

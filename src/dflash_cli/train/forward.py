@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash_cli.engine.drafter import DFlashDrafter, apply_rope
+from dflash_cli.engine.drafter import DFlashDrafter, apply_rope, visibility
 
 
 def block_ids(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id: int) -> torch.Tensor:
@@ -51,14 +51,7 @@ def training_mask(anchors: torch.Tensor, n_ctx: int, block_size: int, *, causal:
         ctx &= q_pos - j < window
     blk_of = torch.arange(a, device=dev).repeat_interleave(block_size)
     same = blk_of[:, None] == blk_of[None, :]  # (Q, Q)
-    kq, kk = k.repeat(a)[:, None], k.repeat(a)[None, :]
-    inside = same.clone()
-    if causal:
-        inside &= kk <= kq
-    if window is not None:
-        inside &= kq - kk < window
-        if not causal:
-            inside &= kk - kq < window
+    inside = same & visibility(k.repeat(a)[:, None], k.repeat(a)[None, :], causal=causal, window=window)
     return torch.cat([ctx, inside[None].expand(n, -1, -1)], dim=2)[:, None]
 
 
