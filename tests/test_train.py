@@ -124,3 +124,69 @@ def test_cli_train_writes_a_drafter(tmp_path, tiny_target_dir):
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == [1, 4] and config["training"]["step"] == 3
     load_drafter(tmp_path / "d", device=DEVICE, dtype="float32")
+
+
+def test_best_heldout_checkpoint_is_the_drafter_written(tmp_path, tiny_target_dir):
+    from safetensors.torch import load_file
+
+    out = _train(tiny_target_dir, tmp_path / "out", 30)
+    log = json.loads((out / "training_log.json").read_text())
+    best_step, _, best_tau = max(log["evals"], key=lambda e: (e[2], -e[1]))
+    training = json.loads((out / "config.json").read_text())["training"]
+    assert training["saved_step"] == best_step and training["heldout_tau"] == best_tau
+    best = load_file(str(out / "checkpoint" / "best.safetensors"))
+    written = load_file(str(out / "model.safetensors"))
+    for name, value in best.items():
+        if name in written:
+            torch.testing.assert_close(written[name].float(), value.float())
+
+
+def test_generation_budget_stops_between_batches_and_a_later_run_finishes(tmp_path, tiny_target_dir):
+    import time
+
+    from transformers import AutoTokenizer
+
+    from dflash_cli.train.data import build_dataset, load_dataset
+
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    prompts = [f"question {i}: " + "why " * (i % 5) for i in range(40)]
+    slow = lambda *args: time.sleep(0.05)  # noqa: E731 - one batch always outlasts the budget
+    first = build_dataset(target, tokenizer, prompts, [1, 4], tmp_path / "data", max_new_tokens=6, batch_size=2,
+                          time_budget=0.01, on_progress=slow)
+    assert len(first) == 2 and all(i < 16 for i in first)  # the first window of the list goes first
+    rest = build_dataset(target, tokenizer, prompts, [1, 4], tmp_path / "data", max_new_tokens=6, batch_size=2)
+    assert rest == list(range(40))
+    assert len(load_dataset(tmp_path / "data")) == 40
+
+
+def test_demo_prompt_set_is_varied_reproducible_and_apart_from_the_bench_sets():
+    from dflash_cli.bench import BUILTIN_SETS, load_prompt_set
+    from dflash_cli.train.prompt_sets import demo_prompts
+
+    prompts = demo_prompts(3000)
+    assert prompts == demo_prompts(3000) and len(set(prompts)) == 3000
+    assert demo_prompts(100) == prompts[:100]
+    bench = {p.prompt for name in BUILTIN_SETS for p in load_prompt_set(name)}
+    assert len(bench) >= 100 and not bench & set(prompts)
+    math = sum(any(c.isdigit() for c in p) for p in prompts)
+    code = sum(any(w in p for w in ("function", "code", "program")) for p in prompts)
+    assert math > 900 and code > 600
+    first_words = {" ".join(p.split()[:3]) for p in prompts}
+    assert len(first_words) > 300
+
+
+def test_prompts_spec_file_set_and_error(tmp_path):
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.train.prompt_sets import demo_prompts, resolve_prompts
+    from dflash_cli.train.prompts import DEFAULT_PROMPTS
+
+    f = tmp_path / "p.txt"
+    f.write_text("one\n\ntwo\n")
+    assert resolve_prompts(str(f)) == ["one", "two"]
+    assert resolve_prompts("demo:25") == demo_prompts(25)
+    assert len(resolve_prompts("demo")) == 6000
+    assert resolve_prompts(None) == list(DEFAULT_PROMPTS)
+    for bad in ("nope", "demo:x", "demo:0", str(tmp_path / "missing.txt")):
+        with pytest.raises(InvalidSettingError, match="no prompt file or built-in prompt set"):
+            resolve_prompts(bad)

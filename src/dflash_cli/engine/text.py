@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -105,9 +106,17 @@ def encode_prompt(
         kwargs: dict[str, Any] = {}
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
-        rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
-        if not isinstance(rendered, str):
-            raise TypeError(f"chat template rendered to {type(rendered).__name__}, expected str")
+        def render(messages: list[dict[str, str]]) -> str:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            if not isinstance(text, str):
+                raise TypeError(f"chat template rendered to {type(text).__name__}, expected str")
+            return text
+
+        rendered = render(chat)
+        if _holds_control_text(tokenizer, chat):
+            literal = _encode_contents_literally(tokenizer, chat, rendered, render)
+            if literal is not None:
+                return literal
         return _as_ids(tokenizer.encode(rendered, add_special_tokens=False))
 
     if isinstance(messages, str):
@@ -115,6 +124,32 @@ def encode_prompt(
     else:
         text = "\n".join(f"{m['role']}: {m['content']}" for m in chat)
     return _as_ids(tokenizer.encode(text))
+
+
+def _holds_control_text(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]]) -> bool:
+    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
+    return any(s in str(m.get("content", "")) for m in chat for s in specials)
+
+
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+def _encode_contents_literally(tokenizer, chat, rendered: str, render) -> list[int] | None:
+    """Encodes the template's own text normally but message contents as plain text, so that a user who
+    types `<|im_end|>` gets those characters, not the control token (a forged turn boundary). None when
+    the template transforms contents (trims them, say) and the pieces cannot be told apart."""
+    parts = _MARK.split(render([dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(chat)]))
+    contents = [str(m.get("content", "")) for m in chat]
+    if "".join(contents[int(p)] if k % 2 else p for k, p in enumerate(parts)) != rendered:
+        return None
+    ids: list[int] = []
+    for k, piece in enumerate(parts):
+        if k % 2:
+            ids += _as_ids(tokenizer.encode(contents[int(piece)], add_special_tokens=False,
+                                            split_special_tokens=True))
+        elif piece:
+            ids += _as_ids(tokenizer.encode(piece, add_special_tokens=False))
+    return ids
 
 
 def _as_ids(encoded: Any) -> list[int]:

@@ -21,8 +21,9 @@ from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, _fallback_ta
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import default_stop_ids
 from dflash_cli.engine.load import load_target, save_drafter
-from dflash_cli.train.data import build_dataset, load_dataset, read_prompts
-from dflash_cli.train.trainer import TrainConfig, checkpoint_config, make_head, sub_vocabulary, train_loop
+from dflash_cli.train.data import build_dataset, load_dataset
+from dflash_cli.train.trainer import (TrainConfig, checkpoint_config, load_best_weights, make_head, sub_vocabulary,
+                                     train_loop)
 
 CHECKPOINT = Path("checkpoint") / "latest.safetensors"
 
@@ -90,8 +91,8 @@ def init_drafter(raw: dict, device: torch.device, seed: int, final_norm: torch.T
 
 
 def split_heldout(n: int) -> tuple[list[int], list[int]]:
-    """Every 10th prompt (at most 16) is held out for the acceptance estimate; none below 4 prompts."""
-    held = [i for i in range(9, n, 10)][:16] if n >= 10 else ([n - 1] if n >= 4 else [])
+    """Every 10th prompt (at most 32) is held out for the acceptance estimate; none below 4 prompts."""
+    held = [i for i in range(9, n, 10)][:32] if n >= 10 else ([n - 1] if n >= 4 else [])
     return [i for i in range(n) if i not in set(held)], held
 
 
@@ -99,20 +100,25 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                   layers: int = 2, block_size: int = 16, taps: Sequence[int] | None = None, lr: float = 6e-4,
                   steps: int | None = None, time_budget: float | None = None, batch: int = 4, anchors: int = 16,
                   gamma: float = 7.0, sub_vocab: bool = True, max_new_tokens: int = 200, gen_batch: int = 16,
+                  gen_time_budget: float | None = None,
                   checkpoint_every: int = 100, eval_every: int = 50, seed: int = 0,
                   device: str | None = None, dtype: str | None = None,
                   on_progress: Callable[[str, Any], None] | None = None) -> Path:
     """Distils a drafter for the target in `target_dir` and writes it to `out_dir`; returns out_dir.
 
     Args:
-        prompts: prompt strings, a file (one per line or JSONL with "prompt"), or None for the built-in set.
+        prompts: prompt strings, or a `train --prompts` spec: a file (one per line or JSONL with "prompt"),
+            a built-in set name (`demo`, `demo:N`), or None for the small built-in set.
         steps / time_budget: total optimizer steps, or seconds of training (all runs of this out_dir).
+        gen_time_budget: seconds of data generation in this run; prompts left unanswered wait for a
+            later run, and training uses the answers stored so far.
         sub_vocab: compute the loss over the tokens occurring in the responses only (much faster on big
             vocabularies; drafting still uses the full head).
         on_progress: called with ("data", dict(done, total, tokens, seconds)) per generated batch and
             ("train", trainer.Progress) per step.
     Re-running with the same out_dir resumes: stored prompts are not generated again and training
-    continues from the checkpoint (pass a larger `steps` to train further).
+    continues from the checkpoint (pass a larger `steps` to train further). The drafter written is the
+    one with the best held-out acceptance estimate seen during training (the last one without held-out data).
     """
     if steps is None and time_budget is None:
         steps = 1000
@@ -123,12 +129,11 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     call = dict(target=str(target_dir), layers=layers, block_size=block_size, lr=lr, steps=steps,
                 time_budget=time_budget, batch=batch, anchors=anchors, gamma=gamma, sub_vocab=sub_vocab,
                 max_new_tokens=max_new_tokens, seed=seed, dtype=str(dt).removeprefix("torch."))
-    if prompts is None:
-        from dflash_cli.train.prompts import DEFAULT_PROMPTS
+    if prompts is None or isinstance(prompts, (str, Path)):
+        from dflash_cli.train.prompt_sets import resolve_prompts
 
-        prompt_list, call["prompts"] = list(DEFAULT_PROMPTS), "built-in"
-    elif isinstance(prompts, (str, Path)):
-        prompt_list, call["prompts"] = read_prompts(prompts), str(prompts)
+        prompt_list = resolve_prompts(None if prompts is None else str(prompts))
+        call["prompts"] = "built-in" if prompts is None else str(prompts)
     else:
         prompt_list, call["prompts"] = list(prompts), f"{len(prompts)} prompts given to the API"
     if not prompt_list:
@@ -153,7 +158,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
             on_progress("data", dict(done=done, total=total, tokens=tokens, seconds=seconds))
 
     build_dataset(target, tokenizer, prompt_list, taps, out_dir / "data", max_new_tokens=max_new_tokens,
-                  batch_size=gen_batch, stop_ids=default_stop_ids(target, tokenizer), on_progress=data_progress)
+                  batch_size=gen_batch, stop_ids=default_stop_ids(target, tokenizer), on_progress=data_progress,
+                  time_budget=gen_time_budget)
     train_ids, held_ids = split_heldout(len(prompt_list))
     train_set = [e for e in load_dataset(out_dir / "data", train_ids) if len(e.ids) - e.prompt_len >= 2]
     held_set = [e for e in load_dataset(out_dir / "data", held_ids) if len(e.ids) - e.prompt_len >= 2]
@@ -179,10 +185,14 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     state = train_loop(drafter, target.embed_weight, target.lm_head, head, train_set, held_set, cfg, ckpt,
                        autocast_dtype=autocast,
                        on_progress=(lambda p: on_progress("train", p)) if on_progress else None)
+    if state.best is not None and state.best != state.evals[-1]:
+        load_best_weights(ckpt, drafter)
     raw["training"].update(step=state.step, train_seconds=round(state.seconds, 1),
                            train_sequences=len(train_set), heldout_sequences=len(held_set),
+                           train_tokens=sum(len(e.ids) - e.prompt_len for e in train_set),
                            final_loss=sum(state.losses[-10:]) / max(len(state.losses[-10:]), 1),
-                           heldout_tau=state.evals[-1][2] if state.evals else None)
+                           saved_step=state.best[0] if state.best else state.step,
+                           heldout_tau=state.best[2] if state.best else None)
     drafter.config.raw.clear()
     drafter.config.raw.update(raw)
     save_drafter(drafter.to(dt), out_dir)

