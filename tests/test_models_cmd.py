@@ -230,7 +230,7 @@ def test_rich_tqdm_forwards_to_progress():
     from rich.console import Console
     from rich.progress import Progress
 
-    from dflash_cli.ui.models_cmd import make_tqdm_class
+    from dflash_cli.ui.download_progress import make_tqdm_class
 
     progress = Progress(console=Console(file=io.StringIO()))
     cls = make_tqdm_class(progress, "org/repo")
@@ -251,7 +251,7 @@ def test_rich_tqdm_forwards_to_progress():
 
 
 def test_progress_disabled_by_env(monkeypatch):
-    from dflash_cli.ui.models_cmd import progress_enabled
+    from dflash_cli.ui.download_progress import progress_enabled
 
     class Tty(io.StringIO):
         def isatty(self):

@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 
 from dflash_cli.models import plan as P
-from dflash_cli.models.plan import (
-    GIB,
-    choose_quant,
-    drafter_kv_cache_bytes,
-    drafter_weight_bytes,
-    format_plan,
-    kv_cache_bytes,
-    plan_memory,
-    target_weight_bytes,
-)
+from dflash_cli.models import sizes as S
+from dflash_cli.models.plan import GIB, choose_quant, format_plan, plan_memory
+from dflash_cli.models.sizes import drafter_kv_cache_bytes, drafter_weight_bytes, kv_cache_bytes, target_weight_bytes
 
 DATA = Path(__file__).parent / "data" / "hf-configs"
 
@@ -41,9 +34,10 @@ def within(estimate: float, real: float, tol: float = 0.10) -> bool:
     return abs(estimate - real) / real <= tol
 
 
-def test_module_does_not_import_torch():
-    assert "torch" not in P.__dict__
-    source = Path(P.__file__).read_text()
+@pytest.mark.parametrize("module", [P, S])
+def test_module_does_not_import_torch(module):
+    assert "torch" not in module.__dict__
+    source = Path(module.__file__).read_text()
     assert "import torch" not in source and "from torch" not in source
 
 
@@ -71,8 +65,8 @@ def test_qwen3_8b_drafter_is_accepted_by_the_engine_parser():
 
     parsed = DrafterConfig.from_dict(QWEN3_8B_DRAFTER)
     assert parsed.block_size == 16 and parsed.tap_layers() == [1, 9, 17, 25, 33]
-    assert P.drafter_block_size(QWEN3_8B_DRAFTER) == parsed.block_size
-    assert P.drafter_block_size(cfg("z-lab__Qwen3.5-4B-DFlash")) == 16  # nested dflash_config.block_size
+    assert S.drafter_block_size(QWEN3_8B_DRAFTER) == parsed.block_size
+    assert S.drafter_block_size(cfg("z-lab__Qwen3.5-4B-DFlash")) == 16  # nested dflash_config.block_size
 
 
 def test_drafter_components():
@@ -163,13 +157,13 @@ def test_embeddings_lm_head_and_norms_stay_16bit_under_quantization():
 
 
 def test_bitsandbytes_byte_rules_on_one_linear():
-    c = P._Counts()
+    c = S._Counts()
     c.add(4096, 1024)
     lin = c.linears[0]
     n = 4096 * 1024
-    assert P._linear_bytes(lin, "int8", False) == n + 4 * 1024
-    assert P._linear_bytes(lin, "nf4", False) == n // 2 + (n // 64) * 4
-    assert P._linear_bytes(lin, "nf4", True) < P._linear_bytes(lin, "nf4", False)
+    assert S._linear_bytes(lin, "int8", False) == n + 4 * 1024
+    assert S._linear_bytes(lin, "nf4", False) == n // 2 + (n // 64) * 4
+    assert S._linear_bytes(lin, "nf4", True) < S._linear_bytes(lin, "nf4", False)
 
 
 def test_layers_linear_ratios():

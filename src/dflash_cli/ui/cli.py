@@ -119,10 +119,12 @@ def doctor(as_json, color, debug):
             lambda out: run_doctor(out, as_json=as_json, color=use_color(color, out.out)), debug)
 
 
-# pull, list/ls, show, rm: defined in ui/models_cmd.py (no heavy imports at module level).
-from dflash_cli.ui import models_cmd as _models_cmd  # noqa: E402
+# pull, list/ls, show, rm: ui/pull_cmd.py, ui/models_cmd.py, ui/show_cmd.py (no heavy imports at module level).
+from dflash_cli.ui.models_cmd import list_cmd, ls_cmd, rm  # noqa: E402
+from dflash_cli.ui.pull_cmd import pull  # noqa: E402
+from dflash_cli.ui.show_cmd import show  # noqa: E402
 
-for _command in _models_cmd.COMMANDS:
+for _command in (pull, list_cmd, ls_cmd, show, rm):
     cli.add_command(_command)
 
 
