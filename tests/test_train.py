@@ -126,19 +126,42 @@ def test_cli_train_writes_a_drafter(tmp_path, tiny_target_dir):
     load_drafter(tmp_path / "d", device=DEVICE, dtype="float32")
 
 
-def test_best_heldout_checkpoint_is_the_drafter_written(tmp_path, tiny_target_dir):
+def test_best_heldout_checkpoint_is_the_drafter_written(tmp_path, tiny_target_dir, monkeypatch):
     from safetensors.torch import load_file
 
+    import dflash_cli.train.trainer as trainer
+
+    scripted = iter([(0.5, 1.5), (0.4, 2.5), (0.45, 2.0)])  # (held-out loss, tau) at steps 10, 20, 30
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: next(scripted))
     out = _train(tiny_target_dir, tmp_path / "out", 30)
-    log = json.loads((out / "training_log.json").read_text())
-    best_step, _, best_tau = max(log["evals"], key=lambda e: (e[2], -e[1]))
     training = json.loads((out / "config.json").read_text())["training"]
-    assert training["saved_step"] == best_step and training["heldout_tau"] == best_tau
+    assert training["saved_step"] == 20 and training["heldout_tau"] == 2.5 and training["last_heldout_tau"] == 2.0
     best = load_file(str(out / "checkpoint" / "best.safetensors"))
+    last = {k.removeprefix("drafter."): v for k, v in load_file(str(out / "checkpoint" / "latest.safetensors")).items()
+            if k.startswith("drafter.")}
     written = load_file(str(out / "model.safetensors"))
-    for name, value in best.items():
-        if name in written:
-            torch.testing.assert_close(written[name].float(), value.float())
+    compared = [name for name in best if name in written and best[name].dim() > 1]
+    assert compared
+    for name in compared:
+        torch.testing.assert_close(written[name].float(), best[name].float())
+    assert any(not torch.equal(best[n], last[n]) for n in compared)  # step 20's weights, not step 30's
+
+
+def test_best_weights_of_another_step_are_not_used(tmp_path, tiny_target_dir, monkeypatch):
+    import dflash_cli.train.trainer as trainer
+
+    scripted = iter([(0.5, 1.5), (0.4, 2.5), (0.45, 2.0)])
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: next(scripted))
+    out = _train(tiny_target_dir, tmp_path / "out", 30)
+    # as if a run had stopped after saving newer best weights but before the checkpoint that records them
+    best = out / "checkpoint" / "best.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(str(best)), str(best), metadata={"step": "25"})
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: (0.44, 2.1))
+    out = _train(tiny_target_dir, out, 31)
+    training = json.loads((out / "config.json").read_text())["training"]
+    assert training["saved_step"] == 31 and training["heldout_tau"] == 2.1  # the last weights, labelled as such
 
 
 def test_generation_budget_stops_between_batches_and_a_later_run_finishes(tmp_path, tiny_target_dir):
@@ -150,7 +173,7 @@ def test_generation_budget_stops_between_batches_and_a_later_run_finishes(tmp_pa
 
     target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_target_dir))
-    prompts = [f"question {i}: " + "why " * (i % 5) for i in range(40)]
+    prompts = [f"question {i}: " + "why " * (40 - i) for i in range(40)]  # a global length sort starts at 39
     slow = lambda *args: time.sleep(0.05)  # noqa: E731 - one batch always outlasts the budget
     first = build_dataset(target, tokenizer, prompts, [1, 4], tmp_path / "data", max_new_tokens=6, batch_size=2,
                           time_budget=0.01, on_progress=slow)
@@ -171,7 +194,8 @@ def test_demo_prompt_set_is_varied_reproducible_and_apart_from_the_bench_sets():
     assert len(bench) >= 100 and not bench & set(prompts)
     math = sum(any(c.isdigit() for c in p) for p in prompts)
     code = sum(any(w in p for w in ("function", "code", "program")) for p in prompts)
-    assert math > 900 and code > 600
+    chat = len(prompts) - math - code
+    assert math > 1500 and code > 600 and chat > 300
     first_words = {" ".join(p.split()[:3]) for p in prompts}
     assert len(first_words) > 300
 
@@ -187,6 +211,6 @@ def test_prompts_spec_file_set_and_error(tmp_path):
     assert resolve_prompts("demo:25") == demo_prompts(25)
     assert len(resolve_prompts("demo")) == 6000
     assert resolve_prompts(None) == list(DEFAULT_PROMPTS)
-    for bad in ("nope", "demo:x", "demo:0", str(tmp_path / "missing.txt")):
+    for bad in ("nope", "demo:x", "demo:0", "demo:²", str(tmp_path / "missing.txt")):
         with pytest.raises(InvalidSettingError, match="no prompt file or built-in prompt set"):
             resolve_prompts(bad)

@@ -123,7 +123,7 @@ def encode_prompt(
         text = messages if system is None else f"{system}\n\n{messages}"
     else:
         text = "\n".join(f"{m['role']}: {m['content']}" for m in chat)
-    return _as_ids(tokenizer.encode(text))
+    return _as_ids(tokenizer.encode(text, split_special_tokens=True))  # typed control tokens stay text
 
 
 def _holds_control_text(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]]) -> bool:

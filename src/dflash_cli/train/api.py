@@ -4,6 +4,7 @@ Output folder layout (the drafter itself is what the engine loads like any publi
     OUT/config.json, OUT/model.safetensors   the drafter (public DFlash format) + a `training` entry
     OUT/data/                                 generated sequences + tapped features (resumable cache)
     OUT/checkpoint/latest.safetensors(+.json) drafter, optimizer, step, rng (resumable; no pickle)
+    OUT/checkpoint/best.safetensors           the weights with the best held-out acceptance estimate so far
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, _fallback_ta
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import default_stop_ids
 from dflash_cli.engine.load import load_target, save_drafter
-from dflash_cli.train.data import build_dataset, load_dataset
+from dflash_cli.train.data import build_dataset, load_examples
 from dflash_cli.train.trainer import (TrainConfig, checkpoint_config, load_best_weights, make_head, sub_vocabulary,
                                      train_loop)
 
@@ -90,6 +91,11 @@ def init_drafter(raw: dict, device: torch.device, seed: int, final_norm: torch.T
     return drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; compute may autocast
 
 
+def _seconds_trained(checkpoint: Path) -> float:
+    meta = checkpoint.with_name(checkpoint.name + ".json")
+    return json.loads(meta.read_text())["state"]["seconds"] if meta.exists() else 0.0
+
+
 def split_heldout(n: int) -> tuple[list[int], list[int]]:
     """Every 10th prompt (at most 32) is held out for the acceptance estimate; none below 4 prompts."""
     held = [i for i in range(9, n, 10)][:32] if n >= 10 else ([n - 1] if n >= 4 else [])
@@ -114,8 +120,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
             later run, and training uses the answers stored so far.
         sub_vocab: compute the loss over the tokens occurring in the responses only (much faster on big
             vocabularies; drafting still uses the full head).
-        on_progress: called with ("data", dict(done, total, tokens, seconds)) per generated batch and
-            ("train", trainer.Progress) per step.
+        on_progress: called with ("data", dict(done, total, tokens, seconds)) per generated batch,
+            ("train", trainer.Progress) per step and ("note", text) for things the user should know.
     Re-running with the same out_dir resumes: stored prompts are not generated again and training
     continues from the checkpoint (pass a larger `steps` to train further). The drafter written is the
     one with the best held-out acceptance estimate seen during training (the last one without held-out data).
@@ -153,7 +159,10 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                                       hint="use the same --layers/--block-size to resume, or another output folder")
     taps = list(taps) if taps is not None else default_taps(target.num_layers, layers)
 
+    new_answers = [0]
+
     def data_progress(done: int, total: int, tokens: int, seconds: float) -> None:
+        new_answers[0] += tokens
         if on_progress:
             on_progress("data", dict(done=done, total=total, tokens=tokens, seconds=seconds))
 
@@ -161,8 +170,9 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                   batch_size=gen_batch, stop_ids=default_stop_ids(target, tokenizer), on_progress=data_progress,
                   time_budget=gen_time_budget)
     train_ids, held_ids = split_heldout(len(prompt_list))
-    train_set = [e for e in load_dataset(out_dir / "data", train_ids) if len(e.ids) - e.prompt_len >= 2]
-    held_set = [e for e in load_dataset(out_dir / "data", held_ids) if len(e.ids) - e.prompt_len >= 2]
+    stored = {i: e for i, e in load_examples(out_dir / "data").items() if len(e.ids) - e.prompt_len >= 2}
+    train_set = [stored[i] for i in train_ids if i in stored]
+    held_set = [stored[i] for i in held_ids if i in stored]
     if not train_set:
         raise InvalidSettingError("the target produced no usable responses (each needs at least 2 tokens)")
 
@@ -182,17 +192,23 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                       anchors=anchors, gamma=gamma, checkpoint_every=checkpoint_every, eval_every=eval_every,
                       seed=seed, warmup=min(50, max(1, (steps or 1000) // 20)))
     autocast = dt if dt != torch.float32 else None
+    spent = previous is not None and time_budget is not None and _seconds_trained(ckpt) >= time_budget
+    if spent and new_answers[0] and on_progress:
+        on_progress("note", f"the training budget ({time_budget / 60:g} min, counted over all runs of this "
+                            "folder) is already spent: pass a larger --time-budget to train on the new data")
     state = train_loop(drafter, target.embed_weight, target.lm_head, head, train_set, held_set, cfg, ckpt,
-                       autocast_dtype=autocast,
+                       heldout_key=",".join(map(str, held_ids)), autocast_dtype=autocast,
                        on_progress=(lambda p: on_progress("train", p)) if on_progress else None)
-    if state.best is not None and state.best != state.evals[-1]:
-        load_best_weights(ckpt, drafter)
+    saved = state.evals[-1] if state.evals else None
+    if state.best is not None and state.best != saved and load_best_weights(ckpt, drafter, state.best):
+        saved = state.best
     raw["training"].update(step=state.step, train_seconds=round(state.seconds, 1),
                            train_sequences=len(train_set), heldout_sequences=len(held_set),
                            train_tokens=sum(len(e.ids) - e.prompt_len for e in train_set),
                            final_loss=sum(state.losses[-10:]) / max(len(state.losses[-10:]), 1),
-                           saved_step=state.best[0] if state.best else state.step,
-                           heldout_tau=state.best[2] if state.best else None)
+                           saved_step=saved[0] if saved else state.step,
+                           heldout_tau=saved[2] if saved else None,
+                           last_heldout_tau=state.evals[-1][2] if state.evals else None)
     drafter.config.raw.clear()
     drafter.config.raw.update(raw)
     save_drafter(drafter.to(dt), out_dir)

@@ -33,7 +33,7 @@ def _parse_taps(_ctx, _param, value):
 @click.option("--lr", type=float, default=6e-4, show_default=True, help="Peak learning rate (AdamW, cosine decay).")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Total optimizer steps [default: 1000].")
 @click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MIN",
-              help="Train for this many minutes instead of a step count.")
+              help="Train for this many minutes instead of a step count (all runs of the folder together).")
 @click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="Sequences per step.")
 @click.option("--anchors", type=click.IntRange(min=1), default=16, show_default=True,
               help="Random anchors (blocks) per sequence per step.")
@@ -65,6 +65,14 @@ def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_bu
 
     if steps is not None and time_budget is not None:
         raise click.UsageError("give --steps or --time-budget, not both")
+    if prompts is not None:
+        from dflash_cli.engine.errors import DFlashError
+        from dflash_cli.train.prompt_sets import resolve_prompts
+
+        try:  # before the target is resolved (which may download or convert it)
+            resolve_prompts(prompts)
+        except DFlashError as e:
+            raise click.BadParameter(f"{e}; {e.hint}" if e.hint else str(e), param_hint="--prompts") from None
     kwargs = dict(prompts=prompts, layers=layers, block_size=block_size, taps=taps, lr=lr, steps=steps,
                   time_budget=time_budget * 60 if time_budget else None, batch=batch, anchors=anchors,
                   max_new_tokens=max_new_tokens, gen_batch=gen_batch,
@@ -91,7 +99,9 @@ def _run(out, target: str, out_dir: str, kwargs: dict) -> int:
         gen_tokens = [0, 0.0]
 
         def on_progress(kind, info):
-            if kind == "data":
+            if kind == "note":
+                bar.console.print(info)
+            elif kind == "data":
                 gen_tokens[0] += info["tokens"]
                 gen_tokens[1] += info["seconds"]
                 if "data" not in tasks:

@@ -168,16 +168,21 @@ def _write_index(cache_dir: Path, index: dict) -> None:
     tmp.replace(cache_dir / INDEX)
 
 
-def load_dataset(cache_dir: str | Path, prompt_ids: Sequence[int] | None = None) -> list[Example]:
-    """The stored sequences (optionally only those of these prompt indices), ordered by prompt index."""
+def load_examples(cache_dir: str | Path) -> dict[int, Example]:
+    """Every stored sequence, by prompt index (one read of each shard)."""
     from safetensors.torch import load_file
 
     cache_dir = Path(cache_dir)
-    wanted = None if prompt_ids is None else set(prompt_ids)
-    items = []
+    examples = {}
     for shard in read_index(cache_dir).get("shards", []):
         tensors = load_file(str(cache_dir / shard["file"]))
         for j, (pi, plen) in enumerate(zip(shard["prompts"], shard["prompt_lens"])):
-            if wanted is None or pi in wanted:
-                items.append((pi, Example(tensors[f"ids.{j}"], tensors[f"feat.{j}"], plen)))
-    return [s for _, s in sorted(items, key=lambda x: x[0])]
+            examples[pi] = Example(tensors[f"ids.{j}"], tensors[f"feat.{j}"], plen)
+    return examples
+
+
+def load_dataset(cache_dir: str | Path, prompt_ids: Sequence[int] | None = None) -> list[Example]:
+    """The stored sequences (optionally only those of these prompt indices), ordered by prompt index."""
+    examples = load_examples(cache_dir)
+    wanted = sorted(examples) if prompt_ids is None else sorted(set(prompt_ids) & examples.keys())
+    return [examples[i] for i in wanted]

@@ -173,6 +173,7 @@ class State:
     losses: list[float] = field(default_factory=list)
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, held-out loss, tau)
     best: tuple[int, float, float] | None = None  # the eval whose weights are in best.safetensors
+    heldout_key: str | None = None  # which held-out set the evals were measured on
 
 
 def best_weights_path(checkpoint: Path) -> Path:
@@ -205,22 +206,28 @@ def save_checkpoint(path: Path, drafter, optim, state: State, rng: random.Random
     tmp_meta.replace(path.with_name(path.name + ".json"))
 
 
-def _save_weights(path: Path, drafter) -> None:
+def _save_weights(path: Path, drafter, evaluation: tuple[int, float, float]) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}, str(tmp))
+    save_file({k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}, str(tmp),
+              metadata={"step": str(evaluation[0])})
     tmp.replace(path)
 
 
-def load_best_weights(checkpoint: Path, drafter) -> bool:
-    """Loads the best-evaluated weights saved next to `checkpoint` into `drafter`; False when there are none."""
+def load_best_weights(checkpoint: Path, drafter, evaluation: tuple[int, float, float]) -> bool:
+    """Loads the weights saved at `evaluation` (step, loss, tau) into `drafter`. False, loading nothing,
+    when the file is missing or holds another step's weights (a run stopped between two saves)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     path = best_weights_path(checkpoint)
     if not path.exists():
         return False
+    with safe_open(str(path), framework="pt") as f:
+        if (f.metadata() or {}).get("step") != str(evaluation[0]):
+            return False
     drafter.load_state_dict({k: v.to(drafter.fc.weight.device) for k, v in load_file(str(path)).items()})
     return True
 
@@ -260,7 +267,7 @@ def load_checkpoint(path: Path, drafter, optim, rng: random.Random) -> State:
 
 def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Module, head: Head,
                train: list[Example], heldout: list[Example], cfg: TrainConfig, checkpoint: Path, *,
-               autocast_dtype: torch.dtype | None = None,
+               heldout_key: str | None = None, autocast_dtype: torch.dtype | None = None,
                on_progress: Callable[[Progress], None] | None = None) -> State:
     """Trains `drafter` in place, resuming from `checkpoint` when it exists; saves it every N steps."""
     if cfg.steps is None and cfg.time_budget is None:
@@ -275,6 +282,8 @@ def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Mo
                               fused=device.type == "cuda")
     rng = random.Random(cfg.seed)
     state = load_checkpoint(checkpoint, drafter, optim, rng) if checkpoint.exists() else State()
+    if state.heldout_key != heldout_key:  # estimates on another held-out set are not comparable
+        state.best, state.heldout_key = None, heldout_key
     tau = eval_loss = None
     if state.evals:
         _, eval_loss, tau = state.evals[-1]
@@ -310,7 +319,7 @@ def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Mo
             state.evals.append((state.step, eval_loss, tau))
             if _better(state.evals[-1], state.best):
                 state.best = state.evals[-1]
-                _save_weights(best_weights_path(checkpoint), drafter)
+                _save_weights(best_weights_path(checkpoint), drafter, state.best)
         if state.step % cfg.checkpoint_every == 0 or last:
             save_checkpoint(checkpoint, drafter, optim, state, rng)
         if on_progress:
