@@ -221,3 +221,17 @@ def test_hf_assisted_column_off_for_dflash_drafters_and_on_for_a_causal_lm(loade
     assert all(r.hf_identical for r in report.records)  # greedy assisted generation is lossless too
     assert report.sets["s"].hf_tokens_per_second > 0
     assert "hf tok/s" in format_table(report)[0]
+
+
+def test_adaptive_bench_drafts_less_with_a_useless_drafter_and_stays_lossless(loaded):
+    target, drafter, tokenizer = loaded
+    sets = {"a": ["Hello there", "What is 2+2?", "Why is the sky blue?"]}
+    fixed = run_bench(target, drafter, tokenizer, sets, max_new_tokens=40, warmup=0)
+    adaptive = run_bench(target, drafter, tokenizer, sets, max_new_tokens=40, warmup=0, adaptive=True)
+    assert adaptive.settings["adaptive"] is True and fixed.settings["adaptive"] is False
+    assert all(r.identical for r in adaptive.records)
+    # fixed: every round drafts a whole block (the last few are cut short by max_new_tokens)
+    assert all(r.dflash.drafted >= 0.8 * r.dflash.steps * (drafter.block_size - 1) for r in fixed.records)
+    # the random drafter is never accepted, so adaptive rounds pause drafting after the first measurements
+    assert sum(r.dflash.drafted for r in adaptive.records) < 0.5 * sum(r.dflash.drafted for r in fixed.records)
+    assert any("adaptive blocks up to" in line for line in format_table(adaptive))

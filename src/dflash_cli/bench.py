@@ -227,7 +227,7 @@ def _hf_generate(target: Any, assistant: Any, prompt: list[int], max_new_tokens:
 def run_bench(target: Any, drafter: Any, tokenizer: Any, prompt_sets: Mapping[str, Sequence[str | Prompt]], *,
               max_new_tokens: int, block_size: int | None = None, warmup: int = 2, per_set: int | None = None,
               on_progress: Callable[[int, int, str], None] | None = None, hf_baseline: bool | Any = False,
-              enable_thinking: bool | None = None,
+              enable_thinking: bool | None = None, adaptive: bool = False,
               on_generation: Callable[[str, str, str], None] | None = None) -> BenchReport:
     """Runs every prompt of every set with plain decoding then DFlash decoding, interleaved per prompt.
 
@@ -243,6 +243,9 @@ def run_bench(target: Any, drafter: Any, tokenizer: Any, prompt_sets: Mapping[st
             says why: HF_BASELINE_OFF); a transformers causal LM sharing the target's tokenizer (a small
             AR draft model) is used as the assistant instead, for a DFlash vs classic-speculation column.
         on_generation: called as (set, prompt id, mode) before each measured generation (for tests/logs).
+        adaptive: the dflash runs choose their block size each round, up to `block_size`, as `generate`
+            does by default (a fresh controller per prompt); off: every round drafts a full block, so tau
+            and per-position acceptance measure the drafter itself.
     """
     from dflash_cli.engine.generate import default_stop_ids, generate, resolve_block_size
     from dflash_cli.engine.text import _template_of, encode_prompt
@@ -275,7 +278,7 @@ def run_bench(target: Any, drafter: Any, tokenizer: Any, prompt_sets: Mapping[st
     progress(0, len(work), "warming up")
     for _, _, prompt in work[:max(warmup, 0)]:  # same prompts and lengths as measured
         generate(target, None, prompt, **kwargs)
-        generate(target, drafter, prompt, block_size=block, **kwargs)
+        generate(target, drafter, prompt, block_size=block, adaptive=adaptive, **kwargs)
 
     records: list[PromptRecord] = []
     sequence = 0
@@ -284,7 +287,8 @@ def run_bench(target: Any, drafter: Any, tokenizer: Any, prompt_sets: Mapping[st
         for mode, d in (("plain", None), ("dflash", drafter)):
             if on_generation is not None:
                 on_generation(name, p.id, mode)
-            result = generate(target, d, prompt, block_size=block if d is not None else None, **kwargs)
+            extra = dict(block_size=block, adaptive=adaptive) if d is not None else {}
+            result = generate(target, d, prompt, **extra, **kwargs)
             runs[mode] = (result.tokens, result.stats, sequence)
             sequence += 1
         hf_record = hf_tokens = None
@@ -307,6 +311,7 @@ def run_bench(target: Any, drafter: Any, tokenizer: Any, prompt_sets: Mapping[st
         by_set.setdefault(r.set, []).append(r)
     sets = {name: summarize(name, rs, block) for name, rs in by_set.items()}
     settings = {"max_new_tokens": max_new_tokens, "block_size": block, "trained_block_size": drafter.block_size,
+                "adaptive": adaptive,
                 "temperature": 0.0, "chat_template": bool(_template_of(tokenizer)),
                 "enable_thinking": enable_thinking, "warmup": warmup, "per_set": per_set,
                 "interleaved": "per prompt: plain, then dflash" + (", then hf-assisted" if assistant else ""),
@@ -401,7 +406,7 @@ def format_table(report: BenchReport) -> list[str]:
         more = f" (+{len(divergent) - 8} more)" if len(divergent) > 8 else ""
         lines.append(f"outputs differ: {shown}{more}")
     st = report.settings
-    notes = [f"block {st['block_size']}", f"up to {st['max_new_tokens']} new tokens", "greedy",
+    notes = [f"adaptive blocks up to {st['block_size']}" if st.get("adaptive") else f"block {st['block_size']}", f"up to {st['max_new_tokens']} new tokens", "greedy",
              "chat template" if st["chat_template"] else "no chat template", f"warm-up {st['warmup']}",
              "tau = tokens per verify step, bonus included (macro over responses)",
              "tok/s = decode only, prefill excluded"]

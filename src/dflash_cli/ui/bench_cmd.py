@@ -24,12 +24,17 @@ from dflash_cli.ui.options import model_options
               help="Prompts run in both modes, unmeasured, before the measurement.")
 @click.option("--think/--no-think", default=None,
               help="Turn the model's thinking mode on or off, where its chat template supports it.")
+@click.option("--adaptive", is_flag=True,
+              help="Let DFlash runs pick their block size each round, as generate does by default "
+                   "(measures the speed users get; without it every round drafts a full block, which "
+                   "measures the drafter).")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as one JSON object on stdout.")
 @click.option("--color", type=click.Choice(["auto", "always", "never"]), default=S.DEFAULT_COLOR,
               envvar=S.ENV["color"], show_envvar=True, show_default=True, help="Colours on terminals.")
 @click.option("-q", "--quiet", is_flag=True, help="Print no table or progress (only --json output and errors).")
 @click.option("--debug", is_flag=True, envvar=S.DEBUG_ENV, help="Show tracebacks of unexpected errors.")
-def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, as_json, color, quiet, debug, **opts):
+def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adaptive, as_json, color, quiet, debug,
+          **opts):
     """Measure DFlash against plain decoding on prompt sets (greedy, chat template, warm-up first).
 
     Each prompt runs with plain decoding, then with the drafter, interleaved. Per set: tau (acceptance
@@ -69,7 +74,8 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, as_j
 
     guarded(lambda: Output(color, provenance=False),
             lambda out: _run_bench(out, opts, prompt_sets, max_tokens=max_tokens, block_size=block_size,
-                                   limit=limit, warmup=warmup, think=think, as_json=as_json, quiet=quiet),
+                                   limit=limit, warmup=warmup, think=think, adaptive=adaptive, as_json=as_json,
+                                   quiet=quiet),
             debug)
 
 
@@ -85,7 +91,8 @@ def _registry_drafter(model: str) -> bool:
         return True
 
 
-def _run_bench(out, opts, prompt_sets, *, max_tokens, block_size, limit, warmup, think, as_json, quiet) -> int:
+def _run_bench(out, opts, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
+               quiet) -> int:
     import contextlib
     import json as _json
 
@@ -113,6 +120,7 @@ def _run_bench(out, opts, prompt_sets, *, max_tokens, block_size, limit, warmup,
     with progress:
         report = run_bench(runtime.target, runtime.drafter, runtime.tokenizer, prompt_sets,
                            max_new_tokens=max_tokens, block_size=block_size, warmup=warmup, per_set=limit,
+                           adaptive=adaptive,
                            on_progress=on_progress, enable_thinking=think)
     report.meta.update({"dflash_cli": version, "model": str(runtime.target_dir),
                         "drafter": str(runtime.drafter_dir), "device": runtime.device, "dtype": runtime.dtype,
