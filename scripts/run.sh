@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ $# -eq 0 ]; then
-  set -- generate -m demo --verbose "Explain photosynthesis to a ten-year-old."
+  set -- generate -m demo --verbose \
+    "A farmer has 12 cows and buys 7 more. Each cow gives 9 liters of milk a day. How many liters of milk does the farm get in a week? Solve it step by step."
 fi
 exec .venv/bin/dflash-cli "$@"
