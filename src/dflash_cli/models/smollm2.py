@@ -185,10 +185,13 @@ def _is_complete(folder: Path, dtype: str, source: _SourceStamp | None) -> bool:
         return False
     if not all((folder / name).is_file() for name in _REQUIRED_FILES):
         return False
-    if source is not None and (
-        marker.get("source_size") != source.size or marker.get("source_mtime_ns") != source.mtime_ns
-    ):
-        return False  # the wheel was upgraded or reinstalled: convert again
+    if source is None or (marker.get("source_size"), marker.get("source_mtime_ns")) == (source.size, source.mtime_ns):
+        return True
+    # Another install of the wheel (a second venv, a reinstall) has a new path and mtime: the same bytes
+    # need no conversion, which the GGUF's hash tells (then the stamp is refreshed, so this runs once).
+    if marker.get("source_size") != source.size or marker.get("source_sha256") != _sha256(source.path):
+        return False  # the wheel was upgraded: convert again
+    _write_json_atomically(folder / _MARKER, {**marker, "source": str(source.path), "source_mtime_ns": source.mtime_ns})
     return True
 
 
@@ -220,16 +223,21 @@ def _write_marker(folder: Path, source: _SourceStamp, dtype: str) -> None:
         "source": str(source.path),
         "source_size": source.size,
         "source_mtime_ns": source.mtime_ns,
+        "source_sha256": _sha256(source.path),
         "model_safetensors_sha256": _sha256(folder / "model.safetensors"),
         "transformers_version": transformers.__version__,
     }
-    tmp = folder / (_MARKER + ".tmp")
+    _write_json_atomically(folder / _MARKER, marker)
+
+
+def _write_json_atomically(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(marker, fh, indent=2, sort_keys=True)
+        json.dump(data, fh, indent=2, sort_keys=True)
         fh.write("\n")
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, folder / _MARKER)
+    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------
