@@ -156,3 +156,12 @@ def isolated_user_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def save_tiny_pair(root: Path) -> tuple[Path, Path]:
+    """The tiny random Qwen3 target (with the char-level ChatML tokenizer) and a random drafter for it,
+    saved under `root` as target/ and drafter/: the pair most CLI and Hub tests run."""
+    cfg = target_config("qwen3")
+    target = save_target(root / "target", cfg, seed=1, scale=3.0)
+    save_tiny_tokenizer(target)
+    return target, save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)

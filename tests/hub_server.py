@@ -147,17 +147,15 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {"X-Error-Code": code, "X-Error-Message": message, **(extra or {})}
         self._send(status, json.dumps({"error": message}).encode(), headers)
 
-    def _repo(self, repo_id: str) -> Repo | None:
+    def _revision(self, repo_id: str, rev: str) -> tuple[Repo, str] | None:
+        """The repo and the commit a revision names; None after answering 404 when either is unknown."""
         repo = self.fake.repos.get(repo_id)
         if repo is None:
-            self._error(404, "RepoNotFound", "Repository not found")
-        return repo
-
-    def _commit(self, repo_id: str, repo: Repo, rev: str) -> str | None:
+            return self._error(404, "RepoNotFound", "Repository not found")
         sha = repo.refs.get(rev, rev if rev in repo.revisions else None)
         if sha is None:
-            self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
-        return sha
+            return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        return repo, sha
 
     def _token(self) -> str | None:
         auth = self.headers.get("Authorization")
@@ -184,12 +182,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._error(404, "EntryNotFound", "Not found")
 
     def _api(self, repo_id: str, kind: str, rev: str, sub: str | None, query: dict) -> None:
-        repo = self._repo(repo_id)
-        if repo is None:
+        found = self._revision(repo_id, rev)
+        if found is None:
             return
-        sha = self._commit(repo_id, repo, rev)
-        if sha is None:
-            return
+        repo, sha = found
         files = repo.revisions[sha]
         if kind == "revision":
             body = {"id": repo_id, "modelId": repo_id, "sha": sha, "private": False, "gated": repo.gated,
@@ -209,12 +205,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, json.dumps(entries).encode())
 
     def _resolve(self, repo_id: str, rev: str, filename: str) -> None:
-        repo = self._repo(repo_id)
-        if repo is None:
+        found = self._revision(repo_id, rev)
+        if found is None:
             return
-        sha = self._commit(repo_id, repo, rev)
-        if sha is None:
-            return
+        repo, sha = found
         if repo.gated:
             token = self._token()
             if token is None:

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from conftest import drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
+from conftest import save_target, save_tiny_pair, target_config
 from dflash_cli.bench import (BUILTIN_SETS, BenchReport, Prompt, PromptSetError, format_table, load_prompt_set,
                               run_bench)
 from dflash_cli.ui.cli import cli
@@ -21,10 +21,7 @@ SET_KEYS = {"name", "prompts", "generated_tokens_plain", "generated_tokens_dflas
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
-    cfg = target_config("qwen3")
-    target = save_target(root / "target", cfg, seed=1, scale=3.0)
-    save_tiny_tokenizer(target)
-    drafter = save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)
+    target, drafter = save_tiny_pair(root)
     return target, drafter
 
 

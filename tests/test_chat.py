@@ -16,7 +16,7 @@ from prompt_toolkit.history import InMemoryHistory
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from conftest import drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
+from conftest import save_tiny_pair
 from dflash_cli.session import Conversation, GenerationSettings, load_runtime
 from dflash_cli.ui import chat as chat_mod
 from dflash_cli.ui.chat import EXIT_HINT, INTERRUPTED, ChatSession, SafeFileHistory, open_history
@@ -33,10 +33,7 @@ def runtime(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("chat-models")
-    cfg = target_config()
-    target = save_target(root / "target", cfg, seed=1, scale=3.0)
-    save_tiny_tokenizer(target)
-    drafter = save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)
+    target, drafter = save_tiny_pair(root)
     yield load_runtime(str(target), str(drafter), dtype="float32", device="cpu")
     torch.set_num_threads(threads)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,17 +10,14 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from conftest import drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
+from conftest import save_tiny_pair
 from dflash_cli.ui.cli import cli
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    cfg = target_config("qwen3")
-    target = save_target(root / "target", cfg, seed=1, scale=3.0)
-    save_tiny_tokenizer(target)
-    drafter = save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)
+    target, drafter = save_tiny_pair(root)
     return target, drafter
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
+from conftest import save_tiny_pair
 from dflash_cli.models import hub
 from hub_server import FakeHub
 
@@ -25,10 +25,7 @@ def _read_folder(folder: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def repo_files(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     root = tmp_path_factory.mktemp("hub-src")
-    cfg = target_config("qwen3")
-    target = save_target(root / "target", cfg, seed=1, scale=3.0)
-    save_tiny_tokenizer(target)
-    drafter = save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)
+    target, drafter = save_tiny_pair(root)
     return {TARGET: {**_read_folder(target), **JUNK}, DRAFTER: {**_read_folder(drafter), **JUNK}}
 
 

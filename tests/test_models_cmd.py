@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
+from conftest import save_tiny_pair
 from dflash_cli.ui.cli import cli
-from test_hub import DRAFTER, JUNK, TARGET, _read_folder, online, server  # noqa: F401 (shared fixtures)
+from test_hub import DRAFTER, JUNK, TARGET, _read_folder, fake, online, server  # noqa: F401 (shared fixtures)
 
 OTHER_T, OTHER_D = "other-org/qwen3-tiny", "other-org/qwen3-tiny-dflash"
 
@@ -19,21 +19,9 @@ OTHER_T, OTHER_D = "other-org/qwen3-tiny", "other-org/qwen3-tiny-dflash"
 @pytest.fixture(scope="module")
 def repo_files(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     root = tmp_path_factory.mktemp("hub-src")
-    cfg = target_config("qwen3")
-    target = save_target(root / "target", cfg, seed=1, scale=3.0)
-    save_tiny_tokenizer(target)
-    drafter = save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)
+    target, drafter = save_tiny_pair(root)
     t, d = {**_read_folder(target), **JUNK}, {**_read_folder(drafter), **JUNK}
     return {TARGET: t, DRAFTER: d, OTHER_T: t, OTHER_D: d}
-
-
-@pytest.fixture
-def fake(server, repo_files):
-    server.repos.clear()
-    server.reset_requests()
-    for repo_id, files in repo_files.items():
-        server.add_revision(repo_id, files)
-    return server
 
 
 @pytest.fixture
