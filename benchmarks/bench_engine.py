@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_cli.engine.compile import compiler_for
 from dflash_cli.engine.device import peak_memory, pick_dtype, reset_peak_memory, synchronize
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.generate import generate
@@ -56,6 +57,7 @@ PRESETS = {  # name -> (folder under HF_CONFIGS read when present, embedded copy
 }
 Z_LAB_TAPS, Z_LAB_DEPTH, Z_LAB_MASK_ID = [1, 9, 17, 25, 33], 36, 151669  # z-lab/Qwen3-8B-DFlash-b16
 TAUS = (2.0, 4.0, 6.5)
+PATHS = ("eager", "fast", "compiled")
 
 
 def log(msg: str) -> None:
@@ -411,6 +413,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
     p.add_argument("--json", metavar="FILE", help="also write all numbers to FILE")
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=None,
+                   help="target forwards to measure side by side: eager (transformers' forward, dynamic cache), "
+                        "fast (static cache, eager), compiled (static cache, torch.compile) "
+                        "(default: eager fast on CPU, eager fast compiled on GPU)")
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.prompt_len, args.new_tokens, args.repeats = 1, 32, 24, 3
@@ -443,6 +449,82 @@ def device_name(device: torch.device) -> str:
     except (OSError, StopIteration):
         pass
     return f"{model}, {torch.get_num_threads()} threads"
+
+
+def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: list[list[int]], new_tokens: int,
+                 block: int, repeats: int, args, gpu: bool) -> dict:
+    """Unit costs and the engine table for one target forward: eager, fast or compiled."""
+    device = target.device
+    target.disable_fast_path()
+    out: dict = {"compile_seconds": None}
+    if path != "eager":
+        context = args.prompt_len + new_tokens + 2 * block
+        step = compiler_for(device) if path == "compiled" else None
+        reason = target.enable_fast_path(context, pad_to=block, compile_step=step,
+                                         on_fallback=lambda m: log(f"  {m}"))
+        if reason is not None:
+            log(f"{path}: this target cannot take the fast path ({reason}); skipped")
+            return out
+        if path == "compiled":
+            t0 = time.perf_counter()
+            target.fast.precompile(taps=True, max_block=block)
+            synchronize(device)
+            out["compile_seconds"] = time.perf_counter() - t0
+            log(f"compiled in {out['compile_seconds']:.0f}s" + ("" if target.fast_compiled else " (FAILED: eager)"))
+    print(f"\n## {path} path")
+    # Full-length warm-up of both loops: on the GPU the first pass through each new cache length is
+    # about twice as slow (per-shape setup), and would otherwise land in the first measured prompt.
+    log(f"[{path}] warm-up")
+    generate(target, None, prompts[0], max_new_tokens=new_tokens, stop_ids=[])
+    generate(target, drafter, prompts[0], max_new_tokens=new_tokens, stop_ids=[])
+
+    log(f"[{path}] unit costs")
+    blocks = sorted({4, 8, 16, block} & set(range(2, block + 1)) | {block})
+    units = out["unit_costs"] = unit_costs(target, drafter, args.prompt_len + new_tokens // 2, blocks, repeats)
+    print_units(units)
+
+    log(f"[{path}] plain decoding")
+    plain = run_engine("plain", target, lambda i: None, prompts, new_tokens)
+    rows = out["rows"] = [engine_row("plain", plain, None, 1)]
+    log(f"[{path}] speculative, random drafter")
+    spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens)
+    rows.append(engine_row("dflash random drafter", spec, plain, block))
+    refs = [p + r.tokens for p, r in zip(prompts, plain)]
+    for tau in args.taus:
+        q = acceptance_for_tau(tau, block)
+        log(f"[{path}] speculative, oracle tau {tau} (q={q:.3f})")
+        res = run_engine(f"oracle {tau}", target,
+                         lambda i: OracleDrafter(drafter, refs[i], acceptance=q, seed=args.seed + i,
+                                                 vocab_size=target.vocab_rows), prompts, new_tokens)
+        rows.append(dict(engine_row(f"dflash oracle tau {tau:g}", res, plain, block), tau_goal=tau, acceptance_q=q))
+    for r in rows[1:]:
+        r["ideal_speedup"] = r["tau"] * units["decode_1"] / (units[f"verify_{block}"] + units[f"draft_{block}"])
+    print_engine(rows, block, gpu)
+    return out
+
+
+def print_paths(paths: dict, block: int) -> None:
+    """One line per path: unit costs, plain and best-oracle tok/s, each against the eager path."""
+    base = paths.get("eager") or next(iter(paths.values()))
+    if "rows" not in base:
+        return
+    base_plain = base["rows"][0]["tokens_per_s"]
+    table = []
+    for name, res in paths.items():
+        if "rows" not in res:
+            continue
+        u, rows = res["unit_costs"], res["rows"]
+        best = max(rows[1:], key=lambda r: r["tokens_per_s"])
+        table.append([name, fmt(1e3 * u["decode_1"], ".2f"), fmt(1e3 * u[f"verify_{block}"], ".2f"),
+                      fmt(1e3 * u[f"draft_{block}"], ".2f"),
+                      fmt((u[f"verify_{block}"] + u[f"draft_{block}"]) / u["decode_1"], ".2f"),
+                      fmt(rows[0]["tokens_per_s"], ".1f"), fmt(rows[0]["tokens_per_s"] / base_plain, ".2f") + "x",
+                      best["config"].replace("dflash ", ""), fmt(best["tokens_per_s"], ".1f"),
+                      fmt(best["tokens_per_s"] / base_plain, ".2f") + "x",
+                      fmt(res.get("compile_seconds"), ".0f") if res.get("compile_seconds") is not None else "-"])
+    print("\n## paths side by side (ratios against the eager path's plain decoding, same run)")
+    print_table(["path", "decode 1 ms", f"verify {block} ms", f"draft {block} ms", "(ver+draft)/dec1",
+                 "plain tok/s", "plain vs eager", "best dflash", "tok/s", "vs eager plain", "compile s"], table)
 
 
 def main(argv=None) -> int:
@@ -493,36 +575,15 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
     print_header(meta)
-    # Full-length warm-up of both loops: on the GPU the first pass through each new cache length is
-    # about twice as slow (per-shape setup), and would otherwise land in the first measured prompt.
-    log("warm-up")
-    generate(target, None, prompts[0], max_new_tokens=new_tokens, stop_ids=[])
-    generate(target, drafter, prompts[0], max_new_tokens=new_tokens, stop_ids=[])
-
-    log("unit costs")
-    blocks = sorted({4, 8, 16, block} & set(range(2, block + 1)) | {block})
-    units = results["unit_costs"] = unit_costs(target, drafter, args.prompt_len + new_tokens // 2, blocks, repeats)
-    print_units(units)
-    save()
-
-    log("plain decoding")
-    plain = run_engine("plain", target, lambda i: None, prompts, new_tokens)
-    rows = results["rows"] = [engine_row("plain", plain, None, 1)]
-    log("speculative, random drafter")
-    spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens)
-    rows.append(engine_row("dflash random drafter", spec, plain, block))
-    refs = [p + r.tokens for p, r in zip(prompts, plain)]
-    for tau in args.taus:
-        q = acceptance_for_tau(tau, block)
-        log(f"speculative, oracle tau {tau} (q={q:.3f})")
-        res = run_engine(f"oracle {tau}", target,
-                         lambda i: OracleDrafter(drafter, refs[i], acceptance=q, seed=args.seed + i,
-                                                 vocab_size=tcfg["vocab_size"]), prompts, new_tokens)
-        rows.append(dict(engine_row(f"dflash oracle tau {tau:g}", res, plain, block), tau_goal=tau, acceptance_q=q))
-    for r in rows[1:]:
-        r["ideal_speedup"] = r["tau"] * units["decode_1"] / (units[f"verify_{block}"] + units[f"draft_{block}"])
-    print_engine(rows, block, gpu)
-    save()
+    paths = args.paths or (["eager", "fast", "compiled"] if gpu else ["eager", "fast"])
+    results["paths"] = {}
+    for path in paths:
+        results["paths"][path] = measure_path(path, target, drafter, prompts, new_tokens, block, repeats, args, gpu)
+        save()
+    rows = results["paths"][paths[0]].get("rows") or [{"tokens_per_s": float("nan")}]
+    if len(paths) > 1:
+        print_paths(results["paths"], block)
+    target.disable_fast_path()
 
     if not args.no_hf:
         log("transformers generate() baselines")

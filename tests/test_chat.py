@@ -231,7 +231,8 @@ def test_ctrl_c_during_a_reply_keeps_the_partial_reply(runtime):
         if len(calls) == 3:  # the prefill and one verify step have produced some text
             raise KeyboardInterrupt
 
-    handle = runtime.target.model.register_forward_hook(interrupt_third_forward)
+    # a layer's MLP runs once per target forward on both the fast path and transformers' forward
+    handle = runtime.target.layers[0].mlp.register_forward_hook(interrupt_third_forward)
     try:
         run = drive(runtime, "Hello\rAgain\r", settings=GenerationSettings(max_tokens=40))
     finally:

@@ -14,10 +14,14 @@ from dflash_cli.engine.oracle import OracleDrafter
 from dflash_cli.engine.state import DecodeState
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3-fast", "llama-fast"])
 def pair(request, tiny_models):
-    family = request.param
-    return load_pair(tiny_models[family], tiny_models[f"{family}-drafter"], device=DEVICE, dtype="float32")
+    """Each tiny pair on transformers' forward and on the fast path (static cache, eager)."""
+    family, _, fast = request.param.partition("-")
+    pair = load_pair(tiny_models[family], tiny_models[f"{family}-drafter"], device=DEVICE, dtype="float32")
+    if fast:
+        assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
+    return pair
 
 
 def hf_greedy(target, prompt, max_new_tokens, eos=None):
@@ -152,7 +156,7 @@ def test_interrupt_mid_forward_leaves_caches_consistent(pair):
         if calls["n"] == 5:
             raise KeyboardInterrupt
 
-    handle = pair.target.layers[2].register_forward_hook(interrupt)
+    handle = pair.target.layers[2].mlp.register_forward_hook(interrupt)  # mid-forward, on either path
     got = []
     try:
         with pytest.raises(KeyboardInterrupt):

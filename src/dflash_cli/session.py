@@ -77,6 +77,7 @@ class Runtime:
     quant: str | None
     dtype: str
     device: str
+    fast_path: str = "transformers forward"
 
     @property
     def speculative(self) -> bool:
@@ -88,7 +89,8 @@ class Runtime:
         out = {"target": str(self.target_dir), "architecture": type(self.target.model).__name__,
                "layers": self.target.num_layers, "hidden size": self.target.hidden_size,
                "vocabulary": self.target.vocab_rows, "dtype": self.dtype, "quantization": self.quant or "none",
-               "device": self.device, "context length": getattr(cfg, "max_position_embeddings", None)}
+               "device": self.device, "context length": getattr(cfg, "max_position_embeddings", None),
+               "forward": self.fast_path}
         if self.drafter is not None:
             dc = self.drafter.config
             out.update({"drafter": str(self.drafter_dir), "draft layers": dc.num_hidden_layers,
@@ -100,8 +102,15 @@ class Runtime:
 
 
 def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dtype: str | None = None,
-                 device: str | None = None, on_status: Callable[[str], None] | None = None) -> Runtime:
-    """Resolves and loads a target (and drafter), checking the pair before any weights load."""
+                 device: str | None = None, compile: str = S.DEFAULT_COMPILE, max_context: int | None = None,
+                 on_status: Callable[[str], None] | None = None,
+                 on_notice: Callable[[str], None] | None = None) -> Runtime:
+    """Resolves and loads a target (and drafter), checking the pair before any weights load.
+
+    `compile` (auto/on/off) picks the target's forward: the static-cache fast path, compiled or not, or
+    (off) transformers' own; `max_context` sizes the static cache. `on_notice` gets one-line warnings
+    (a compile that failed and fell back).
+    """
     from dflash_cli.engine.device import pick_device, pick_dtype
     from dflash_cli.engine.load import load_pair
 
@@ -121,12 +130,50 @@ def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dty
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot load the tokenizer from {target_dir}: {e}") from None
-    if dev.type == "cuda":  # the first generation on a GPU runs at half speed: pay that here
+    fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context, quantized=quant is not None,
+                                 on_status=on_status, on_notice=on_notice)
+    if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed
         from dflash_cli.engine.generate import warm_up
 
         warm_up(pair.target, pair.drafter)
     return Runtime(pair.target, pair.drafter, tokenizer, target_dir, drafter_dir,
-                   time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev))
+                   time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev), fast_path)
+
+
+def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int | None, *, quantized: bool,
+                     on_status: Callable[[str], None] | None = None,
+                     on_notice: Callable[[str], None] | None = None) -> str:
+    """Puts `target` on the static-cache fast path when it can take it; returns what runs, in words.
+
+    With compilation, every short forward the loop can call (decode 1, verify blocks of 2..B padded to
+    powers of two) is compiled here, before the first reply, so no reply pauses to compile.
+    """
+    from dflash_cli.engine.compile import compiler_for, resolve_compile, use_compile_cache
+    from dflash_cli.models.smollm2 import default_cache_dir
+
+    compiled, why = resolve_compile(compile, target.device, quantized=quantized)
+    if compile == "off":
+        return "transformers forward (compile off)"
+    context = min(c for c in (target.max_positions, max_context or S.DEFAULT_MAX_CONTEXT) if c)
+    block = drafter.block_size if drafter is not None else 1
+    step = None
+    if compiled:
+        use_compile_cache(default_cache_dir() / "compile")
+        step = compiler_for(target.device)
+    reason = target.enable_fast_path(context, pad_to=block, compile_step=step, on_fallback=on_notice)
+    if reason is not None:
+        if compile == "on" and on_notice is not None:
+            on_notice(f"--compile on: this target cannot take the fast path ({reason}); running uncompiled")
+        return f"transformers forward ({reason})"
+    if not compiled:
+        return f"static cache, eager ({why})"
+    if on_status is not None:
+        on_status("Compiling the decode and verify forwards (first run; kept on disk for the next) ...")
+    started = time.perf_counter()
+    target.fast.precompile(taps=drafter is not None, max_block=block)
+    if not target.fast_compiled:
+        return f"static cache, eager (compile failed: {target.fast.fallback_reason})"
+    return f"static cache, compiled in {time.perf_counter() - started:.0f}s ({why})"
 
 
 @dataclass

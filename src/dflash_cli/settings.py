@@ -19,6 +19,7 @@ DEFAULT_DTYPE = "auto"
 DEFAULT_DEVICE = "auto"
 DEFAULT_COLOR = "auto"
 DEFAULT_MAX_CONTEXT = 8192
+DEFAULT_COMPILE = "auto"  # compile the fast path where it pays (engine/compile.py)
 
 ENV = {
     "model": "DFLASH_MODEL",
@@ -36,6 +37,7 @@ ENV = {
     "color": "DFLASH_COLOR",
     "no_history": "DFLASH_NO_HISTORY",
     "max_context": "DFLASH_MAX_CONTEXT",
+    "compile": "DFLASH_COMPILE",
 }
 DEBUG_ENV = "DFLASH_DEBUG"
 
@@ -63,7 +65,7 @@ CONFIG_ENV = "DFLASH_CONFIG"
 CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "model": str, "draft": str, "quant": str, "dtype": str, "device": str, "max_tokens": int,
     "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
-    "system": str, "color": str, "provenance": bool, "max_context": int,
+    "system": str, "color": str, "provenance": bool, "max_context": int, "compile": str,
 }
 
 
@@ -84,7 +86,8 @@ class Config:
     def default_map(self) -> dict[str, dict[str, Any]]:
         """click's default_map: config values become option defaults (flags and env vars still win)."""
         model_keys = {k: v for k, v in self.values.items()
-                      if k in ("model", "draft", "quant", "dtype", "device", "max_context", "block_size", "color")}
+                      if k in ("model", "draft", "quant", "dtype", "device", "max_context", "block_size", "color",
+                               "compile")}
         return {"generate": dict(self.values), "chat": dict(self.values), "bench": model_keys}
 
 

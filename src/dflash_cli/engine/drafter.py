@@ -146,14 +146,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DraftCache:
-    """Per-layer K/V (normed, roped) of the committed context, in buffers that grow by doubling.
+    """Per-layer K/V (normed, roped) of the committed context, in buffers allocated on the first write for
+    `capacity` rows (the target's static cache size on the fast path), growing by doubling only past it.
 
     `write` puts new rows after the committed ones and returns the keys to attend over; only `advance`
     makes rows committed, so a block's own K/V are overwritten by the next call.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, capacity: int = 256):
         self.length = 0
+        self.capacity = capacity
         self._k: list[torch.Tensor | None] = [None] * num_layers
         self._v: list[torch.Tensor | None] = [None] * num_layers
 
@@ -161,7 +163,7 @@ class DraftCache:
         end = self.length + k.shape[2]
         buf_k, buf_v = self._k[layer], self._v[layer]
         if buf_k is None or buf_k.shape[2] < end:
-            capacity = max(end, 256, 2 * (buf_k.shape[2] if buf_k is not None else 0))
+            capacity = max(end, self.capacity, 2 * (buf_k.shape[2] if buf_k is not None else 0))
             shape = (k.shape[0], k.shape[1], capacity, k.shape[3])
             new_k, new_v = k.new_empty(shape), v.new_empty(shape)
             if buf_k is not None:
@@ -302,8 +304,8 @@ class DFlashDrafter(nn.Module):
             self.init_rotary(self.fc.weight.device)
         return self
 
-    def new_cache(self) -> DraftCache:
-        return DraftCache(len(self.layers))
+    def new_cache(self, capacity: int = 256) -> DraftCache:
+        return DraftCache(len(self.layers), capacity)
 
     def forward(self, context: torch.Tensor | None, block: torch.Tensor, start: int,
                 cache: DraftCache) -> torch.Tensor:

@@ -140,7 +140,7 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
     if state is None or state.drafter is not drafter or state.target is not target:
         state = DecodeState(target, drafter)
     limit = len(prompt) + max_new_tokens
-    context = min((c for c in (target.max_positions, max_context) if c), default=None)
+    context = min((c for c in (target.context_limit, max_context) if c), default=None)
     if context:
         limit = min(limit, context)
         if len(prompt) >= limit:

@@ -44,8 +44,8 @@ class OracleDrafter:
     def mask_token_id(self) -> int:
         return self.drafter.mask_token_id
 
-    def new_cache(self) -> DraftCache:
-        return self.drafter.new_cache()
+    def new_cache(self, capacity: int = 256) -> DraftCache:
+        return self.drafter.new_cache(capacity)
 
     def draft(self, context, anchor, start, block_len, cache, embed_weight, lm_head) -> torch.Tensor:
         real = self.drafter.draft(context, anchor, start, block_len, cache, embed_weight, lm_head)

@@ -28,7 +28,9 @@ class DecodeState:
         self.target, self.drafter = target, drafter
         self.tokens: list[int] = []
         self.target_cache = target.new_cache()
-        self.draft_cache: DraftCache | None = drafter.new_cache() if drafter is not None else None
+        # on the fast path both caches are allocated once, for the whole context
+        capacity = target.fast.capacity if target.fast is not None else 256
+        self.draft_cache: DraftCache | None = drafter.new_cache(capacity) if drafter is not None else None
         self.pending: torch.Tensor | None = None  # (1, P, n_taps*H) tapped states not yet in the draft cache
         self.anchor: torch.Tensor | None = None  # (1,) last committed token, on the target's device
 

@@ -1,7 +1,9 @@
 """The target LLM: a transformers causal LM plus what speculative decoding needs from it.
 
-Tapped hidden states are captured with removable forward hooks on the decoder layers, so the target is
-asked only for the layers the drafter reads, on any transformers version, without patching its classes.
+Two ways to run it, behind one `forward`: the fast path (engine/fast.py: static cache, one traceable
+forward, optionally compiled) for Llama-style targets once `enable_fast_path` is called, and transformers'
+own forward with a DynamicCache for everything else. On the transformers path, tapped hidden states are
+captured with removable forward hooks on the decoder layers, without patching its classes.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ def cache_length(cache) -> int:
 
 def crop_cache(cache, length: int) -> None:
     """Rolls the cache back to `length` tokens, layer by layer: after an interrupted forward the layers
-    may hold different lengths. A negative crop means 'remove n' on every transformers version."""
+    may hold different lengths. A negative crop means 'remove n' on every transformers version.
+    A fast-path StaticCache (no `layers`) crops to a length, which is only a length update."""
     layers = getattr(cache, "layers", None)
-    if layers is None:  # transformers < 4.56: one crop for all layers
+    if layers is None:  # StaticCache, or transformers < 4.56: one crop for all layers
         if cache_length(cache) > length:
             cache.crop(length)
         return
@@ -75,6 +78,34 @@ class Target:
         self._hooks: list[Any] = []
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
+        self.fast = None  # engine.fast.FastPath once enable_fast_path() succeeded
+
+    def enable_fast_path(self, context: int, *, compile_step=None, pad_to: int = 1,
+                         on_fallback=None) -> str | None:
+        """Runs this target on static caches of `context` positions (plus `pad_to` of padding for
+        fixed-length compiled calls) from now on; returns why it cannot, or None."""
+        from dflash_cli.engine.fast import FastPath, fast_path_unsupported
+
+        reason = fast_path_unsupported(self.model)
+        if reason is not None:
+            return reason
+        self.fast = FastPath(self.model, context, pad_to=pad_to, compile_step=compile_step,
+                             on_fallback=on_fallback)
+        self.fast.set_taps(self._taps)
+        return None
+
+    def disable_fast_path(self) -> None:
+        self.fast = None
+
+    @property
+    def fast_compiled(self) -> bool:
+        return self.fast is not None and self.fast.compiled
+
+    @property
+    def context_limit(self) -> int | None:
+        """Most positions a sequence may hold: the static cache's size, else the model's context length."""
+        limits = [c for c in (self.max_positions, self.fast.context if self.fast else None) if c]
+        return min(limits) if limits else None
 
     @property
     def config(self):
@@ -90,6 +121,8 @@ class Target:
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._taps = [], list(layer_ids)
+        if self.fast is not None:
+            self.fast.set_taps(self._taps)
         for layer_id in sorted(set(layer_ids)):
             self._hooks.append(self.layers[layer_id].register_forward_hook(self._make_hook(layer_id)))
 
@@ -107,7 +140,7 @@ class Target:
         return hook
 
     def new_cache(self):
-        return make_cache(self.model)
+        return self.fast.new_cache() if self.fast is not None else make_cache(self.model)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, start: int, *, last_logit_only: bool = False,
@@ -117,6 +150,8 @@ class Target:
         Returns logits (T, V) (or (1, V) with last_logit_only) and, with taps, the tapped layers'
         hidden states concatenated in the drafter's order, (1, T, n_taps*H).
         """
+        if self.fast is not None:
+            return self.fast.forward(ids, cache, start, taps=taps, last_logit_only=last_logit_only)
         n = ids.shape[1]
         positions = torch.arange(start, start + n, device=ids.device)[None]
         self._capturing = taps

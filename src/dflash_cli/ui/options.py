@@ -36,6 +36,10 @@ model_options = _apply([
                  help="Compute dtype (auto: bf16 on GPUs and bf16-capable CPUs, else fp32)."),
     click.option("--device", default=S.DEFAULT_DEVICE, envvar=S.ENV["device"], show_envvar=True, show_default=True,
                  help="cuda, cuda:N, cpu or auto."),
+    click.option("--compile", "compile", type=click.Choice(["auto", "on", "off"]), default=S.DEFAULT_COMPILE,
+                 envvar=S.ENV["compile"], show_envvar=True, show_default=True,
+                 help="Compile the decode and verify forwards (auto: CUDA graphs on GPUs; not on CPUs, where it "
+                      "was measured not to pay). off also turns off the static-cache fast path."),
 ])
 
 sampling_options = _apply([

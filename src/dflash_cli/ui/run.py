@@ -56,7 +56,9 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
         out.info(f"--quant auto: {pair.quant if pair.quant != 'none' else 'no quantization'} fits")
     with out.spinner(f"Loading {opts['model']} ..."):
         runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None,
-                               quant=pair.quant, dtype=opts["dtype"], device=opts["device"])
+                               quant=pair.quant, dtype=opts["dtype"], device=opts["device"],
+                               compile=opts.get("compile", "auto"), max_context=opts.get("max_context"),
+                               on_notice=out.warn)
     if not quiet:
         where = f"{runtime.device} {runtime.dtype}" + (f" {runtime.quant}" if runtime.quant else "")
         block = f" (block {runtime.drafter.block_size})" if runtime.speculative else ""
