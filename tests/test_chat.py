@@ -105,7 +105,7 @@ class mask_logits:
     """Makes the tiny model (target and drafter share its lm_head) emit only the given token ids."""
 
     def __init__(self, runtime, allowed):
-        self.head, self.allowed = runtime.target.lm_head, torch.tensor(list(allowed))
+        self.head, self.allowed = runtime.target.logits_head, torch.tensor(list(allowed))
 
     def __enter__(self):
         def hook(_module, _inputs, logits):
@@ -231,8 +231,8 @@ def test_ctrl_c_during_a_reply_keeps_the_partial_reply(runtime):
         if len(calls) == 3:  # the prefill and one verify step have produced some text
             raise KeyboardInterrupt
 
-    # a layer's MLP runs once per target forward on both the fast path and transformers' forward
-    handle = runtime.target.layers[0].mlp.register_forward_hook(interrupt_third_forward)
+    # a layer norm runs once per target forward on both the fast path and transformers' forward
+    handle = runtime.target.layers[0].post_attention_layernorm.register_forward_hook(interrupt_third_forward)
     try:
         run = drive(runtime, "Hello\rAgain\r", settings=GenerationSettings(max_tokens=40))
     finally:

@@ -157,3 +157,32 @@ def test_unsupported_targets_keep_the_transformers_forward(tmp_path):
     pair = load_pair(folder, None, device=DEVICE, dtype="float32")
     assert "sliding-window" in pair.target.enable_fast_path(100)
     assert pair.target.fast is None
+
+
+def test_packed_linears_compute_what_the_linear_does_and_are_skipped_where_they_cannot_help():
+    from torch import nn
+
+    from dflash_cli.engine.fast import PackedLinear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=True)
+    packed = PackedLinear.pack(linear)
+    x = torch.randn(2, 5, 48)
+    if isinstance(packed, PackedLinear):  # oneDNN present (every x86 build of torch)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert PackedLinear.pack(linear.to(torch.float64)) is linear  # only fp32 is packed
+    assert PackedLinear.pack(nn.Identity()).__class__ is nn.Identity
+
+
+def test_drafts_read_the_fast_paths_lm_head(tiny_models):
+    pair = fast_pair(tiny_models)
+    assert pair.target.logits_head is pair.target.fast.lm_head
+    calls = []
+    handle = pair.target.logits_head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        got = generate(pair.target, pair.drafter, [5, 6, 7], max_new_tokens=12, stop_ids=[], adaptive=False)
+    finally:
+        handle.remove()
+    drafting_steps = sum(got.stats.block_rounds[1:])  # steps with a block of 2 or more slots
+    assert drafting_steps >= 1
+    assert len(calls) == 1 + got.stats.steps + drafting_steps  # prefill, a verify per step, a draft per block

@@ -156,7 +156,7 @@ def test_interrupt_mid_forward_leaves_caches_consistent(pair):
         if calls["n"] == 5:
             raise KeyboardInterrupt
 
-    handle = pair.target.layers[2].mlp.register_forward_hook(interrupt)  # mid-forward, on either path
+    handle = pair.target.layers[2].post_attention_layernorm.register_forward_hook(interrupt)  # mid-forward, on either path
     got = []
     try:
         with pytest.raises(KeyboardInterrupt):

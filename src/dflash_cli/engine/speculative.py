@@ -54,7 +54,7 @@ def speculative_rounds(state: DecodeState, drafter: DFlashDrafter, sample: Sampl
         draft_watch.start()
         if n > 1:
             drafts = drafter.draft(state.pending, anchor, start, n, state.draft_cache, target.embed_weight,
-                                   target.lm_head)  # (n-1,)
+                                   target.logits_head)  # (n-1,)
             state.pending = None  # now in the draft cache
         else:
             drafts = anchor.new_empty(0)

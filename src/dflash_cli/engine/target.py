@@ -98,6 +98,11 @@ class Target:
         self.fast = None
 
     @property
+    def logits_head(self) -> nn.Module:
+        """The LM head as the current path runs it (oneDNN-packed on the CPU fast path); drafts use it too."""
+        return self.fast.lm_head if self.fast is not None else self.lm_head
+
+    @property
     def fast_compiled(self) -> bool:
         return self.fast is not None and self.fast.compiled
 
