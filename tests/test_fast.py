@@ -159,19 +159,23 @@ def test_unsupported_targets_keep_the_transformers_forward(tmp_path):
     assert pair.target.fast is None
 
 
-def test_packed_linears_compute_what_the_linear_does_and_are_skipped_where_they_cannot_help():
+def test_packed_linears_compute_what_the_linears_do_and_are_skipped_where_they_cannot_help():
     from torch import nn
 
     from dflash_cli.engine.fast import PackedLinear
 
     torch.manual_seed(0)
-    linear = nn.Linear(48, 80, bias=True)
-    packed = PackedLinear.pack(linear)
+    q, k, v = nn.Linear(48, 80, bias=True), nn.Linear(48, 16, bias=True), nn.Linear(48, 16, bias=True)
     x = torch.randn(2, 5, 48)
-    if isinstance(packed, PackedLinear):  # oneDNN present (every x86 build of torch)
-        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
-    assert PackedLinear.pack(linear.to(torch.float64)) is linear  # only fp32 is packed
-    assert PackedLinear.pack(nn.Identity()).__class__ is nn.Identity
+    packed = PackedLinear.pack(q)
+    if packed is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    torch.testing.assert_close(packed(x), q(x), rtol=1e-5, atol=1e-5)
+    for got, linear in zip(PackedLinear.pack(q, k, v)(x), (q, k, v), strict=True):  # fused q|k|v
+        torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+    assert PackedLinear.pack(q.to(torch.float64)) is None  # only fp32 is packed
+    assert PackedLinear.pack(q.float(), nn.Linear(48, 8, bias=False)) is None  # mixed biases
+    assert PackedLinear.pack(nn.Identity()) is None
 
 
 def test_drafts_read_the_fast_paths_lm_head(tiny_models):

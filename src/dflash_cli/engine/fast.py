@@ -78,40 +78,61 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A CPU Linear whose weight oneDNN re-lays out once for this machine's kernels.
+    """One or more CPU Linears sharing an input, as one weight that oneDNN re-lays out once for this machine.
 
     torch's default CPU matmul (MKL) is slow at the row counts a decode loop runs (1-16 rows): measured on a
     2-core AVX2 machine, the packed weight ran a 16-row 576x49152 LM head 2.6x faster and a 1-row one 2x
-    faster (benchmarks/README.md). Costs a second copy of the weights.
+    faster, and one call for q|k|v (and gate|up) saves the per-call cost that dominates small layers
+    (benchmarks/README.md). Costs a second copy of the weights. Returns a tensor, or a tuple for several.
     """
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor):
+    def __init__(self, linears: list[nn.Linear], packed: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.packed = packed
-        self.bias = linear.bias
-        self.out_features = linear.out_features
+        self.packed, self.bias = packed, bias
+        self.sizes = [m.out_features for m in linears]
+        self.out_features = sum(self.sizes)
 
-    @staticmethod
-    def pack(linear: nn.Module) -> nn.Module:
-        """`linear` packed when oneDNN can do it exactly enough on this CPU, else `linear` unchanged."""
-        weight = getattr(linear, "weight", None)
-        if type(linear) is not nn.Linear or weight is None or weight.device.type != "cpu" \
-                or weight.dtype != torch.float32:
-            return linear
+    @classmethod
+    def pack(cls, *linears: nn.Module) -> nn.Module | None:
+        """The linears packed into one, when oneDNN computes them exactly enough on this CPU; else None."""
+        weights = [getattr(m, "weight", None) for m in linears]
+        if any(type(m) is not nn.Linear for m in linears) or any(
+                w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+            return None
+        with_bias = [m.bias is not None for m in linears]
+        if any(with_bias) and not all(with_bias):
+            return None
         try:
-            packed = PackedLinear(linear, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
-            probe = torch.randn(3, linear.in_features)
-            ok = torch.allclose(packed(probe), linear(probe), rtol=1e-4, atol=1e-4)
+            with torch.no_grad():
+                weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+                bias = torch.cat([m.bias.detach() for m in linears]) if all(with_bias) else None
+                packed = cls(list(linears), torch.ops.mkldnn._reorder_linear_weight(weight, None), bias)
+                probe = torch.randn(3, linears[0].in_features)
+                got = packed(probe)
+                got = got if isinstance(got, tuple) else (got,)
+                ok = all(torch.allclose(g, m(probe), rtol=1e-4, atol=1e-4) for g, m in zip(got, linears))
         except (RuntimeError, AttributeError, NotImplementedError):
-            return linear
-        return packed if ok else linear
+            return None
+        return packed if ok else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
+
+
+class Parallel(nn.Module):
+    """Linears sharing an input, run one by one: what PackedLinear does in one call, where it cannot."""
+
+    def __init__(self, *linears: nn.Module):
+        super().__init__()
+        self.parts = nn.ModuleList(linears)
+
+    def forward(self, x: torch.Tensor):
+        return tuple(m(x) for m in self.parts)
 
 
 def _room_to_pack(model: nn.Module) -> bool:
@@ -125,12 +146,17 @@ def _room_to_pack(model: nn.Module) -> bool:
     return free is not None and size < free // 2
 
 
-def layer_projections(layer: nn.Module, prepare: Callable[[nn.Module], nn.Module]) -> nn.ModuleDict:
-    """The seven linear maps of a Llama-style layer, each passed through `prepare` (identity or packing)."""
+def layer_projections(layer: nn.Module, pack: bool) -> nn.ModuleDict:
+    """A Llama-style layer's linear maps as qkv -> (q, k, v), o, gate_up -> (gate, up), down; packed by
+    oneDNN (q|k|v and gate|up fused) when `pack` and it works here, else the layer's own modules."""
     attn, mlp = layer.self_attn, layer.mlp
-    names = dict(q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, o=attn.o_proj, gate=mlp.gate_proj,
-                 up=mlp.up_proj, down=mlp.down_proj)
-    return nn.ModuleDict({name: prepare(m) for name, m in names.items()})
+    groups = dict(qkv=(attn.q_proj, attn.k_proj, attn.v_proj), o=(attn.o_proj,),
+                  gate_up=(mlp.gate_proj, mlp.up_proj), down=(mlp.down_proj,))
+    out = {}
+    for name, linears in groups.items():
+        packed = PackedLinear.pack(*linears) if pack else None
+        out[name] = packed or (linears[0] if len(linears) == 1 else Parallel(*linears))
+    return nn.ModuleDict(out)
 
 
 class StaticForward(nn.Module):
@@ -171,9 +197,10 @@ class StaticForward(nn.Module):
         for i, layer in enumerate(self.layers):
             attn, proj = layer.self_attn, self.projections[i]
             x = layer.input_layernorm(h)
-            q = proj["q"](x).view(1, n, -1, self.head_dim)
-            k = proj["k"](x).view(1, n, -1, self.head_dim)
-            v = proj["v"](x).view(1, n, -1, self.head_dim).transpose(1, 2)
+            q, k, v = proj["qkv"](x)
+            q = q.reshape(1, n, -1, self.head_dim)
+            k = k.reshape(1, n, -1, self.head_dim)
+            v = v.reshape(1, n, -1, self.head_dim).transpose(1, 2)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, n, hd)
@@ -186,7 +213,8 @@ class StaticForward(nn.Module):
                 enable_gqa=q.shape[1] != k.shape[1])
             h = h + proj["o"](out.transpose(1, 2).reshape(1, n, -1))
             x = layer.post_attention_layernorm(h)
-            h = h + proj["down"](layer.mlp.act_fn(proj["gate"](x)) * proj["up"](x))
+            gate, up = proj["gate_up"](x)
+            h = h + proj["down"](layer.mlp.act_fn(gate) * up)
             if i in wanted:
                 # transformers' hidden_states[-1] is after the final norm: tap the same thing.
                 tapped[i] = self.norm(h) if i == last else h
@@ -226,9 +254,10 @@ class FastPath:
         self.on_fallback = on_fallback
         # Eager CPU runs use oneDNN-packed weights (a second copy, when memory allows); compiled code leaves
         # the weights to the compiler.
-        prepare = PackedLinear.pack if compile_step is None and _room_to_pack(model) else (lambda m: m)
-        self.projections = nn.ModuleList(layer_projections(layer, prepare) for layer in model.get_decoder().layers)
-        self.lm_head = prepare(model.get_output_embeddings())
+        pack = compile_step is None and _room_to_pack(model)
+        self.projections = nn.ModuleList(layer_projections(layer, pack) for layer in model.get_decoder().layers)
+        head = model.get_output_embeddings()
+        self.lm_head = (PackedLinear.pack(head) if pack else None) or head
         self.fallback_reason: str | None = None
         self.taps: list[int] = []
         self._eager: dict[tuple[bool, bool], StaticForward] = {}
