@@ -52,7 +52,12 @@ class BlockSizeController:
         if not drafted or n == 1:
             return None
         if len(drafted) == 1:
-            return self._cost[drafted[0]]  # one measurement: assume the block size barely matters
+            if 1 not in self._cost:
+                return self._cost[drafted[0]]  # one measurement: assume the block size barely matters
+            # a plain round and one block size measured: a line through both (a verify's cost grows with
+            # its length where compute, not weight reads, dominates: CPUs), so smaller blocks get tried
+            lo, hi = 1, drafted[0]
+            return max(self._cost[lo] + (self._cost[hi] - self._cost[lo]) * (n - lo) / (hi - lo), 1e-9)
         lo, hi = drafted[0], drafted[-1]
         slope = (self._cost[hi] - self._cost[lo]) / (hi - lo)
         return max(self._cost[lo] + slope * (n - lo), 1e-9)

@@ -339,15 +339,22 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def draft(self, context: torch.Tensor | None, anchor: torch.Tensor, start: int, block_len: int,
-              cache: DraftCache, embed_weight: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Proposes block_len-1 tokens after `anchor` (a (1,) tensor); returns them as a (block_len-1,) tensor."""
+              cache: DraftCache, embed_weight: torch.Tensor, lm_head: nn.Module, *,
+              keep: int | None = None) -> torch.Tensor:
+        """Proposes tokens after `anchor` (a (1,) tensor) from a block of `block_len` slots.
+
+        Returns the first `keep` drafts (default all block_len-1) as a (keep,) tensor; the LM head runs on
+        those slots only. Drafting the block the drafter was trained on and keeping a prefix gives better
+        first drafts than drafting a shorter block: a block attends to itself bidirectionally.
+        """
+        keep = block_len - 1 if keep is None else keep
         ids = torch.cat([anchor, anchor.new_full((block_len - 1,), self.mask_token_id)])
         block = F.embedding(ids, embed_weight)[None].to(self.fc.weight.dtype)  # (1, B, H)
         if self.config.input_embedding_scale != 1.0:
             block = block * self.config.input_embedding_scale
         # slot 0 (the anchor) predicts nothing; a 2-D input keeps the LM head on the plain matmul path
         # (a 3-D slice makes CPU bf16 kernels copy the whole vocabulary matrix on every call)
-        h = self(context, block, start, cache)[0, 1:]  # (B-1, H)
+        h = self(context, block, start, cache)[0, 1 : keep + 1]  # (keep, H)
         logits = self.postprocess_logits(lm_head(h.to(lm_head_dtype(lm_head) or embed_weight.dtype)))
         return logits.float().argmax(-1)
 

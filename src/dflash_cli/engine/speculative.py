@@ -52,9 +52,9 @@ def speculative_rounds(state: DecodeState, drafter: DFlashDrafter, sample: Sampl
         start, anchor = state.start, state.anchor
 
         draft_watch.start()
-        if n > 1:
-            drafts = drafter.draft(state.pending, anchor, start, n, state.draft_cache, target.embed_weight,
-                                   target.logits_head)  # (n-1,)
+        if n > 1:  # draft the trained block, verify its first n-1 drafts
+            drafts = drafter.draft(state.pending, anchor, start, drafter.block_size, state.draft_cache,
+                                   target.embed_weight, target.logits_head, keep=n - 1)  # (n-1,)
             state.pending = None  # now in the draft cache
         else:
             drafts = anchor.new_empty(0)
