@@ -152,3 +152,16 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130(folders):
 def test_a_model_folder_without_a_tokenizer_is_a_clear_error(tiny_models):
     result = CliRunner().invoke(cli, ["generate", "-m", str(tiny_models["qwen3"]), "--no-draft", "hi"])
     assert result.exit_code == 1 and "has no tokenizer files" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_compile_setting_picks_the_forward_and_keeps_the_text(folders):
+    fast = as_json(run(folders, "-n", "16", "--json", "Same words"))
+    off = as_json(run(folders, "-n", "16", "--json", "--compile", "off", "Same words"))
+    from_env = as_json(run(folders, "-n", "16", "--json", "Same words", env={"DFLASH_COMPILE": "off"}))
+    assert fast["forward"].startswith("static cache, eager")
+    assert off["forward"] == from_env["forward"] == "transformers forward (compile off)"
+    assert fast["text"] == off["text"] == from_env["text"]
+    verbose = run(folders, "-n", "4", "--verbose", "Hi")
+    assert "forward:" in verbose.stderr and "static cache" in verbose.stderr
+    bad = run(folders, "-n", "4", "--compile", "fast", "Hi")
+    assert bad.exit_code == 2 and "'fast' is not one of 'auto', 'on', 'off'" in bad.stderr

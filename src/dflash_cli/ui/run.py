@@ -132,14 +132,15 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     if as_json:
         data = {"text": conversation.messages[-1]["content"], **stats_json(stats),
                 "interrupted": interrupted, "model": str(runtime.target_dir),
-                "drafter": str(runtime.drafter_dir) if runtime.drafter_dir else None}
+                "drafter": str(runtime.drafter_dir) if runtime.drafter_dir else None,
+                "forward": runtime.fast_path}
         if baseline is not None:
             data.update(_comparison(tokens, stats, baseline, greedy=settings.temperature == 0))
         out.out.write(json.dumps(data, ensure_ascii=False) + "\n")
         out.out.flush()
     elif opts["verbose"]:
         for line in stats_block(stats, load_seconds=runtime.load_seconds, wall_seconds=wall,
-                                baseline=baseline[1] if baseline else None):
+                                baseline=baseline[1] if baseline else None, forward=runtime.fast_path):
             out.info(line, dim=False)
     elif not opts["quiet"] and out.err_tty:
         out.info(summary_line(stats, runtime.speculative))
