@@ -266,7 +266,8 @@ def run_engine(name: str, target: Target, make_drafter, prompts: list[list[int]]
     results = []
     for i, prompt in enumerate(prompts):
         drafter = make_drafter(i)
-        results.append(generate(target, drafter, prompt, max_new_tokens=new_tokens, stop_ids=[]))
+        # full blocks: the oracle rows measure the engine at a chosen tau, not the adaptive controller
+        results.append(generate(target, drafter, prompt, max_new_tokens=new_tokens, stop_ids=[], adaptive=False))
         log(f"  {name} prompt {i + 1}/{len(prompts)}: {results[-1].stats.decode_tokens_per_second:.1f} tok/s, "
             f"tau {results[-1].stats.acceptance_length:.2f}")
     return results

@@ -244,7 +244,9 @@ class FastPath:
         attn = model.get_decoder().layers[0].self_attn
         self.model = model
         self.context = context
-        self.capacity = context + _bucket(max(pad_to, 1))
+        # one spare row: the attended window (key_positions) then never spans the whole buffer, which
+        # compiled code would specialise to a constant
+        self.capacity = context + _bucket(max(pad_to, 1)) + 1
         self.num_layers = len(model.get_decoder().layers)
         self.kv_heads = attn.k_proj.out_features // attn.head_dim
         self.head_dim = attn.head_dim
@@ -319,8 +321,8 @@ class FastPath:
                 out = self._run_compiled(ids, cache, start, taps)
             if out is None:
                 positions = torch.arange(start, end, device=ids.device)
-                out = self._module(taps, last_logit_only)(ids, positions, key_positions(end, cache.capacity, ids.device),
-                                                          cache.keys, cache.values)
+                keys_at = key_positions(end, cache.capacity - 1, ids.device)
+                out = self._module(taps, last_logit_only)(ids, positions, keys_at, cache.keys, cache.values)
         cache.length = end
         return out
 
@@ -331,8 +333,8 @@ class FastPath:
         if size > n:  # pad with the last token; its logits, states and K/V rows are never used
             ids = torch.cat([ids, ids[:, -1:].expand(1, size - n)], dim=1)
         positions = torch.arange(start, start + size, device=ids.device)
-        keys_at = key_positions(start + size, self.capacity, ids.device)
-        torch._dynamo.mark_dynamic(keys_at, 0)
+        keys_at = key_positions(start + size, self.capacity - 1, ids.device)
+        torch._dynamo.maybe_mark_dynamic(keys_at, 0)
         step = self._compiled.get(taps)
         if step is None:
             step = self._compiled[taps] = self.compile_step(self._module(taps, False))
@@ -357,8 +359,7 @@ def _bucket(n: int) -> int:
     return size
 
 
-def key_positions(length: int, capacity: int, device: torch.device, minimum: int = 256) -> torch.Tensor:
+def key_positions(length: int, most: int, device: torch.device, minimum: int = 256) -> torch.Tensor:
     """Rows 0..L-1 to attend over: L is `length` rounded up to a power of two (at least `minimum`, at most
-    `capacity`), so attention reads what the sequence needs, not the whole buffer, and compiled code sees
-    few distinct lengths."""
-    return torch.arange(min(max(_bucket(length), minimum), capacity), device=device)
+    `most`), so attention reads what the sequence needs, not the whole buffer."""
+    return torch.arange(min(max(_bucket(length), minimum), most), device=device)
