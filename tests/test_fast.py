@@ -159,25 +159,6 @@ def test_unsupported_targets_keep_the_transformers_forward(tmp_path):
     assert pair.target.fast is None
 
 
-def test_packed_linears_compute_what_the_linears_do_and_are_skipped_where_they_cannot_help():
-    from torch import nn
-
-    from dflash_cli.engine.fast import PackedLinear
-
-    torch.manual_seed(0)
-    q, k, v = nn.Linear(48, 80, bias=True), nn.Linear(48, 16, bias=True), nn.Linear(48, 16, bias=True)
-    x = torch.randn(2, 5, 48)
-    packed = PackedLinear.pack(q)
-    if packed is None:
-        pytest.skip("this torch build has no oneDNN linear")
-    torch.testing.assert_close(packed(x), q(x), rtol=1e-5, atol=1e-5)
-    for got, linear in zip(PackedLinear.pack(q, k, v)(x), (q, k, v), strict=True):  # fused q|k|v
-        torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
-    assert PackedLinear.pack(q.to(torch.float64)) is None  # only fp32 is packed
-    assert PackedLinear.pack(q.float(), nn.Linear(48, 8, bias=False)) is None  # mixed biases
-    assert PackedLinear.pack(nn.Identity()) is None
-
-
 def test_drafts_read_the_fast_paths_lm_head(tiny_models):
     pair = fast_pair(tiny_models)
     assert pair.target.logits_head is pair.target.fast.lm_head

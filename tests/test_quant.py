@@ -33,6 +33,12 @@ def test_quantized_pair_loads_and_generates(folders, quant, layer_type):
     assert isinstance(pair.target.lm_head, torch.nn.Linear) and type(pair.target.lm_head).__name__ == "Linear"
     out = generate(pair.target, pair.drafter, [5, 6, 7, 8], max_new_tokens=20, stop_ids=[])
     assert out.stats.generated_tokens == 20 and out.stats.drafted > 0
+    # the fast path calls the quantized layers as they are (never packs or compiles them)
+    assert pair.target.enable_fast_path(200, pad_to=pair.drafter.block_size) is None
+    assert type(pair.target.fast.projections[0]["down"]).__name__ == layer_type
+    fast = generate(pair.target, pair.drafter, [5, 6, 7, 8], max_new_tokens=20, stop_ids=[], block_size=1)
+    plain = generate(pair.target, None, [5, 6, 7, 8], max_new_tokens=20, stop_ids=[])
+    assert fast.stats.generated_tokens == 20 and fast.tokens == plain.tokens
 
 
 def test_quantized_drafter_drafts_like_the_dense_one(folders):

@@ -29,6 +29,15 @@ def pair(tmp_path_factory):
     return load_pair(target, drafter, device="cpu", dtype="float32")
 
 
+@pytest.fixture(params=["transformers forward", "fast path"])
+def either_path(request, pair):
+    """The pair on transformers' forward, then on the fast path (static cache, packed weights)."""
+    if request.param == "fast path":
+        assert pair.target.enable_fast_path(64, pad_to=pair.drafter.block_size) is None
+    yield pair
+    pair.target.disable_fast_path()
+
+
 def exact_distribution(target, settings) -> dict[tuple[int, ...], float]:
     """P(x1..x4) under the target alone, by enumerating every sequence the filters allow."""
     def probs(prefix):
@@ -63,7 +72,8 @@ def chi_square_p_value(counts: Counter, dist: dict, n: int) -> float:
     return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
 
 
-def test_speculative_sampling_matches_the_target_distribution(pair):
+def test_speculative_sampling_matches_the_target_distribution(either_path):
+    pair = either_path
     dist = exact_distribution(pair.target, SETTINGS)
     greedy = generate(pair.target, None, PROMPT, max_new_tokens=N_NEW + 4, stop_ids=[]).tokens
     oracle = OracleDrafter(pair.drafter, PROMPT + greedy, acceptance=1.0)  # argmax drafts: often accepted
@@ -82,12 +92,21 @@ def test_speculative_sampling_matches_the_target_distribution(pair):
     assert chi_square_p_value(counts, wrong, n) < 1e-6
 
 
-def test_seeded_runs_reproduce(pair):
-    kwargs = dict(max_new_tokens=20, stop_ids=[], temperature=1.0, top_p=0.9)
-    a = generate(pair.target, pair.drafter, PROMPT, seed=7, **kwargs).tokens
-    b = generate(pair.target, pair.drafter, PROMPT, seed=7, **kwargs).tokens
-    c = generate(pair.target, pair.drafter, PROMPT, seed=8, **kwargs).tokens
-    assert a == b and a != c
+def test_seeded_runs_reproduce_whatever_the_block_sizes(pair):
+    from dflash_cli.engine.adaptive import BlockSizeController
+
+    kwargs = dict(max_new_tokens=30, stop_ids=[], temperature=1.0, top_p=0.9, seed=7)
+    full = generate(pair.target, pair.drafter, PROMPT, adaptive=False, **kwargs).tokens
+    plain = generate(pair.target, None, PROMPT, **kwargs).tokens
+    # two controllers whose injected costs force different block-size sequences
+    short = BlockSizeController(pair.drafter.block_size, cost=lambda n: 1.0 + 0.5 * n)
+    long = BlockSizeController(pair.drafter.block_size, cost=lambda n: 1.0 + 0.01 * n)
+    a = generate(pair.target, pair.drafter, PROMPT, controller=short, **kwargs)
+    b = generate(pair.target, pair.drafter, PROMPT, controller=long, **kwargs)
+    assert a.stats.block_rounds != b.stats.block_rounds
+    assert full == plain == a.tokens == b.tokens
+    other = generate(pair.target, pair.drafter, PROMPT, **dict(kwargs, seed=8)).tokens
+    assert other != full
 
 
 def test_filters():
@@ -97,6 +116,11 @@ def test_filters():
     nucleus = sampling_probs(logits, 1.0, top_p=0.5)[0]
     assert nucleus[0] == 1.0  # the top token alone already holds more than half the mass
     assert Sampler(0.0)(logits).item() == 0 and Sampler(1.0, top_k=1, seed=0)(logits).item() == 0
+    # the draw for a position depends on (seed, position) only, not on the rows sampled with it
+    rows = torch.randn(6, 50)
+    sampler = Sampler(1.0, seed=3)
+    assert sampler(rows, 10).tolist() == [sampler(rows[i:i + 1], 10 + i).item() for i in range(6)]
+    assert Sampler(1.0).seed != Sampler(1.0).seed  # unseeded runs draw a fresh seed
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)])

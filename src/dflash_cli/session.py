@@ -149,6 +149,7 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     powers of two) is compiled here, before the first reply, so no reply pauses to compile.
     """
     from dflash_cli.engine.compile import compiler_for, resolve_compile, use_compile_cache
+    from dflash_cli.engine.packed import pack_linears, room_to_pack
     from dflash_cli.models.smollm2 import default_cache_dir
 
     compiled, why = resolve_compile(compile, target.device, quantized=quantized)
@@ -166,7 +167,9 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
             on_notice(f"--compile on: this target cannot take the fast path ({reason}); running uncompiled")
         return f"transformers forward ({reason})"
     if not compiled:
-        return f"static cache, eager ({why})"
+        if target.fast.packed and drafter is not None and room_to_pack(drafter):
+            pack_linears(drafter)  # its layers run at the same few rows as the target's
+        return f"static cache, eager{', packed weights' if target.fast.packed else ''} ({why})"
     if on_status is not None:
         on_status("Compiling the decode and verify forwards (first run; kept on disk for the next) ...")
     started = time.perf_counter()
@@ -208,11 +211,14 @@ class Conversation:
         return self._respond(settings)
 
     def regenerate(self, settings: GenerationSettings) -> Iterator[Any]:
-        """Drops the last reply and answers the last user message again."""
+        """Drops the last reply and answers the last user message again; with a fixed seed it moves to the
+        next seed (settings.seed += 1), since the same seed would give the same reply."""
         if self.messages and self.messages[-1]["role"] == "assistant":
             self.messages.pop()
         if not self.messages:
             raise TranscriptError("nothing to regenerate yet")
+        if settings.seed is not None and settings.temperature > 0:
+            settings.seed += 1
         return self._respond(settings)
 
     def _respond(self, settings: GenerationSettings) -> Iterator[Any]:

@@ -20,7 +20,7 @@ def baseline_rounds(state: DecodeState, sample: Sampler, *, limit: int) -> Itera
         t0 = time.perf_counter()
         watch.start()
         logits, hidden = target.forward(state.anchor[None], state.target_cache, state.start, taps=taps)
-        choice = sample(logits)  # (1,)
+        choice = sample(logits, state.start + 1)  # (1,) the token at position start+1
         token = choice.tolist()  # the step's one host-device sync
         watch.stop()
         state.commit(token, hidden, anchor=choice)

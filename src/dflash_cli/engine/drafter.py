@@ -301,7 +301,7 @@ class DFlashDrafter(nn.Module):
         # .to(dtype)/.to(device) would cast RoPE's fp32 frequencies too: recompute them instead
         super()._apply(fn, recurse)
         if self.rotary is not None:
-            self.init_rotary(self.fc.weight.device)
+            self.init_rotary(self.hidden_norm.weight.device)
         return self
 
     def new_cache(self, capacity: int = 256) -> DraftCache:
@@ -323,7 +323,8 @@ class DFlashDrafter(nn.Module):
         n_ctx = 0 if context is None else context.shape[1]
         assert cache.length + n_ctx == start, (cache.length, n_ctx, start)
         n_block = block.shape[1]
-        ctx = None if context is None else self.hidden_norm(self.fc(context[0].to(self.fc.weight.dtype)))[None]
+        dtype = self.hidden_norm.weight.dtype  # (fc may be a packed linear without a .weight)
+        ctx = None if context is None else self.hidden_norm(self.fc(context[0].to(dtype)))[None]
         h = block
         positions = torch.arange(start - n_ctx, start + n_block, device=h.device)[None]
         cos, sin = self.rotary(h, positions)
@@ -349,7 +350,7 @@ class DFlashDrafter(nn.Module):
         """
         keep = block_len - 1 if keep is None else keep
         ids = torch.cat([anchor, anchor.new_full((block_len - 1,), self.mask_token_id)])
-        block = F.embedding(ids, embed_weight)[None].to(self.fc.weight.dtype)  # (1, B, H)
+        block = F.embedding(ids, embed_weight)[None].to(self.hidden_norm.weight.dtype)  # (1, B, H)
         if self.config.input_embedding_scale != 1.0:
             block = block * self.config.input_embedding_scale
         # slot 0 (the anchor) predicts nothing; a 2-D input keeps the LM head on the plain matmul path

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_cli.engine.packed import PackedLinear, Parallel, room_to_pack
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -75,75 +77,6 @@ def fast_path_unsupported(model: nn.Module) -> str | None:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
-
-
-class PackedLinear(nn.Module):
-    """One or more CPU Linears sharing an input, as one weight that oneDNN re-lays out once for this machine.
-
-    torch's default CPU matmul (MKL) is slow at the row counts a decode loop runs (1-16 rows): measured on a
-    2-core AVX2 machine, the packed weight ran a 16-row 576x49152 LM head 2.6x faster and a 1-row one 2x
-    faster, and one call for q|k|v (and gate|up) saves the per-call cost that dominates small layers
-    (benchmarks/README.md). Costs a second copy of the weights. Returns a tensor, or a tuple for several.
-    """
-
-    def __init__(self, linears: list[nn.Linear], packed: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.packed, self.bias = packed, bias
-        self.sizes = [m.out_features for m in linears]
-        self.out_features = sum(self.sizes)
-
-    @classmethod
-    def pack(cls, *linears: nn.Module) -> nn.Module | None:
-        """The linears packed into one, when oneDNN computes them exactly enough on this CPU; else None."""
-        weights = [getattr(m, "weight", None) for m in linears]
-        if any(type(m) is not nn.Linear for m in linears) or any(
-                w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
-            return None
-        with_bias = [m.bias is not None for m in linears]
-        if any(with_bias) and not all(with_bias):
-            return None
-        try:
-            with torch.no_grad():
-                weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-                bias = torch.cat([m.bias.detach() for m in linears]) if all(with_bias) else None
-                packed = cls(list(linears), torch.ops.mkldnn._reorder_linear_weight(weight, None), bias)
-                probe = torch.randn(3, linears[0].in_features)
-                got = packed(probe)
-                got = got if isinstance(got, tuple) else (got,)
-                ok = all(torch.allclose(g, m(probe), rtol=1e-4, atol=1e-4) for g, m in zip(got, linears))
-        except (RuntimeError, AttributeError, NotImplementedError):
-            return None
-        return packed if ok else None
-
-    def forward(self, x: torch.Tensor):
-        rows = x.reshape(-1, x.shape[-1])
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
-
-
-class Parallel(nn.Module):
-    """Linears sharing an input, run one by one: what PackedLinear does in one call, where it cannot."""
-
-    def __init__(self, *linears: nn.Module):
-        super().__init__()
-        self.parts = nn.ModuleList(linears)
-
-    def forward(self, x: torch.Tensor):
-        return tuple(m(x) for m in self.parts)
-
-
-def _room_to_pack(model: nn.Module) -> bool:
-    from dflash_cli.engine.device import free_memory
-
-    weight = model.get_input_embeddings().weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return False
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    free = free_memory(weight.device)
-    return free is not None and size < free // 2
 
 
 def layer_projections(layer: nn.Module, pack: bool) -> nn.ModuleDict:
@@ -256,7 +189,7 @@ class FastPath:
         self.on_fallback = on_fallback
         # Eager CPU runs use oneDNN-packed weights (a second copy, when memory allows); compiled code leaves
         # the weights to the compiler.
-        pack = compile_step is None and _room_to_pack(model)
+        self.packed = pack = compile_step is None and room_to_pack(model)
         self.projections = nn.ModuleList(layer_projections(layer, pack) for layer in model.get_decoder().layers)
         head = model.get_output_embeddings()
         self.lm_head = (PackedLinear.pack(head) if pack else None) or head
@@ -317,7 +250,7 @@ class FastPath:
                                       hint="raise --max-context")
         with torch.inference_mode():
             out = None
-            if self.compiled and not last_logit_only and n <= self.capacity - self.context:
+            if self.compiled and not last_logit_only and _bucket(n) < self.capacity - self.context:
                 out = self._run_compiled(ids, cache, start, taps)
             if out is None:
                 positions = torch.arange(start, end, device=ids.device)

@@ -156,7 +156,7 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
     try:
         t0 = time.perf_counter()
         logits, reused = state.prefill(list(prompt))
-        first = sample(logits)  # (1,)
+        first = sample(logits, len(prompt))  # (1,) the token at position len(prompt)
         first_id = first.tolist()
         state.commit(first_id, None, anchor=first)
         tally = _Tally(len(prompt), len(prompt) - reused, block, target.device, adaptive=controller is not None)

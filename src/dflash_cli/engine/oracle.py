@@ -28,7 +28,7 @@ class OracleDrafter:
                  vocab_size: int | None = None):
         self.drafter = drafter
         self.config = drafter.config
-        device = drafter.fc.weight.device
+        device = drafter.hidden_norm.weight.device
         generator = torch.Generator().manual_seed(seed)
         ref = torch.tensor(reference, dtype=torch.long)
         wrong = torch.rand(len(reference), generator=generator) >= acceptance

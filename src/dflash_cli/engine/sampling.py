@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from dflash_cli.engine.errors import InvalidSettingError
@@ -34,22 +36,31 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
 
 
 class Sampler:
-    """Picks one token per row of logits. Seeded samplers are reproducible run to run."""
+    """Picks one token per row of logits; the random draw for absolute position p depends only on (seed, p).
+
+    Sampling is Gumbel-max (argmax of log p + Gumbel noise, an exact draw from p) with the noise of position
+    p generated from (seed, p) alone. So however the positions are grouped into verify blocks (adaptive
+    block sizes, plain decoding), a seed gives the same tokens, and a seeded run replays exactly.
+    """
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  device: torch.device | str = "cpu"):
         check_sampling(temperature, top_p, top_k)
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.greedy = temperature == 0 or top_k == 1
-        self.generator = torch.Generator(device=device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.seed = seed if seed is not None else secrets.randbits(62)
+        self.device = torch.device(device)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits (T, V) -> token ids (T,), on the logits' device."""
+    def __call__(self, logits: torch.Tensor, position: int = 0) -> torch.Tensor:
+        """logits (T, V) of the tokens at positions position..position+T-1 -> token ids (T,), on their device."""
         if self.greedy:
             return logits.float().argmax(dim=-1)  # fp32: CPU argmax over bf16 is several times slower
         probs = sampling_probs(logits, self.temperature, self.top_p, self.top_k)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        noise = torch.stack([self._uniform(position + i, probs.shape[-1], probs.device)
+                             for i in range(probs.shape[0])])
+        return (probs.log() - torch.log(-torch.log(noise))).argmax(dim=-1)
+
+    def _uniform(self, position: int, size: int, device: torch.device) -> torch.Tensor:
+        generator = torch.Generator(device=device)
+        generator.manual_seed((self.seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
+        return torch.rand(size, generator=generator, device=device).clamp_(min=1e-20)

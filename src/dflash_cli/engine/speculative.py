@@ -63,7 +63,7 @@ def speculative_rounds(state: DecodeState, drafter: DFlashDrafter, sample: Sampl
         verify_watch.start()
         block = torch.cat([anchor, drafts])[None]  # (1, n)
         logits, hidden = target.forward(block, state.target_cache, start, taps=True)  # (n, V), (1, n, F)
-        choice = sample(logits)  # (n,) the target's own token at every slot
+        choice = sample(logits, start + 1)  # (n,) the target's own token at every slot (positions start+1..)
         accepted = (drafts == choice[:-1]).cumprod(dim=0).sum()
         host = torch.cat([choice, accepted.view(1)]).tolist()  # the step's one host-device sync
         verify_watch.stop()

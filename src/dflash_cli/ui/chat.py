@@ -36,7 +36,7 @@ HELP = '''Available commands:
   /set provenance | noprovenance   Colour drafted-and-accepted tokens apart from the target's own
   /show info | parameters | system
   /stats                      Statistics of the last reply
-  /regen                      Drop the last reply and answer again
+  /regen                      Drop the last reply and answer again (a set seed moves to the next)
   /clear                      Forget the conversation (the system prompt stays)
   /save FILE, /load FILE      Save or continue a conversation (JSON)
   /read FILE [TEXT]           Send a file's content, followed by TEXT if given

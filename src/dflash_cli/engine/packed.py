@@ -1,0 +1,91 @@
+"""oneDNN-packed linear layers for CPU decoding, where torch's default matmul is slow at few rows.
+
+torch's CPU matmul goes through MKL, which is slow at the row counts a decode loop runs (1-16 rows). A
+weight that oneDNN re-lays out once for this machine runs them much faster: measured on a 2-core AVX2
+machine, a 16-row 576x49152 LM head 2.6x and a 1-row one 2x (benchmarks/README.md). Fusing linears that
+share an input (q|k|v, gate|up) into one call also saves the per-call cost that dominates small layers.
+Packing makes a second copy of the weights, so it is done only in fp32 on a CPU and when memory allows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+class PackedLinear(nn.Module):
+    """One or more CPU Linears sharing an input, run as one oneDNN-packed weight.
+
+    Returns a tensor, or a tuple of tensors (one per linear) when several were fused.
+    """
+
+    def __init__(self, linears: list[nn.Linear], packed: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.packed, self.bias = packed, bias
+        self.sizes = [m.out_features for m in linears]
+        self.out_features = sum(self.sizes)
+
+    @classmethod
+    def pack(cls, *linears: nn.Module) -> nn.Module | None:
+        """The linears packed into one, when oneDNN computes them exactly enough on this CPU; else None."""
+        weights = [getattr(m, "weight", None) for m in linears]
+        if any(type(m) is not nn.Linear for m in linears) or any(
+                w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+            return None
+        with_bias = [m.bias is not None for m in linears]
+        if any(with_bias) and not all(with_bias):
+            return None
+        try:
+            with torch.no_grad():
+                weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+                bias = torch.cat([m.bias.detach() for m in linears]) if all(with_bias) else None
+                packed = cls(list(linears), torch.ops.mkldnn._reorder_linear_weight(weight, None), bias)
+                probe = torch.randn(3, linears[0].in_features)
+                got = packed(probe)
+                got = got if isinstance(got, tuple) else (got,)
+                ok = all(torch.allclose(g, m(probe), rtol=1e-4, atol=1e-4) for g, m in zip(got, linears))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return None
+        return packed if ok else None
+
+    def forward(self, x: torch.Tensor):
+        rows = x.reshape(-1, x.shape[-1])
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
+
+
+class Parallel(nn.Module):
+    """Linears sharing an input, run one by one: what PackedLinear does in one call, where it cannot."""
+
+    def __init__(self, *linears: nn.Module):
+        super().__init__()
+        self.parts = nn.ModuleList(linears)
+
+    def forward(self, x: torch.Tensor):
+        return tuple(m(x) for m in self.parts)
+
+
+def room_to_pack(model: nn.Module) -> bool:
+    """True when `model` is an fp32 CPU model and a second copy of its weights fits in half the free memory."""
+    from dflash_cli.engine.device import free_memory
+
+    params = list(model.parameters())
+    if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32:
+        return False
+    size = sum(p.numel() * p.element_size() for p in params)
+    free = free_memory(params[0].device)
+    return free is not None and size < free // 2
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replaces every plain fp32 CPU nn.Linear inside `module` by its packed form; returns how many."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            packed = PackedLinear.pack(child) if type(child) is nn.Linear else None
+            if packed is not None:
+                setattr(parent, name, packed)
+                count += 1
+    return count
