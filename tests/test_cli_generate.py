@@ -165,3 +165,12 @@ def test_compile_setting_picks_the_forward_and_keeps_the_text(folders):
     assert "forward:" in verbose.stderr and "static cache" in verbose.stderr
     bad = run(folders, "-n", "4", "--compile", "fast", "Hi")
     assert bad.exit_code == 2 and "'fast' is not one of 'auto', 'on', 'off'" in bad.stderr
+
+
+def test_sampled_runs_report_their_seed_and_compare_identical(folders):
+    data = as_json(run(folders, "-n", "15", "--temperature", "0.9", "--compare", "--json", "Roll"))
+    assert isinstance(data["seed"], int) and data["identical"] is True and data["first_divergence"] is None
+    replay = as_json(run(folders, "-n", "15", "--temperature", "0.9", "--seed", str(data["seed"]), "--json",
+                         "Roll"))
+    assert replay["text"] == data["text"] and replay["seed"] == data["seed"]
+    assert as_json(run(folders, "-n", "3", "--json", "Greedy"))["seed"] is None

@@ -270,7 +270,7 @@ def summary_line(stats: Any, speculative: bool) -> str:
 
 
 def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: float | None = None,
-                baseline: Any = None, forward: str | None = None) -> list[str]:
+                baseline: Any = None, forward: str | None = None, seed: int | None = None) -> list[str]:
     """ollama-style labelled statistics, extended with the speculative rows (and the forward used)."""
     rows: list[tuple[str, str]] = []
     if wall_seconds is not None:
@@ -279,6 +279,8 @@ def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: 
         rows.append(("load duration", fmt_seconds(load_seconds)))
     if forward is not None:
         rows.append(("forward", forward))
+    if seed is not None:
+        rows.append(("seed", str(seed)))
     rate = stats.prefilled_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0
     rows += [("prompt eval count", f"{stats.prompt_tokens} token(s)"
               + (f" ({stats.prompt_tokens - stats.prefilled_tokens} reused from cache)"

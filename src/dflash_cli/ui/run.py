@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -95,6 +96,9 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     runtime = load_runtime_for(out, opts, quiet=quiet)
     check_thinking(out, runtime, opts["think"])
     settings = generation_settings(opts)
+    if settings.temperature > 0 and settings.seed is None:
+        # a fresh seed, reported by --json/--verbose so the run can be replayed; --compare reuses it
+        settings.seed = secrets.randbits(31)
     if compare:
         if not runtime.speculative:
             raise click.UsageError("--compare needs a drafter (--draft FOLDER)")
@@ -133,22 +137,21 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         data = {"text": conversation.messages[-1]["content"], **stats_json(stats),
                 "interrupted": interrupted, "model": str(runtime.target_dir),
                 "drafter": str(runtime.drafter_dir) if runtime.drafter_dir else None,
-                "forward": runtime.fast_path}
+                "forward": runtime.fast_path, "seed": settings.seed}
         if baseline is not None:
-            data.update(_comparison(tokens, stats, baseline, greedy=settings.temperature == 0))
+            data.update(_comparison(tokens, stats, baseline))
         out.out.write(json.dumps(data, ensure_ascii=False) + "\n")
         out.out.flush()
     elif opts["verbose"]:
         for line in stats_block(stats, load_seconds=runtime.load_seconds, wall_seconds=wall,
-                                baseline=baseline[1] if baseline else None, forward=runtime.fast_path):
+                                baseline=baseline[1] if baseline else None, forward=runtime.fast_path,
+                                seed=settings.seed):
             out.info(line, dim=False)
     elif not opts["quiet"] and out.err_tty:
         out.info(summary_line(stats, runtime.speculative))
     if baseline is not None and not as_json:
-        cmp = _comparison(tokens, stats, baseline, greedy=settings.temperature == 0)
-        if cmp["identical"] is None:
-            same = "sampled: the two outputs are not expected to match"
-        elif cmp["identical"]:
+        cmp = _comparison(tokens, stats, baseline)
+        if cmp["identical"]:
             same = f"identical output ({len(tokens)}/{len(tokens)} tokens)"
         else:
             same = f"first divergence at token {cmp['first_divergence']}"
@@ -186,7 +189,8 @@ def _baseline(runtime: Any, conversation: Any, settings: Any) -> tuple[list[int]
     return result.tokens, result.stats
 
 
-def _comparison(tokens: list[int], stats: Any, baseline: tuple[list[int], Any], *, greedy: bool) -> dict[str, Any]:
+def _comparison(tokens: list[int], stats: Any, baseline: tuple[list[int], Any]) -> dict[str, Any]:
+    """Speed and sameness of the two runs (sampled runs share one seed, so they must match too)."""
     base_tokens, base_stats = baseline
     diverge = next((i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), None)
     if diverge is None and len(tokens) != len(base_tokens):
@@ -194,8 +198,8 @@ def _comparison(tokens: list[int], stats: Any, baseline: tuple[list[int], Any], 
     rate = base_stats.decode_tokens_per_second
     return {"baseline": stats_json(base_stats),
             "speedup": stats.decode_tokens_per_second / rate if rate else None,
-            "identical": (diverge is None) if greedy else None,
-            "first_divergence": diverge if greedy else None}
+            "identical": diverge is None,
+            "first_divergence": diverge}
 
 
 def _silence_stdout() -> None:
