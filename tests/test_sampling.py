@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -38,20 +39,36 @@ def either_path(request, pair):
     pair.target.disable_fast_path()
 
 
+def reference_probs(logits: list[float], temperature: float, top_k: int = 0, top_p: float = 1.0) -> dict[int, float]:
+    """The filtered next-token distribution written out by hand (independent of the code under test):
+    temperature, then the top_k likeliest, then the smallest set whose mass reaches top_p."""
+    scores = [x / temperature for x in logits]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    kept = order[:top_k] if top_k else order
+    top = scores[kept[0]]
+    weights = {i: math.exp(scores[i] - top) for i in kept}
+    total = sum(weights.values())
+    probs = {i: w / total for i, w in weights.items()}
+    nucleus, mass = [], 0.0
+    for i in kept:
+        if mass >= top_p:
+            break
+        nucleus.append(i)
+        mass += probs[i]
+    return {i: probs[i] / mass for i in nucleus}
+
+
 def exact_distribution(target, settings) -> dict[tuple[int, ...], float]:
     """P(x1..x4) under the target alone, by enumerating every sequence the filters allow."""
-    def probs(prefix):
-        logits = target.model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-        return sampling_probs(logits[None], **settings)[0]
-
     dist = {(): 1.0}
     for _ in range(N_NEW):
         nxt = {}
         for prefix, p in dist.items():
-            row = probs(prefix)
-            for token in row.nonzero().flatten().tolist():
-                nxt[prefix + (token,)] = p * row[token].item()
+            logits = target.model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double().tolist()
+            for token, q in reference_probs(logits, **settings).items():
+                nxt[prefix + (token,)] = p * q
         dist = nxt
+        assert len(dist) < 5000, "the filters let through far more sequences than top_k allows"
     return dist
 
 
@@ -107,6 +124,20 @@ def test_seeded_runs_reproduce_whatever_the_block_sizes(pair):
     assert full == plain == a.tokens == b.tokens
     other = generate(pair.target, pair.drafter, PROMPT, **dict(kwargs, seed=8)).tokens
     assert other != full
+
+
+def test_sampling_probs_match_the_hand_written_reference():
+    torch.manual_seed(4)
+    logits = torch.randn(3, 40) * 3
+    for settings in (dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=0.8, top_p=0.6),
+                     dict(temperature=0.8, top_k=2, top_p=0.99)):
+        got = sampling_probs(logits, **settings)
+        for row, probs in zip(logits, got):
+            ref = reference_probs(row.double().tolist(), **settings)
+            expected = torch.zeros(40, dtype=torch.float64)
+            for i, q in ref.items():
+                expected[i] = q
+            torch.testing.assert_close(probs.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_filters():
