@@ -174,11 +174,18 @@ def test_interrupt_mid_forward_leaves_caches_consistent(pair):
 def test_breaking_out_of_the_loop_leaves_caches_consistent(pair):
     prompt = [1, 2, 3]
     state = DecodeState(pair.target, pair.drafter)
-    for i, _ in enumerate(stream_generate(pair.target, pair.drafter, prompt, max_new_tokens=30, stop_ids=[],
-                                          state=state)):
+    got = []
+    for i, step in enumerate(stream_generate(pair.target, pair.drafter, prompt, max_new_tokens=30, stop_ids=[],
+                                             state=state)):
+        got.extend(step.tokens)
         if i == 3:
             break
     state.check()
+    assert state.tokens == prompt + got
+    # continuing from the interrupted state gives what one uninterrupted run gives
+    more = generate(pair.target, pair.drafter, state.tokens, max_new_tokens=12, stop_ids=[], state=state)
+    assert more.stats.prefilled_tokens <= 1  # the caches were reused, not rebuilt
+    assert got + more.tokens == hf_greedy(pair.target, prompt, len(got) + 12)
 
 
 def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(pair):
