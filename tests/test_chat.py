@@ -187,6 +187,19 @@ def test_regen_replaces_the_last_reply(runtime):
     assert run.stdout == (run.messages[1]["content"] + "\n") * 2
 
 
+def test_sampled_regen_moves_to_the_next_seed_and_reads_no_stale_cache(runtime):
+    sampled = dict(max_tokens=16, temperature=1.0, seed=5)
+    run = drive(runtime, "Hello\r/regen\r", settings=GenerationSettings(**sampled))
+    first, second = ["".join(s.text for s in r) for r in replies(run)]
+    # fresh conversations with seeds 5 and 6 give what the chat printed: the regenerated reply was
+    # computed from the prompt alone, not from caches still holding the dropped reply
+    fresh = [drive(runtime, "Hello\r", settings=GenerationSettings(**dict(sampled, seed=seed)))
+             for seed in (5, 6)]
+    assert [run.messages[1]["content"] for run in fresh] == [first, second]
+    assert run.messages[1]["content"] == second and run.session.settings.seed == 6
+    assert first != second
+
+
 def test_save_and_load_round_trip(runtime, tmp_path):
     path = tmp_path / "chat.json"
     first = drive(runtime, f"/set system Be brief.\rHello\r/save {path}\r")
