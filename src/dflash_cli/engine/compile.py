@@ -49,8 +49,8 @@ def resolve_compile(choice: str, device: torch.device, *, quantized: bool) -> tu
     """Whether to compile the fast path's short forwards, and why (shown by --verbose and doctor).
 
     `auto` compiles on CUDA (CUDA graphs remove the launch overhead that dominates batch-1 decoding) and
-    not on CPUs, where the eager fast path was measured as fast as inductor's output for a memory-bound
-    decode, without tens of seconds of compilation per shape.
+    not on CPUs, where the eager fast path with packed weights measured faster than inductor's output,
+    which also cost minutes of compilation (benchmarks/README.md).
     """
     if choice not in COMPILE_CHOICES:
         from dflash_cli.engine.errors import InvalidSettingError
@@ -64,4 +64,4 @@ def resolve_compile(choice: str, device: torch.device, *, quantized: bool) -> tu
         return False, "auto: bitsandbytes layers are not compiled"
     if device.type == "cuda":
         return True, "auto: CUDA graphs"
-    return False, "auto: not compiled on CPU (memory-bound decode, long compiles)"
+    return False, "auto: not compiled on CPU, where it measured slower"

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_cli.engine.drafter import apply_rope
 from dflash_cli.engine.packed import PackedLinear, Parallel, room_to_pack
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -72,11 +73,6 @@ def fast_path_unsupported(model: nn.Module) -> str | None:
         if not all(hasattr(layer.mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return f"{type(layer.mlp).__name__} is not a gated MLP"
     return None
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def layer_projections(layer: nn.Module, pack: bool) -> nn.ModuleDict:
@@ -137,8 +133,7 @@ class StaticForward(nn.Module):
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, n, hd)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys[i].index_copy_(2, positions, k)
             values[i].index_copy_(2, positions, v)
             out = F.scaled_dot_product_attention(

@@ -136,7 +136,7 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
     if not adaptive or block == 1:
         controller = None
     stops = set(default_stop_ids(target, tokenizer) if stop_ids is None else stop_ids)
-    sample = Sampler(temperature, top_p, top_k, seed, device=target.device)
+    sample = Sampler(temperature, top_p, top_k, seed)
     if state is None or state.drafter is not drafter or state.target is not target:
         state = DecodeState(target, drafter)
     limit = len(prompt) + max_new_tokens

@@ -43,13 +43,11 @@ class Sampler:
     block sizes, plain decoding), a seed gives the same tokens, and a seeded run replays exactly.
     """
 
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None):
         check_sampling(temperature, top_p, top_k)
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.greedy = temperature == 0 or top_k == 1
         self.seed = seed if seed is not None else secrets.randbits(62)
-        self.device = torch.device(device)
 
     def __call__(self, logits: torch.Tensor, position: int = 0) -> torch.Tensor:
         """logits (T, V) of the tokens at positions position..position+T-1 -> token ids (T,), on their device."""
