@@ -165,3 +165,25 @@ def save_tiny_pair(root: Path) -> tuple[Path, Path]:
     target = save_target(root / "target", cfg, seed=1, scale=3.0)
     save_tiny_tokenizer(target)
     return target, save_random_drafter(root / "drafter", drafter_config(cfg), seed=2)
+
+
+class TargetForwardLog:
+    """Records how many tokens each target forward reads, measured inside the model (a pre-hook on the
+    first layer's input norm runs once per forward on transformers' forward and on the fast path alike),
+    so cache reuse is checked without trusting the engine's own bookkeeping."""
+
+    def __init__(self, target):
+        self.norm = target.layers[0].input_layernorm
+        self.sizes: list[int] = []
+
+    def __enter__(self) -> TargetForwardLog:
+        self.handle = self.norm.register_forward_pre_hook(lambda _m, args: self.sizes.append(args[0].shape[-2]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def take(self) -> list[int]:
+        """The token counts of the forwards since the last take()."""
+        sizes, self.sizes = self.sizes, []
+        return sizes

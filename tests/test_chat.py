@@ -16,7 +16,7 @@ from prompt_toolkit.history import InMemoryHistory
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from conftest import save_tiny_pair
+from conftest import TargetForwardLog, save_tiny_pair
 from dflash_cli.session import Conversation, GenerationSettings, load_runtime
 from dflash_cli.ui import chat as chat_mod
 from dflash_cli.ui.chat import EXIT_HINT, INTERRUPTED, ChatSession, SafeFileHistory, open_history
@@ -36,6 +36,16 @@ def runtime(tmp_path_factory):
     target, drafter = save_tiny_pair(root)
     yield load_runtime(str(target), str(drafter), dtype="float32", device="cpu")
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runtimes(runtime, tmp_path_factory):
+    """The tiny pair on the fast path (the default) and on transformers' forward (--compile off), whose
+    dynamic cache an interrupted forward leaves holding rows past the committed tokens."""
+    root = tmp_path_factory.mktemp("chat-models-off")
+    target, drafter = save_tiny_pair(root)
+    return {"fast": runtime, "off": load_runtime(str(target), str(drafter), dtype="float32", device="cpu",
+                                                 compile="off")}
 
 
 @pytest.fixture(autouse=True)
@@ -197,6 +207,7 @@ def test_sampled_regen_moves_to_the_next_seed_and_reads_no_stale_cache(runtime):
              for seed in (5, 6)]
     assert [run.messages[1]["content"] for run in fresh] == [first, second]
     assert run.messages[1]["content"] == second and run.session.settings.seed == 6
+    run.session.conversation.state.check()
     assert first != second
 
 
@@ -236,7 +247,9 @@ def test_read_sends_file_content_then_text(runtime, tmp_path):
     assert "Error: cannot read" in run.stderr and "Error: usage: /read FILE [TEXT]" in run.stderr
 
 
-def test_ctrl_c_during_a_reply_keeps_the_partial_reply(runtime):
+@pytest.mark.parametrize("path", ["fast", "off"])
+def test_ctrl_c_during_a_reply_keeps_the_partial_reply(runtimes, path):
+    runtime = runtimes[path]
     calls = []
 
     def interrupt_third_forward(*_):
@@ -275,9 +288,13 @@ def test_ctrl_c_at_the_prompt(runtime):
 
 def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(runtime):
     settings = GenerationSettings(max_tokens=10)
-    with mask_logits(runtime, [2, *PRINTABLE]):
+    with mask_logits(runtime, [2, *PRINTABLE]), TargetForwardLog(runtime.target) as log:
         run = drive(runtime, "/set verbose\rHello there\rAnd a second question?\r", settings=settings)
+        run.session.conversation.state.check()
         first, second = (group[-1].stats for group in replies(run))
+        # measured inside the model: two prefills, the second of only the new tokens
+        prefills = [size for size in log.sizes if size > runtime.drafter.block_size]
+        assert prefills == [first.prefilled_tokens] or prefills == [first.prefilled_tokens, second.prefilled_tokens]
         conv = run.session.conversation
         # the prompt of turn 2 starts with turn 1's prompt and reply tokens; only the rest is prefilled
         prompt1 = Conversation(runtime, messages=run.messages[:1]).prompt_ids(settings)
@@ -288,6 +305,11 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(runtime):
         assert second.prompt_tokens == len(prompt2)
         new = len(prompt2) - len(prompt1) - len(reply1)
         assert second.prefilled_tokens == new + 1  # + the last reply token, never run through the target
+        # measured inside the model: one forward per printed step (the prefill, then one per verify), and
+        # turn 2's prefill read only its new tokens
+        turn1_forwards = len(replies(run)[0])
+        assert log.sizes[0] == len(prompt1) and log.sizes[turn1_forwards] == new + 1
+        assert max(log.sizes[1:turn1_forwards] + log.sizes[turn1_forwards + 1 :]) <= runtime.drafter.block_size
         assert conv.cached_before == len(prompt1) + len(reply1)
         assert run.session.reread_tokens(second) == 0 and "read again" not in run.stderr
         assert "reused from cache" in run.stderr
@@ -305,6 +327,7 @@ def test_verbose_says_when_earlier_tokens_are_read_again(runtime):
     second = replies(run)[1][-1].stats
     assert run.session.reread_tokens(second) > 0
     assert "earlier token(s) were read again" in run.stderr
+    run.session.conversation.state.check()
 
 
 def test_history_file_and_unreadable_history(tmp_path, monkeypatch, runtime):

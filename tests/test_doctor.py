@@ -1,4 +1,5 @@
-"""`dflash-cli doctor`: the environment report (CPU-only here; conftest isolates HF_HOME and the dflash dirs)."""
+"""`dflash-cli doctor`: the environment report, on a CPU-only or a GPU machine (conftest isolates HF_HOME and
+the dflash dirs)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def by_name(report: dict) -> dict[str, dict]:
     return {c["name"]: c for c in report["checks"]}
 
 
-def test_json_reports_cpu_only_environment():
+def test_json_reports_the_environment():
     code, report, _ = run_json()
     assert code == 0 and report["ok"] is True
     checks = by_name(report)
@@ -39,13 +40,21 @@ def test_json_reports_cpu_only_environment():
     assert all(c["status"] in ("ok", "warn", "fatal") for c in report["checks"])
     assert not any(c["status"] == "fatal" for c in report["checks"])
     assert checks["torch"]["value"] == torch.__version__
-    assert not torch.cuda.is_available()  # this suite's machine; the doctor must agree
-    assert checks["cuda available"]["data"] is False and checks["cuda available"]["status"] == "warn"
-    assert "speculation runs on the CPU" in checks["cuda available"]["hint"]
-    assert checks["gpu"]["value"] == "none"
-    assert not any(name.startswith("gpu ") for name in checks)
+    assert checks["cuda available"]["data"] is torch.cuda.is_available()  # the doctor agrees with torch
+    if torch.cuda.is_available():  # a GPU machine (DFLASH_TEST_DEVICE=cuda runs)
+        count = torch.cuda.device_count()
+        assert checks["cuda available"]["status"] == "ok" and f"({count} device" in checks["cuda available"]["value"]
+        for i in range(count):
+            assert checks[f"gpu {i}"]["data"]["name"] == torch.cuda.get_device_name(i)
+            assert checks[f"gpu {i} memory"]["data"]["total_bytes"] == torch.cuda.mem_get_info(i)[1]
+        assert checks["bitsandbytes backend"]["value"] == "cuda"
+    else:
+        assert checks["cuda available"]["status"] == "warn"
+        assert "speculation runs on the CPU" in checks["cuda available"]["hint"]
+        assert checks["gpu"]["value"] == "none"
+        assert not any(name.startswith("gpu ") for name in checks)
+        assert checks["bitsandbytes backend"]["value"] == "cpu"
     assert checks["bitsandbytes"]["value"] == importlib.metadata.version("bitsandbytes")
-    assert checks["bitsandbytes backend"]["value"] == "cpu"
     assert "kernels" in checks["bitsandbytes backend"]["hint"]
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         assert checks["torch build"]["value"] == "CPU-only build"
@@ -79,15 +88,16 @@ def test_human_output_has_aligned_key_names_and_no_escape_codes():
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     for key in ("dflash-cli:", "python:", "python executable:", "platform:", "torch:", "torch build:",
-                "cuda available:", "gpu:", "cpu cores:", "system memory:", "available memory:", "cpu bf16:",
+                "cuda available:", "gpu 0:" if torch.cuda.is_available() else "gpu:", "cpu cores:", "system memory:", "available memory:", "cpu bf16:",
                 "bitsandbytes:", "bitsandbytes backend:", "transformers:", "huggingface_hub:", "accelerate:",
                 "safetensors:", "tokenizers:", "prompt_toolkit:", "rich:", "click:", "hf cache:",
                 "hf cache size:", "hf offline:", "hf token:", "data dir:", "cache dir:", "smollm2:"):
         assert any(line.startswith(key) for line in lines), key
     value_columns = {len(line) - len(line.split(":", 1)[1].lstrip()) for line in lines if not line[0].isspace()}
     assert len(value_columns) == 1  # every value starts in the same column
-    assert "[warning]" in result.stdout  # no GPU here
-    assert "hint: no GPU: speculation runs on the CPU" in result.stdout
+    if not torch.cuda.is_available():
+        assert "[warning]" in result.stdout
+        assert "hint: no GPU: speculation runs on the CPU" in result.stdout
     assert "\x1b[" not in result.output
 
 

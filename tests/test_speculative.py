@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import DEVICE, MASK_ID
+from conftest import DEVICE, MASK_ID, TargetForwardLog
 from dflash_cli.engine.generate import generate, stream_generate
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.oracle import OracleDrafter
@@ -183,25 +183,36 @@ def test_breaking_out_of_the_loop_leaves_caches_consistent(pair):
     state.check()
     assert state.tokens == prompt + got
     # continuing from the interrupted state gives what one uninterrupted run gives
-    more = generate(pair.target, pair.drafter, state.tokens, max_new_tokens=12, stop_ids=[], state=state)
-    assert more.stats.prefilled_tokens <= 1  # the caches were reused, not rebuilt
+    with TargetForwardLog(pair.target) as log:
+        more = generate(pair.target, pair.drafter, state.tokens, max_new_tokens=12, stop_ids=[], state=state)
+    assert log.sizes[0] == more.stats.prefilled_tokens == 1  # the caches were reused, not rebuilt
     assert got + more.tokens == hf_greedy(pair.target, prompt, len(got) + 12)
 
 
 def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(pair):
     turn1 = [5, 6, 7, 8, 9, 10]
     state = DecodeState(pair.target, pair.drafter)
-    first = generate(pair.target, pair.drafter, turn1, max_new_tokens=15, stop_ids=[], state=state)
-    turn2 = turn1 + first.tokens + [33, 44, 55]
-    second = generate(pair.target, pair.drafter, turn2, max_new_tokens=15, stop_ids=[], state=state)
-    assert second.stats.prefilled_tokens == 4  # the three new tokens and the last reply token
-    fresh = generate(pair.target, pair.drafter, turn2, max_new_tokens=15, stop_ids=[])
-    assert second.tokens == fresh.tokens == hf_greedy(pair.target, turn2, 15)
-    # an edited history re-reads only from the first changed token
-    turn3 = turn1[:3] + [99] + turn1[4:]
-    third = generate(pair.target, pair.drafter, turn3, max_new_tokens=5, stop_ids=[], state=state)
-    assert third.stats.prefilled_tokens == len(turn3) - 3
-    assert third.tokens == hf_greedy(pair.target, turn3, 5)
+    with TargetForwardLog(pair.target) as log:
+        first = generate(pair.target, pair.drafter, turn1, max_new_tokens=15, stop_ids=[], state=state)
+        state.check()
+        assert log.take()[0] == len(turn1)
+        turn2 = turn1 + first.tokens + [33, 44, 55]
+        second = generate(pair.target, pair.drafter, turn2, max_new_tokens=15, stop_ids=[], state=state)
+        state.check()
+        # measured inside the model: the prefill read the three new tokens and the last reply token (never
+        # run through the target), and every later forward was one verify block
+        prefill, *verifies = log.take()
+        assert prefill == second.stats.prefilled_tokens == 4
+        assert verifies and max(verifies) <= pair.drafter.block_size
+        fresh = generate(pair.target, pair.drafter, turn2, max_new_tokens=15, stop_ids=[])
+        assert second.tokens == fresh.tokens == hf_greedy(pair.target, turn2, 15)
+        log.take()
+        # an edited history re-reads only from the first changed token
+        turn3 = turn1[:3] + [99] + turn1[4:]
+        third = generate(pair.target, pair.drafter, turn3, max_new_tokens=5, stop_ids=[], state=state)
+        state.check()
+        assert log.take()[0] == third.stats.prefilled_tokens == len(turn3) - 3
+        assert third.tokens == hf_greedy(pair.target, turn3, 5)
 
 
 def test_mask_token_is_read_from_the_target_embedding(pair):
