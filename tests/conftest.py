@@ -97,6 +97,45 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+HF_CONFIGS = Path(__file__).parent / "data" / "hf-configs"
+
+
+def hybrid_config(moe: bool = False) -> dict:
+    """Qwen3.5-4B's published config (vision tower included) scaled down to a tiny model: 3 Gated DeltaNet
+    layers and 1 full-attention layer, as the real layer pattern starts; `moe` makes it Qwen3.5-MoE."""
+    cfg = read_json(HF_CONFIGS / "Qwen__Qwen3.5-4B" / "config.json")
+    text, vision = cfg["text_config"], cfg["vision_config"]
+    text.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, layer_types=text["layer_types"][:4],
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=VOCAB,
+                eos_token_id=2, max_position_embeddings=512, dtype="float32")
+    vision.update(depth=1, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2)
+    cfg.update(image_token_id=151, video_token_id=152, vision_start_token_id=153, vision_end_token_id=154)
+    if moe:
+        cfg.update(model_type="qwen3_5_moe", architectures=["Qwen3_5MoeForConditionalGeneration"])
+        text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32)
+        vision["model_type"] = "qwen3_5_moe"
+    return cfg
+
+
+def save_hybrid_target(folder: Path, moe: bool = False, seed: int = 0, scale: float = 3.0) -> Path:
+    """A random tiny Qwen3.5 saved as the published checkpoints are (the multimodal class, whose weights
+    live under model.language_model), so loading goes through transformers' text-only mapping."""
+    import transformers
+    from transformers import AutoConfig
+
+    cfg = hybrid_config(moe)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cfg["architectures"][0])(AutoConfig.for_model(**cfg)).float()
+    with torch.no_grad():  # larger weights: a state error of a rejected draft then changes the output
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(scale)
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

@@ -153,8 +153,10 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     from dflash_cli.models.smollm2 import default_cache_dir
 
     compiled, why = resolve_compile(compile, target.device, quantized=quantized)
-    if compile == "off":
+    if compile == "off" and not target.hybrid:
         return "transformers forward (compile off)"
+    if compile == "off":
+        why = "compile off; a hybrid target always takes the fast path, whose linear-attention state rolls back"
     context = min(c for c in (target.max_positions, max_context or S.DEFAULT_MAX_CONTEXT) if c)
     block = drafter.block_size if drafter is not None else 1
     step = None

@@ -26,3 +26,7 @@ class UnsupportedModelError(DFlashError):
 
 class InvalidSettingError(DFlashError):
     """A generation setting is out of range (block size, temperature, top-p, ...)."""
+
+
+class RollbackError(RuntimeError):
+    """A cache was asked for a state it cannot return to: a bug in the caller, not a user error."""

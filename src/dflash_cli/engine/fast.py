@@ -10,8 +10,10 @@ are stale but never attended, because every query sees only keys at positions <=
 position is rewritten before a query at or after it runs.
 
 Supported: decoder layers shaped like Llama's (Llama, Qwen2, Qwen3, Mistral without a sliding window):
-full causal attention with q/k/v/o projections, optional per-head q/k norms, rotary embeddings. Other
-targets keep the transformers path (`fast_path_unsupported` says why).
+full causal attention with q/k/v/o projections, optional per-head q/k norms, rotary embeddings; and the
+Qwen3.5 hybrids, whose attention layers add an output gate and partial rotary embeddings and whose Gated
+DeltaNet layers keep a recurrent state that rolls back exactly (engine/linear_attention.py). Other targets
+keep the transformers path (`fast_path_unsupported` says why).
 """
 
 from __future__ import annotations
@@ -24,39 +26,142 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_cli.engine.drafter import apply_rope
+from dflash_cli.engine.errors import RollbackError
+from dflash_cli.engine.linear_attention import (CHUNK, BlockRecord, conv_after, gated_delta_net, is_linear_attention,
+                                                linear_projections, state_after)
 from dflash_cli.engine.packed import PackedLinear, Parallel, room_to_pack
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 class StaticCache:
     """Per-layer K/V buffers of a fixed capacity, allocated once; `length` is a host int.
 
     Buffers start zeroed so that masked-out rows are finite (a NaN times a zero attention weight is NaN).
+    Linear-attention layers (hybrid targets) keep their state in `LinearStates` instead.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, *,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (1, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device, linear: LinearStates | None = None,
+                 attention_layers: set[int] | None = None):
+        def buffer(i: int) -> torch.Tensor:
+            rows = capacity if attention_layers is None or i in attention_layers else 0
+            return torch.zeros((1, kv_heads, rows, head_dim), dtype=dtype, device=device)
+
+        self.keys = [buffer(i) for i in range(num_layers)]
+        self.values = [buffer(i) for i in range(num_layers)]
         self.capacity = capacity
         self.length = 0
+        self.linear = linear
 
     def get_seq_length(self) -> int:
         return self.length
 
+    def reachable(self, length: int) -> int:
+        """The longest prefix of at most `length` positions that crop() can return to."""
+        return length if self.linear is None else self.linear.reachable(min(length, self.length))
+
     def crop(self, length: int) -> None:
         """Forgets positions >= length: a length update, nothing is copied or freed."""
         assert 0 <= length <= self.length, (length, self.length)
+        if self.linear is not None and length < self.length:
+            self.linear.crop(length)
         self.length = length
+
+
+class LinearStates:
+    """The recurrent and convolution states of a hybrid target's linear-attention layers.
+
+    A forward reads the states and leaves a BlockRecord per layer; `settle(p)` then makes each state that
+    after position p-1, for any p within the last forward's tokens. Each layer has two buffers: settling
+    writes the one not in use and then switches, in one assignment, so a Ctrl-C at any point leaves every
+    layer either settled or still able to settle. One checkpoint (the state just before a prompt's last
+    token) lets a chat regenerate its last reply without reading the prompt again; any other earlier
+    length starts over from position 0.
+    """
+
+    def __init__(self, nets: list[nn.Module], *, dtype: torch.dtype, device: torch.device):
+        self.kernel = nets[0].conv_kernel_size
+        conv = [(1, net.conv_dim, net.conv_kernel_size - 1) for net in nets]
+        state = [(net.num_v_heads, net.head_k_dim, net.head_v_dim) for net in nets]
+        self.convs = [[torch.zeros(c, dtype=dtype, device=device) for c in conv] for _ in range(3)]
+        self.states = [[torch.zeros(s, dtype=torch.float32, device=device) for s in state] for _ in range(3)]
+        # per layer: (buffer in use 0|1, record of the last forward or None, its base position or the
+        # state's position); buffer 2 is the checkpoint
+        self.slots: list[tuple[int, BlockRecord | None, int]] = [(0, None, 0)] * len(nets)
+        self.record_len: list[int] = [0] * len(nets)
+        self.checkpoint_at: int | None = None
+
+    def current(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return ([self.convs[cur][j] for j, (cur, _, _) in enumerate(self.slots)],
+                [self.states[cur][j] for j, (cur, _, _) in enumerate(self.slots)])
+
+    def _covers(self, j: int, position: int) -> bool:
+        _, record, base = self.slots[j]
+        return base <= position <= base + self.record_len[j] if record is not None else position == base
+
+    def reachable(self, length: int) -> int:
+        if all(self._covers(j, length) for j in range(len(self.slots))):
+            return length
+        if self.checkpoint_at is not None and self.checkpoint_at <= length:
+            return self.checkpoint_at
+        return 0
+
+    def _install(self, j: int, conv: torch.Tensor, state: torch.Tensor, position: int) -> None:
+        cur = self.slots[j][0]
+        self.convs[1 - cur][j].copy_(conv)
+        self.states[1 - cur][j].copy_(state)
+        self.slots[j] = (1 - cur, None, position)
+
+    def settle(self, position: int) -> None:
+        """Makes every layer's state the one after positions < `position`."""
+        for j, (_, record, base) in enumerate(self.slots):
+            if record is None:
+                if base != position:
+                    raise RollbackError(f"linear-attention state is at {base}, not {position}")
+                continue
+            m = position - base
+            if not 0 <= m <= self.record_len[j]:
+                raise RollbackError(f"position {position} is outside the last forward ({base}..)")
+            self._install(j, conv_after(record, m, self.kernel), state_after(record, m), position)
+
+    def record(self, base: int, records: list[BlockRecord]) -> None:
+        for j, record in enumerate(records):
+            self.record_len[j] = record.k.shape[1]
+            self.slots[j] = (self.slots[j][0], record, base)
+
+    def save_checkpoint(self, position: int) -> None:
+        """Keeps the state after positions < `position` (within the last forward) aside."""
+        self.checkpoint_at = None
+        for j, (_, record, base) in enumerate(self.slots):
+            m = position - base
+            assert record is not None and 0 <= m <= self.record_len[j], (position, base)
+            self.convs[2][j].copy_(conv_after(record, m, self.kernel))
+            self.states[2][j].copy_(state_after(record, m))
+        self.checkpoint_at = position
+
+    def crop(self, length: int) -> None:
+        if self.checkpoint_at is not None and length < self.checkpoint_at:
+            self.checkpoint_at = None  # the tokens it summarised may change
+        if all(self._covers(j, length) for j in range(len(self.slots))):
+            return  # settled lazily by the next forward
+        if length == 0:
+            for j in range(len(self.slots)):
+                self._install(j, torch.zeros_like(self.convs[2][j]), torch.zeros_like(self.states[2][j]), 0)
+        elif length == self.checkpoint_at:
+            for j in range(len(self.slots)):
+                self._install(j, self.convs[2][j], self.states[2][j], length)
+        else:
+            raise RollbackError(f"linear-attention state cannot return to position {length}")
 
 
 def fast_path_unsupported(model: nn.Module) -> str | None:
     """Why `model` cannot take the fast path, or None when it can."""
     config = model.config
-    if getattr(config, "model_type", None) not in FAMILIES:
-        return f"model type {getattr(config, 'model_type', None)!r} (fast path: {', '.join(FAMILIES)})"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES + HYBRID_FAMILIES:
+        return f"model type {model_type!r} (fast path: {', '.join(FAMILIES + HYBRID_FAMILIES)})"
     # Qwen2 gates its window with use_sliding_window; Mistral applies sliding_window whenever it is set
     window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     if window or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
@@ -65,35 +170,64 @@ def fast_path_unsupported(model: nn.Module) -> str | None:
     if not hasattr(decoder, "rotary_emb") or not hasattr(decoder, "norm"):
         return f"{type(decoder).__name__} has no rotary_emb or final norm"
     for layer in decoder.layers:
+        if not all(hasattr(layer, m) for m in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return f"{type(layer).__name__} is not a Llama-style decoder layer"
+        if is_linear_attention(layer):
+            if model_type not in HYBRID_FAMILIES:
+                return f"{type(layer.linear_attn).__name__} layers"
+            continue
         attn = getattr(layer, "self_attn", None)
         if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
             return f"{type(layer).__name__} is not a Llama-style decoder layer"
-        if not all(hasattr(layer, m) for m in ("input_layernorm", "post_attention_layernorm", "mlp")):
-            return f"{type(layer).__name__} is not a Llama-style decoder layer"
-        if not all(hasattr(layer.mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        if model_type in FAMILIES and not _gated_mlp(layer.mlp):
             return f"{type(layer.mlp).__name__} is not a gated MLP"
     return None
 
 
+def _gated_mlp(mlp: nn.Module) -> bool:
+    return all(hasattr(mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
 def layer_projections(layer: nn.Module, pack: bool) -> nn.ModuleDict:
-    """A Llama-style layer's linear maps as qkv -> (q, k, v), o, gate_up -> (gate, up), down; packed by
-    oneDNN (q|k|v and gate|up fused) when `pack` and it works here, else the layer's own modules."""
-    attn, mlp = layer.self_attn, layer.mlp
-    groups = dict(qkv=(attn.q_proj, attn.k_proj, attn.v_proj), o=(attn.o_proj,),
-                  gate_up=(mlp.gate_proj, mlp.up_proj), down=(mlp.down_proj,))
-    out = {}
-    for name, linears in groups.items():
+    """A layer's linear maps as qkv -> (q, k, v), o (or a linear-attention layer's inputs, out), and a gated
+    MLP's gate_up -> (gate, up), down; packed by oneDNN (fused where several) when `pack` and it works
+    here, else the layer's own modules. Other MLPs (mixtures of experts) run as their own module."""
+
+    def group(*linears: nn.Module) -> nn.Module:
         packed = PackedLinear.pack(*linears) if pack else None
-        out[name] = packed or (linears[0] if len(linears) == 1 else Parallel(*linears))
+        return packed or (linears[0] if len(linears) == 1 else Parallel(*linears))
+
+    out = {}
+    if is_linear_attention(layer):
+        out.update(linear_projections(layer, lambda *linears: PackedLinear.pack(*linears) if pack else None))
+    else:
+        attn = layer.self_attn
+        out.update(qkv=group(attn.q_proj, attn.k_proj, attn.v_proj), o=group(attn.o_proj))
+    if _gated_mlp(layer.mlp):
+        out.update(gate_up=group(layer.mlp.gate_proj, layer.mlp.up_proj), down=group(layer.mlp.down_proj))
     return nn.ModuleDict(out)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the first cos.shape[-1] channels (all of them unless the rotary is partial)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
+
+
+def first_attention(model: nn.Module) -> nn.Module:
+    return next(layer.self_attn for layer in model.get_decoder().layers if not is_linear_attention(layer))
 
 
 class StaticForward(nn.Module):
     """The target's forward over a StaticCache, as one traceable function.
 
-    `forward(ids, positions, key_positions, keys, values)` runs tokens `ids` (1, n) at absolute `positions`
-    (n,), writes their K/V into the buffers, attends over buffer rows `key_positions` (0..L-1, L >= the
-    last position + 1), and returns logits (n, V) and the tapped layers' outputs (1, n, taps*H) or None.
+    `forward(ids, positions, key_positions, keys, values, convs, states)` runs tokens `ids` (1, n) at
+    absolute `positions` (n,), writes their K/V into the buffers, attends over buffer rows `key_positions`
+    (0..L-1, L >= the last position + 1), and returns logits (n, V), the tapped layers' outputs
+    (1, n, taps*H) or None, and for each linear-attention layer (hybrid targets) the tensors of its
+    BlockRecord (the layer reads `convs`/`states` and writes nothing).
     """
 
     def __init__(self, model: nn.Module, taps: list[int], projections: nn.ModuleList, lm_head: nn.Module, *,
@@ -108,41 +242,41 @@ class StaticForward(nn.Module):
         self.lm_head = lm_head
         self.taps = list(taps)
         self.last_logit_only = last_logit_only
-        attn = self.layers[0].self_attn
+        attn = first_attention(model)
         self.head_dim = attn.head_dim
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
+        # Qwen3.5's attention doubles q_proj: a query and a sigmoid gate on the output per head
+        self.gated = attn.q_proj.out_features == 2 * model.config.num_attention_heads * self.head_dim
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor]):
+                keys: list[torch.Tensor], values: list[torch.Tensor], convs: list[torch.Tensor] = (),
+                states: list[torch.Tensor] = ()):
         n = ids.shape[1]
-        kv_len = key_positions.shape[0]
         h = self.embed(ids)  # (1, n, H)
-        cos, sin = self.rotary(h, positions[None])  # (1, n, hd)
+        cos, sin = self.rotary(h, positions[None])  # (1, n, rotary dims)
         cos, sin = cos[:, None], sin[:, None]
         mask = (key_positions[None, :] <= positions[:, None])[None, None]  # (1, 1, n, L)
         wanted = set(self.taps)
         tapped: dict[int, torch.Tensor] = {}
+        records: list[tuple[torch.Tensor, ...]] = []
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            attn, proj = layer.self_attn, self.projections[i]
+            proj = self.projections[i]
             x = layer.input_layernorm(h)
-            q, k, v = proj["qkv"](x)
-            q = q.reshape(1, n, -1, self.head_dim)
-            k = k.reshape(1, n, -1, self.head_dim)
-            v = v.reshape(1, n, -1, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, n, hd)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            keys[i].index_copy_(2, positions, k)
-            values[i].index_copy_(2, positions, v)
-            out = F.scaled_dot_product_attention(
-                q, keys[i][:, :, :kv_len], values[i][:, :, :kv_len], attn_mask=mask, scale=self.scaling,
-                enable_gqa=q.shape[1] != k.shape[1])
-            h = h + proj["o"](out.transpose(1, 2).reshape(1, n, -1))
+            if is_linear_attention(layer):
+                j = len(records)
+                out, record = gated_delta_net(layer.linear_attn, proj, x, convs[j], states[j])
+                records.append((record.s0, record.k, record.cum_g, record.delta, record.conv_tail))
+            else:
+                out = self._attention(layer.self_attn, proj, x, positions, key_positions, mask, cos, sin,
+                                      keys[i], values[i])
+            h = h + out
             x = layer.post_attention_layernorm(h)
-            gate, up = proj["gate_up"](x)
-            h = h + proj["down"](layer.mlp.act_fn(gate) * up)
+            if "gate_up" in proj:
+                gate, up = proj["gate_up"](x)
+                h = h + proj["down"](layer.mlp.act_fn(gate) * up)
+            else:  # a mixture of experts
+                h = h + layer.mlp(x)
             if i in wanted:
                 # transformers' hidden_states[-1] is after the final norm: tap the same thing.
                 tapped[i] = self.norm(h) if i == last else h
@@ -150,7 +284,30 @@ class StaticForward(nn.Module):
             h = h[:, -1:]
         logits = self.lm_head(self.norm(h)[0])  # (n, V); a 2-D input keeps CPU bf16 on the plain matmul
         hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
-        return logits, hidden
+        return logits, hidden, records
+
+    def _attention(self, attn, proj, x, positions, key_positions, mask, cos, sin, keys, values):
+        n = x.shape[1]
+        q, k, v = proj["qkv"](x)
+        if self.gated:
+            q, gate = q.reshape(1, n, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(1, n, -1)
+        q = q.reshape(1, n, -1, self.head_dim)
+        k = k.reshape(1, n, -1, self.head_dim)
+        v = v.reshape(1, n, -1, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, n, hd)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        keys.index_copy_(2, positions, k)
+        values.index_copy_(2, positions, v)
+        kv_len = key_positions.shape[0]
+        out = F.scaled_dot_product_attention(q, keys[:, :, :kv_len], values[:, :, :kv_len], attn_mask=mask,
+                                             scale=self.scaling, enable_gqa=q.shape[1] != k.shape[1])
+        out = out.transpose(1, 2).reshape(1, n, -1)
+        if self.gated:
+            out = out * torch.sigmoid(gate)
+        return proj["o"](out)
 
 
 class FastPath:
@@ -169,13 +326,16 @@ class FastPath:
     def __init__(self, model: nn.Module, context: int, *, pad_to: int = 1,
                  compile_step: Callable[[nn.Module], Callable[..., Any]] | None = None,
                  on_fallback: Callable[[str], None] | None = None):
-        attn = model.get_decoder().layers[0].self_attn
+        attn = first_attention(model)
         self.model = model
         self.context = context
         # one spare row: the attended window (key_positions) then never spans the whole buffer, which
         # compiled code would specialise to a constant
         self.capacity = context + _bucket(max(pad_to, 1)) + 1
-        self.num_layers = len(model.get_decoder().layers)
+        layers = model.get_decoder().layers
+        self.num_layers = len(layers)
+        self.linear_nets = [layer.linear_attn for layer in layers if is_linear_attention(layer)]
+        self.attention_layers = {i for i, layer in enumerate(layers) if not is_linear_attention(layer)}
         self.kv_heads = attn.k_proj.out_features // attn.head_dim
         self.head_dim = attn.head_dim
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -203,10 +363,15 @@ class FastPath:
         self._compiled.clear()
 
     def new_cache(self) -> StaticCache:
+        linear = (LinearStates(self.linear_nets, dtype=self.dtype, device=self.device)
+                  if self.linear_nets else None)
         cache = StaticCache(self.num_layers, self.kv_heads, self.head_dim, self.capacity, dtype=self.dtype,
-                            device=self.device)
+                            device=self.device, linear=linear, attention_layers=self.attention_layers)
         if self.compiled and self.device.type == "cuda":  # CUDA graphs read the buffers where they are
-            for buf in cache.keys + cache.values:
+            buffers = cache.keys + cache.values
+            if linear is not None:
+                buffers += [b for group in linear.convs[:2] + linear.states[:2] for b in group]
+            for buf in buffers:
                 torch._dynamo.mark_static_address(buf)
         return cache
 
@@ -244,17 +409,27 @@ class FastPath:
             raise InvalidSettingError(f"the sequence needs {end} positions, the cache holds {self.context}",
                                       hint="raise --max-context")
         with torch.inference_mode():
+            if cache.linear is not None:
+                cache.linear.settle(start)
+            states = cache.linear.current() if cache.linear is not None else ((), ())
             out = None
             if self.compiled and not last_logit_only and _bucket(n) < self.capacity - self.context:
-                out = self._run_compiled(ids, cache, start, taps)
+                out = self._run_compiled(ids, cache, start, taps, states)
             if out is None:
                 positions = torch.arange(start, end, device=ids.device)
                 keys_at = key_positions(end, cache.capacity - 1, ids.device)
-                out = self._module(taps, last_logit_only)(ids, positions, keys_at, cache.keys, cache.values)
+                out = self._module(taps, last_logit_only)(ids, positions, keys_at, cache.keys, cache.values,
+                                                          *states)
+            logits, hidden, records = out
+            if cache.linear is not None:
+                # the records cover the last chunk of the tokens run (compiled calls are one chunk)
+                cache.linear.record(start + CHUNK * ((n - 1) // CHUNK), [BlockRecord(*r) for r in records])
+                if last_logit_only:  # a prompt: keep the state before its last token for /regen
+                    cache.linear.save_checkpoint(end - 1)
         cache.length = end
-        return out
+        return logits, hidden
 
-    def _run_compiled(self, ids: torch.Tensor, cache: StaticCache, start: int, taps: bool):
+    def _run_compiled(self, ids: torch.Tensor, cache: StaticCache, start: int, taps: bool, states):
         """A short call padded to the next power of two; None when compiling failed (eager takes over)."""
         n = ids.shape[1]
         size = _bucket(n)
@@ -267,7 +442,7 @@ class FastPath:
         if step is None:
             step = self._compiled[taps] = self.compile_step(self._module(taps, False))
         try:
-            logits, hidden = step(ids, positions, keys_at, cache.keys, cache.values)
+            logits, hidden, records = step(ids, positions, keys_at, cache.keys, cache.values, *states)
         except Exception as e:  # noqa: BLE001 - any compiler failure: say so once and run eagerly
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             self.fallback_reason = f"{type(e).__name__}: {first}"[:200]
@@ -277,7 +452,8 @@ class FastPath:
         logits, hidden = logits[:n], (hidden[:, :n] if hidden is not None else None)
         if self.device.type == "cuda":  # a CUDA graph's outputs are overwritten by its next replay
             logits, hidden = logits.clone(), (hidden.clone() if hidden is not None else None)
-        return logits, hidden
+            records = [tuple(t.clone() for t in r) for r in records]
+        return logits, hidden, records
 
 
 def _bucket(n: int) -> int:

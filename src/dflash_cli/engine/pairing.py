@@ -58,11 +58,17 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
+# hybrids whose linear-attention state the fast path rolls back exactly (engine/linear_attention.py)
+HYBRID_MODEL_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+
+
 def check_target_config(config: dict[str, Any], name: str) -> None:
     """Refuses targets whose cache cannot be rolled back to an accepted length."""
     cfg = text_config(config)
     kinds = set(cfg.get("layer_types") or [])
     recurrent = kinds & {"linear_attention", "mamba", "conv", "recurrent"}
+    if recurrent == {"linear_attention"} and cfg.get("model_type") in HYBRID_MODEL_TYPES:
+        return
     if recurrent:
         raise UnsupportedModelError(
             f"{name} has {', '.join(sorted(recurrent))} layers whose state cannot be rolled back after a "

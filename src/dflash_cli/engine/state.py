@@ -61,6 +61,8 @@ class DecodeState:
         if self.draft_cache is not None:
             covered = min(covered, self.draft_cache.length + self.pending_rows)
         keep = min(common_prefix(self.tokens[:covered], prompt), len(prompt) - 1)
+        # a hybrid target's recurrent state returns only to a few points (fast.LinearStates)
+        keep = getattr(self.target_cache, "reachable", lambda n: n)(keep)
         self._truncate_caches(keep)
         new = torch.tensor([prompt[keep:]], dtype=torch.long, device=self.target.device)
         logits, hidden = self.target.forward(new, self.target_cache, keep, last_logit_only=True,

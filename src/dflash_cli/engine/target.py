@@ -79,6 +79,8 @@ class Target:
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
         self.fast = None  # engine.fast.FastPath once enable_fast_path() succeeded
+        # linear-attention (Qwen3.5) layers: transformers' cache cannot roll their state back, ours can
+        self.hybrid = any(hasattr(layer, "linear_attn") for layer in self.layers)
 
     def enable_fast_path(self, context: int, *, compile_step=None, pad_to: int = 1,
                          on_fallback=None) -> str | None:
@@ -157,6 +159,10 @@ class Target:
         """
         if self.fast is not None:
             return self.fast.forward(ids, cache, start, taps=taps, last_logit_only=last_logit_only)
+        if self.hybrid:
+            raise UnsupportedModelError(
+                f"{self.name} has linear-attention layers, whose state transformers' cache cannot roll back",
+                hint="call Target.enable_fast_path(context) first (the CLI always does for these models)")
         n = ids.shape[1]
         positions = torch.arange(start, start + n, device=ids.device)[None]
         self._capturing = taps

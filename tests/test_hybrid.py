@@ -1,0 +1,183 @@
+"""Qwen3.5 hybrid targets (Gated DeltaNet + attention): exact rollback of the linear-attention state.
+
+Tiny random models scaled down from the published Qwen3.5-4B config (dense and MoE), saved as the real
+checkpoints are and loaded through the real loader; fp32, so greedy speculation must equal transformers'
+own greedy generate token for token.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from conftest import TargetForwardLog, drafter_config, save_hybrid_target, save_random_drafter
+from dflash_cli.engine.errors import UnsupportedModelError
+from dflash_cli.engine.generate import generate, stream_generate
+from dflash_cli.engine.linear_attention import BlockRecord, delta_rule_chunk, l2norm, state_after
+from dflash_cli.engine.load import load_pair
+from dflash_cli.engine.oracle import OracleDrafter
+from dflash_cli.engine.state import DecodeState
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"hybrid-{request.param}")
+    target = save_hybrid_target(root / "target", moe=request.param == "moe", seed=3)
+    drafter = save_random_drafter(root / "drafter", drafter_config(dict(hidden_size=64, vocab_size=160,
+                                                                         num_hidden_layers=4), taps=(0, 2, 3)), seed=2)
+    pair = load_pair(target, drafter, device="cpu", dtype="float32")
+    assert pair.target.hybrid and pair.target.enable_fast_path(400, pad_to=8) is None
+    return pair
+
+
+def hf_greedy(target, prompt, n):
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(n, seed, longest=90):
+    rng = random.Random(seed)  # up to 90 tokens: prompts span one or two 64-token chunks
+    return [[rng.randrange(3, 140) for _ in range(rng.randrange(1, longest))] for _ in range(n)]
+
+
+def oracle(pair, prompt, acceptance, seed=1):
+    return OracleDrafter(pair.drafter, prompt + hf_greedy(pair.target, prompt, 60), acceptance=acceptance,
+                         seed=seed, vocab_size=160)
+
+
+def linear_states(state: DecodeState) -> list[torch.Tensor]:
+    """The recurrent and convolution states after all the positions the target cache holds."""
+    linear = state.target_cache.linear
+    linear.settle(state.target_cache.length)
+    convs, states = linear.current()
+    return convs + states
+
+
+def test_block_solution_matches_transformers_recurrence():
+    torch.manual_seed(0)
+    h, n, dk, dv = 3, 11, 8, 5
+    q, k = l2norm(torch.randn(h, n, dk)), l2norm(torch.randn(h, n, dk))
+    v, beta = torch.randn(h, n, dv), torch.rand(h, n)
+    g, s0 = -torch.rand(h, n), torch.randn(h, dk, dv)
+    out, cum_g, delta = delta_rule_chunk(q * dk**-0.5, k, v, g, beta, s0)
+    record = BlockRecord(s0, k, cum_g, delta, conv_tail=torch.zeros(1, 1, 1))
+
+    def reference(m):  # transformers' token-by-token recurrence over the first m tokens
+        as_btd = lambda x: x.transpose(0, 1)[None]  # noqa: E731 - (h, n, d) -> (1, n, h, d)
+        o, s = modeling_qwen3_5.torch_recurrent_gated_delta_rule(
+            as_btd(q[:, :m]), as_btd(k[:, :m]), as_btd(v[:, :m]), g=g[:, :m].T[None], beta=beta[:, :m].T[None],
+            initial_state=s0[None], output_final_state=True)
+        return o[0].transpose(0, 1), s[0]
+
+    ref_out, _ = reference(n)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    for m in range(1, n + 1):  # the state after any prefix, from the block's by-products
+        torch.testing.assert_close(state_after(record, m), reference(m)[1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(state_after(record, 0), s0)
+
+
+@pytest.mark.parametrize("block_size", [3, 8])
+def test_greedy_speculation_equals_transformers_generate(pair, block_size):
+    for prompt in prompts(4, seed=block_size):
+        reference = hf_greedy(pair.target, prompt, 30)
+        assert generate(pair.target, None, prompt, max_new_tokens=30, stop_ids=[]).tokens == reference
+        assert generate(pair.target, pair.drafter, prompt, max_new_tokens=30, stop_ids=[],
+                        block_size=block_size).tokens == reference
+        for acceptance in (0.5, 0.8):  # partial acceptances: every step rolls the state back
+            got = generate(pair.target, oracle(pair, prompt, acceptance), prompt, max_new_tokens=30, stop_ids=[],
+                           block_size=block_size)
+            assert got.tokens == reference
+            assert 1.3 < got.stats.acceptance_length < block_size
+
+
+def test_state_after_every_step_equals_a_fresh_plain_run(pair):
+    prompt = prompts(1, seed=7)[0]
+    drafter = oracle(pair, prompt, 0.6, seed=4)
+    state = DecodeState(pair.target, drafter)
+    accepted = []
+    for step in stream_generate(pair.target, drafter, prompt, max_new_tokens=40, stop_ids=[], block_size=8,
+                                state=state):
+        state.check()
+        accepted.append(step.accepted)
+        fresh = DecodeState(pair.target, None)
+        fresh.prefill(state.tokens[: state.start])  # the committed context, read once, no drafts
+        for got, want in zip(linear_states(state), linear_states(fresh), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert any(0 < a < 7 for a in accepted)  # some steps rejected part of their block
+
+
+def test_stop_token_inside_an_accepted_block(pair):
+    prompt = [9, 8, 7, 6, 5]
+    reference = hf_greedy(pair.target, prompt, 40)
+    stop = reference[12]
+    drafter = oracle(pair, prompt, 1.0)
+    state = DecodeState(pair.target, drafter)
+    got = generate(pair.target, drafter, prompt, max_new_tokens=40, stop_ids=[stop], block_size=8, state=state)
+    assert got.tokens == reference[: reference.index(stop) + 1]
+    state.check()
+    more = generate(pair.target, drafter, state.tokens, max_new_tokens=10, stop_ids=[], state=state, block_size=8)
+    assert got.tokens + more.tokens == hf_greedy(pair.target, prompt, len(got.tokens) + 10)
+
+
+def test_chat_turns_reuse_the_state_regenerate_and_edit(pair):
+    turn1 = [5, 6, 7, 8, 9, 10]
+    state = DecodeState(pair.target, pair.drafter)
+    first = generate(pair.target, pair.drafter, turn1, max_new_tokens=15, stop_ids=[], state=state)
+    turn2 = turn1 + first.tokens + [33, 44, 55]
+    turn3 = turn1[:3] + [99] + turn1[4:]
+    reference2, reference3 = hf_greedy(pair.target, turn2, 15), hf_greedy(pair.target, turn3, 8)
+    with TargetForwardLog(pair.target) as log:
+        second = generate(pair.target, pair.drafter, turn2, max_new_tokens=15, stop_ids=[], state=state)
+        state.check()
+        assert log.take()[0] == 4  # the new tokens and the last reply token: the state was reused
+        assert second.tokens == reference2
+        # regenerate: back to just before the prompt's last token (a checkpoint), not to position 0
+        again = generate(pair.target, pair.drafter, turn2, max_new_tokens=15, stop_ids=[], state=state)
+        state.check()
+        assert log.take()[0] == 1 and again.tokens == reference2
+        # an edited history: the recurrent state cannot go back to the edit, so all of it is read again
+        third = generate(pair.target, pair.drafter, turn3, max_new_tokens=8, stop_ids=[], state=state)
+        state.check()
+        assert log.take()[0] == len(turn3) and third.tokens == reference3
+
+
+def test_interrupted_verify_then_continue(pair):
+    prompt = [11, 12, 13, 14]
+    drafter = oracle(pair, prompt, 0.7, seed=2)
+    state = DecodeState(pair.target, drafter)
+    calls = {"n": 0}
+
+    def interrupt(_module, _inputs, _output):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+
+    attention_layer = next(layer for layer in pair.target.layers if not hasattr(layer, "linear_attn"))
+    handle = attention_layer.post_attention_layernorm.register_forward_hook(interrupt)  # after the DeltaNets
+    got = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for step in stream_generate(pair.target, drafter, prompt, max_new_tokens=40, stop_ids=[], state=state,
+                                        block_size=8):
+                got.extend(step.tokens)
+    finally:
+        handle.remove()
+    state.check()
+    more = generate(pair.target, drafter, state.tokens, max_new_tokens=10, stop_ids=[], state=state, block_size=8)
+    assert got and got + more.tokens == hf_greedy(pair.target, prompt, len(got) + 10)
+
+
+def test_transformers_forward_is_refused_for_hybrids(pair):
+    target = pair.target
+    fast = target.fast
+    target.disable_fast_path()
+    try:
+        with pytest.raises(UnsupportedModelError, match="linear-attention"):
+            generate(target, None, [1, 2, 3], max_new_tokens=2, stop_ids=[])
+    finally:
+        target.fast = fast
