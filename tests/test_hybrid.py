@@ -181,3 +181,48 @@ def test_transformers_forward_is_refused_for_hybrids(pair):
             generate(target, None, [1, 2, 3], max_new_tokens=2, stop_ids=[])
     finally:
         target.fast = fast
+
+
+def test_memory_planner_counts_the_states_the_engine_allocates(pair):
+    from dflash_cli.models.sizes import kv_cache_bytes
+
+    config = pair.target.model.config.to_dict()
+    linear = DecodeState(pair.target, None).target_cache.linear
+    allocated = sum(t.numel() * t.element_size() for group in linear.convs + linear.states for t in group)
+    assert kv_cache_bytes(config, 0, dtype_bytes=4) == allocated  # fp32 conv states here; no K/V rows
+
+
+def test_the_published_qwen3_5_pair_checks_and_plans_from_configs_only():
+    from conftest import HF_CONFIGS, read_json
+    from dflash_cli.engine.drafter import DrafterConfig
+    from dflash_cli.engine.pairing import check_pair, check_target_config
+    from dflash_cli.models.plan import plan_memory
+
+    target = read_json(HF_CONFIGS / "Qwen__Qwen3.5-4B" / "config.json")
+    drafter = read_json(HF_CONFIGS / "z-lab__Qwen3.5-4B-DFlash" / "config.json")
+    check_target_config(target, "Qwen/Qwen3.5-4B")  # no longer refused
+    assert check_pair(target, DrafterConfig.from_dict(drafter)) == [1, 5, 9, 13, 17, 21, 25, 29]
+    plan = plan_memory(target, drafter, quant="bf16", context_tokens=8192, available_bytes=24 * 2**30)
+    assert plan.fits and 8e9 < plan.total < 14e9
+
+
+def test_cli_runs_a_hybrid_pair_even_with_compile_off(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from conftest import save_tiny_tokenizer
+    from dflash_cli.ui.cli import cli
+
+    target = save_hybrid_target(tmp_path / "target", seed=3)
+    save_tiny_tokenizer(target)
+    drafter = save_random_drafter(tmp_path / "drafter", drafter_config(dict(hidden_size=64, vocab_size=160,
+                                                                             num_hidden_layers=4), taps=(0, 2, 3)))
+    base = ["generate", "-m", str(target), "--dtype", "float32", "--device", "cpu", "-n", "12", "--json"]
+    runs = {name: CliRunner().invoke(cli, base + args + ["Hello"]) for name, args in
+            [("plain", ["--no-draft"]), ("spec", ["--draft", str(drafter)]),
+             ("off", ["--draft", str(drafter), "--compile", "off"])]}
+    out = {name: json.loads(r.stdout) for name, r in runs.items() if r.exit_code == 0}
+    assert out.keys() == runs.keys(), {n: r.stderr for n, r in runs.items()}
+    assert out["plain"]["text"] == out["spec"]["text"] == out["off"]["text"]
+    assert out["off"]["forward"].startswith("static cache") and "hybrid" in out["off"]["forward"]

@@ -127,7 +127,7 @@ def test_list_empty_and_known(env):
     rows = {line.split()[0]: line for line in known.stdout.splitlines()[1:]}
     assert "qwen3-8b" in rows and "Qwen/Qwen3-8B" in rows["qwen3-8b"]
     assert "z-lab/Qwen3-8B-DFlash-b16" in rows["qwen3-8b"]
-    assert "tiny" in rows and "unsupported" in rows["qwen3.5-4b"]
+    assert "tiny" in rows and "z-lab/Qwen3.5-4B-DFlash" in rows["qwen3.5-4b"]
     data = json.loads(invoke("list", "--known", "--json").stdout)
     assert {"alias": "qwen3-8b", "target": "Qwen/Qwen3-8B"}.items() <= next(
         d for d in data if d["alias"] == "qwen3-8b").items()

@@ -22,7 +22,11 @@ def test_shipped_pairs_cover_the_published_drafters():
         assert registry[alias].drafter == drafter and registry[alias].unsupported is None
     assert registry["llama3.1-8b"].block_size == 10
     assert registry["qwen3-8b"].thinking is False
-    assert "linear-attention" in registry["qwen3.5-4b"].unsupported
+    # the hybrid Qwen3.5/3.6 targets run (exact linear-attention rollback); their drafters think
+    for size in ("3.5-4b", "3.5-9b", "3.5-27b", "3.5-35b-a3b", "3.5-122b-a10b", "3.6-27b", "3.6-35b-a3b"):
+        entry = registry[f"qwen{size}"]
+        assert entry.unsupported is None and entry.thinking is True and entry.block_size == 16
+        assert entry.drafter == f"z-lab/{entry.target.split('/')[1]}-DFlash"
 
 
 def test_block_sizes_agree_with_the_published_drafter_configs():

@@ -56,9 +56,12 @@ def test_offline_and_not_downloaded_names_the_command(fake, config, monkeypatch)
     assert "pull" in err.value.hint and fake.requests == []
 
 
-def test_unsupported_pairs_are_refused_with_the_reason():
-    with pytest.raises(UnsupportedModelError, match="linear-attention"):
-        resolve_pair("qwen3.5-4b")
+def test_unsupported_pairs_are_refused_with_the_reason(tmp_path, monkeypatch):
+    path = tmp_path / "config.toml"
+    path.write_text('[pairs.later]\ntarget = "a/b"\nunsupported = "mamba layers cannot roll back yet"\n')
+    monkeypatch.setenv("DFLASH_CONFIG", str(path))
+    with pytest.raises(UnsupportedModelError, match="mamba layers cannot roll back yet"):
+        resolve_pair("later")
 
 
 def test_no_draft_and_explicit_folders(tiny_models):

@@ -69,6 +69,7 @@ AUTO_ORDER = ("bf16", "int8", "nf4")
 _QWEN3_QK_NORM = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                   "qwen3_5_moe_text"}
 _RECURRENT = {"linear_attention", "mamba", "conv", "recurrent"}
+LINEAR_STATE_COPIES = 3  # per linear-attention layer: two buffers to roll back, one checkpoint
 
 
 def normalize_quant(quant: str | None) -> str:
@@ -384,7 +385,8 @@ def kv_cache_bytes(config: dict[str, Any], context_tokens: int, dtype_bytes: int
     """K+V bytes for `context_tokens` rows: 2 * kv_heads * head_dim * rows * dtype_bytes per attention layer.
 
     Sliding-window layers hold at most `sliding_window` rows when `cap_sliding`; gated-DeltaNet layers
-    hold a fixed state (fp32 recurrent state + conv state) whatever the length.
+    hold a fixed state (fp32 recurrent state + conv state) whatever the length, three times over in the
+    engine: two buffers for rolling back exactly and a checkpoint for regenerating (fast.LinearStates).
     """
     cfg = text_config(config)
     nh = int(cfg["num_attention_heads"])
@@ -397,7 +399,8 @@ def kv_cache_bytes(config: dict[str, Any], context_tokens: int, dtype_bytes: int
             nk, dk = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
             nv, dv = int(cfg["linear_num_value_heads"]), int(cfg["linear_value_head_dim"])
             conv_dim = 2 * nk * dk + nv * dv
-            total += nv * dk * dv * 4 + conv_dim * (int(cfg.get("linear_conv_kernel_dim", 4)) - 1) * dtype_bytes
+            state = nv * dk * dv * 4 + conv_dim * (int(cfg.get("linear_conv_kernel_dim", 4)) - 1) * dtype_bytes
+            total += LINEAR_STATE_COPIES * state
             continue
         rows = context_tokens
         if kind == "sliding_attention" and cap_sliding and window:
