@@ -42,7 +42,7 @@ from dflash_cli.engine.load import attach_drafter
 from dflash_cli.engine.oracle import OracleDrafter, acceptance_for_tau
 from dflash_cli.engine.target import Target, crop_cache, decoder_layers
 
-HF_CONFIGS = Path("/work/shared/data/hf-configs")
+HF_CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "hf-configs"
 _QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=128, num_attention_heads=32,
               num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000,
               rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, bos_token_id=151643,
@@ -54,6 +54,8 @@ PRESETS = {  # name -> (folder under HF_CONFIGS read when present, embedded copy
                              eos_token_id=None)),
     "qwen3-4b": ("Qwen__Qwen3-4B", dict(_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)),
     "qwen3-8b": ("Qwen__Qwen3-8B", dict(_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)),
+    # hybrid: 3 Gated DeltaNet layers per attention layer (the fast path rolls their state back exactly)
+    "qwen3.5-4b": ("Qwen__Qwen3.5-4B", None),
 }
 Z_LAB_TAPS, Z_LAB_DEPTH, Z_LAB_MASK_ID = [1, 9, 17, 25, 33], 36, 151669  # z-lab/Qwen3-8B-DFlash-b16
 TAUS = (2.0, 4.0, 6.5)
@@ -77,6 +79,8 @@ def target_config(args) -> dict:
     else:
         folder, embedded = PRESETS[args.preset]
         path = HF_CONFIGS / folder / "config.json" if folder else None
+        if embedded is None and not (path and path.is_file()):
+            raise SystemExit(f"preset {args.preset} needs {path}")
         cfg = json.loads(path.read_text()) if path and path.is_file() else dict(embedded)
     cfg = cfg.get("text_config") or cfg
     for key in ("torch_dtype", "dtype", "transformers_version", "auto_map", "quantization_config"):
@@ -221,6 +225,18 @@ def unit_costs(target: Target, drafter: DFlashDrafter, context: int, blocks: lis
     out = {"context": context, "decode_1": timed(lambda: forward(1, False), dev, repeats)}
     for b in blocks:
         out[f"verify_{b}"] = timed(lambda: forward(b, True), dev, repeats)
+    linear = getattr(cache, "linear", None)
+    if linear is not None:  # hybrid: settling the linear-attention state after half of a block was accepted
+        b = max(blocks)
+        target.forward(ids[:, context:context + b], cache, context, taps=True)
+        slots = list(linear.slots)
+
+        def rollback():
+            linear.settle(context + b // 2)
+            linear.slots = list(slots)  # the record again: the next call settles from the same state
+
+        out["rollback"] = timed(rollback, dev, repeats)
+        crop_cache(cache, context)
     # Draft cache holds context-P rows; each timed call adds P new context rows plus the block, then rolls back.
     p = context_rows
     dcache, anchor = drafter.new_cache(), ids[0, context:context + 1]
@@ -347,6 +363,9 @@ def print_units(units: dict) -> None:
         v, d = units[f"verify_{b}"], units[f"draft_{b}"]
         table.append([f"B={b}", ms(f"verify_{b}"), fmt(v / d1, ".2f"), ms(f"draft_{b}"), fmt((v + d) / d1, ".2f")])
     print_table(["forward", "verify ms", "verify/dec1", "draft ms", "(ver+draft)/dec1"], table)
+    if "rollback" in units:
+        print(f"rollback of the linear-attention state (settle {max(blocks) // 2} of {max(blocks)} block tokens): "
+              f"{1e3 * units['rollback']:.3f} ms per step, {units['rollback'] / units['decode_1']:.3f} of a decode")
     sys.stdout.flush()
 
 
@@ -458,6 +477,9 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
     device = target.device
     target.disable_fast_path()
     out: dict = {"compile_seconds": None}
+    if path == "eager" and target.hybrid:
+        log("eager: transformers' cache cannot roll a hybrid target's linear-attention state back; skipped")
+        return out
     if path != "eager":
         context = args.prompt_len + new_tokens + 2 * block
         step = compiler_for(device) if path == "compiled" else None
@@ -506,9 +528,10 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
 
 def print_paths(paths: dict, block: int) -> None:
     """One line per path: unit costs, plain and best-oracle tok/s, each against the eager path."""
-    base = paths.get("eager") or next(iter(paths.values()))
-    if "rows" not in base:
+    measured = {name: res for name, res in paths.items() if "rows" in res}
+    if not measured:
         return
+    base = measured.get("eager") or next(iter(measured.values()))
     base_plain = base["rows"][0]["tokens_per_s"]
     table = []
     for name, res in paths.items():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (about 8 minutes): engine correctness on CUDA (transformers path, fast path, compiled
+# One device call (about 10 minutes): engine correctness on CUDA (transformers path, fast path, compiled
 # fast path), then the Qwen3-8B-shaped benchmark, eager vs fast vs compiled side by side, in bf16 and nf4.
 # Run on the GPU machine from the repository root, with the bitsandbytes wheel carried in .whl/:
 #   bash benchmarks/gpu_run.sh            (writes logs and JSON under $OUT, or ./.bench-out)
@@ -29,3 +29,8 @@ timeout 200 python3 benchmarks/bench_engine.py --preset qwen3-8b --device cuda -
 timeout 150 python3 benchmarks/bench_engine.py --preset qwen3-8b --device cuda --dtype bfloat16 --quant nf4 \
   --paths eager fast compiled --prompts 1 --new-tokens 128 --taus 6.5 --no-hf \
   --json "$OUT/bench-qwen3-8b-nf4.json" 2>"$OUT/bench-qwen3-8b-nf4.err" | tee "$OUT/bench-qwen3-8b-nf4.txt"
+# Qwen3.5-4B shape (hybrid: Gated DeltaNet + attention), bf16: verify, draft and the per-step rollback of the
+# linear-attention state, fast vs compiled
+timeout 150 python3 benchmarks/bench_engine.py --preset qwen3.5-4b --device cuda --dtype bfloat16 \
+  --paths fast compiled --prompts 1 --new-tokens 128 --no-hf \
+  --json "$OUT/bench-qwen3.5-4b-bf16.json" 2>"$OUT/bench-qwen3.5-4b-bf16.err" | tee "$OUT/bench-qwen3.5-4b-bf16.txt"
