@@ -53,7 +53,7 @@ def to_transformers_config(cfg) -> dict[str, Any]:
         raise InvalidSettingError("this drafter uses settings transformers' format cannot express "
                                   "(causal layers, attention bias or logit scaling)", hint="save it in the DFlash format")
     drop = {"architectures", "model_type", "auto_map", "dflash_config", "is_causal", "attention_bias",
-            "use_sliding_window", "max_window_layers", "num_target_layers", "block_size", "training"}
+            "use_sliding_window", "max_window_layers", "num_target_layers", "block_size"}
     out = {k: v for k, v in cfg.raw.items() if k not in drop}
     out.update(architectures=[ARCHITECTURE], model_type=MODEL_TYPE, block_size=cfg.block_size,
                mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.tap_layers(),
@@ -71,16 +71,17 @@ def to_transformers_config(cfg) -> dict[str, Any]:
     return out
 
 
-def checkpoint_names(keys: list[str]) -> tuple[str, dict[str, str]]:
+def checkpoint_names(keys: list[str]) -> tuple[str, dict[str, str | None]]:
     """From a transformers-format checkpoint's tensor names: the prefix they share and {their name: ours}.
 
-    A name that is neither renamed nor one of ours maps to itself, so the strict load reports it by name.
+    Names transformers does not use (our spellings of the renamed tensors) map to None; other unknown
+    names map to themselves; either way the strict load reports them by name.
     """
     prefix = "model." if keys and all(k.startswith("model.") for k in keys) else ""
-    mapping = {}
+    mapping: dict[str, str | None] = {}
     for key in keys:
         name = key[len(prefix):]
-        mapping[key] = _OURS.get(name, name)
+        mapping[key] = None if name in RENAMED else _OURS.get(name, name)
     return prefix, mapping
 
 
