@@ -76,7 +76,7 @@ class CandidateSelector(nn.Module):
         over the candidates, by Gumbel-max with the noise the sampler uses for the target at that position.
         """
         unary, cand = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)  # (P, k)
-        hp = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()  # (P, R)
+        hp = self.hidden_projection(hidden.to(self.successor_codebook.dtype)).float()  # (P, R) (may be packed)
         succ = self.successor_codebook[cand].float() * hp[:, None]  # (P, k, R)
         pred = self.predecessor_codebook  # rows are gathered before the cast: the codebook is vocabulary-sized
         # pair[p - 1][i, j]: the pair term between candidate i of slot p-1 and candidate j of slot p
