@@ -253,3 +253,28 @@ def test_gumbel_coupling_accepts_at_least_one_minus_tv_over_one_plus_tv():
         bound = (1 - tv) / (1 + tv)
         assert agree >= bound - 3 * math.sqrt(bound * (1 - bound) / n), (spread, agree, bound)
         assert agree <= 1 - tv + 3 * math.sqrt((1 - tv) * tv / n)  # no coupling beats the optimal one
+
+
+def test_v1_sampled_drafts_are_the_samplers_choice_from_the_draft_logits(pair):
+    """At T > 0 a v1 drafter proposes the sampler's own pick from its (post-processed) draft logits, with the
+    noise of the position each draft stands for (start + 1 for slot 1); at T = 0 the argmax."""
+    drafter, target = pair.drafter, pair.target
+    torch.manual_seed(0)
+    context, anchor, start = torch.randn(1, 6, 2 * 32), torch.tensor([9]), 6
+    args = (anchor, start, drafter.block_size, None, target.embed_weight, target.lm_head)
+    with torch.no_grad():
+        _, logits = drafter.draft_logits(context, *args[:3], drafter.new_cache(), *args[4:], None)
+    differs = False
+    for seed in range(5):
+        sampler = Sampler(temperature=1.0, top_p=0.9, seed=seed)
+        got = drafter.draft(context, anchor, start, drafter.block_size, drafter.new_cache(), target.embed_weight,
+                            target.lm_head, sampler=sampler)
+        probs = sampling_probs(logits, 1.0, 0.9)
+        noise = torch.stack([-torch.log(-torch.log(sampler.uniform(start + 1 + i, probs.shape[-1], probs.device)))
+                             for i in range(probs.shape[0])])
+        assert got.tolist() == (probs.log() + noise).argmax(-1).tolist()
+        differs |= got.tolist() != logits.argmax(-1).tolist()
+    assert differs
+    greedy = drafter.draft(context, anchor, start, drafter.block_size, drafter.new_cache(), target.embed_weight,
+                           target.lm_head, sampler=Sampler(temperature=0.0))
+    assert greedy.tolist() == logits.argmax(-1).tolist()
