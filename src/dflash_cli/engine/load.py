@@ -30,9 +30,11 @@ def _read_state_dict(files: list[Path], expected: dict[str, torch.Size], device:
     from dflash_cli.engine.hf_format import checkpoint_names, their_name
 
     tensors: dict[str, torch.Tensor] = {}
-    prefix = ""
+    prefix, path = "", None
     try:
-        handles = [(path, safe_open(str(path), framework="pt", device="cpu")) for path in files]
+        handles = []
+        for path in files:
+            handles.append((path, safe_open(str(path), framework="pt", device="cpu")))
         if transformers_format:
             prefix, ours = checkpoint_names([k for _, f in handles for k in f.keys()])
         for path, f in handles:
@@ -46,7 +48,7 @@ def _read_state_dict(files: list[Path], expected: dict[str, torch.Size], device:
                         f"{path}: tensor {key!r} has shape {list(shape)}, the config implies {list(expected[name])}")
                 tensors[name] = f.get_tensor(key).to(device=device, dtype=dtype)
     except SafetensorError as e:
-        raise CheckpointError(f"a file in {folder} is not a readable safetensors file ({e})",
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e})",
                               hint="the download may be truncated: delete it and fetch it again") from None
     missing = sorted(set(expected) - set(tensors))
     if transformers_format:
