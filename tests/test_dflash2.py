@@ -294,3 +294,24 @@ def test_sampled_runs_equal_plain_decoding_with_the_same_seed(pair):
         assert out.tokens == plain
         accepted += out.stats.accepted
     assert accepted > 0
+
+
+def test_published_config_scaled_down_loads_pairs_and_decodes_losslessly(tmp_path):
+    """The fixture's config (52-layer target, 202,048-token vocabulary, 5 bidirectional sliding layers,
+    softcap, output multiplier) at hidden size 64, against a dense stand-in target of that depth and vocabulary."""
+    cfg = json.loads((FIXTURE / "config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               sliding_window=6)
+    cfg["dflash_config"]["selector_rank"] = 8
+    drafter = save_random_drafter(tmp_path / "d", cfg, seed=7)
+    target_cfg = target_config(vocab_size=202048, num_hidden_layers=52, hidden_size=64, head_dim=16)
+    target = save_target(tmp_path / "t", target_cfg, seed=8, scale=3.0)
+    pair = load_pair(target, drafter, device="cpu", dtype="float32")
+    assert isinstance(pair.drafter, DFlash2Drafter) and pair.target._taps == [1, 13, 25, 37, 49]
+    assert pair.drafter.block_size == 16 and pair.drafter.mask_token_id == 201818
+    assert all(not layer.causal and layer.window == 6 for layer in pair.drafter.layers)
+    prompt = list(range(200, 230))
+    plain = generate(pair.target, None, prompt, max_new_tokens=24, stop_ids=[]).tokens
+    for block in (16, 5):
+        got = generate(pair.target, pair.drafter, prompt, max_new_tokens=24, block_size=block, stop_ids=[])
+        assert got.tokens == plain and got.stats.drafted > 0
