@@ -172,25 +172,24 @@ def build_assistant(tcfg: dict, device: torch.device, dtype: torch.dtype, seed: 
     return model.eval().requires_grad_(False)
 
 
-def build_hf_dflash_assistant(dcfg: dict, device: torch.device, dtype: torch.dtype, seed: int):
-    """transformers' own DFlash drafter class (5.24+: MuseGlimmerAssistant) in our drafter's shape, or None.
-
-    Its tensor names differ from z-lab's (encoder.fc, ...), so it gets random weights like ours.
-    """
+def build_hf_dflash_assistant(drafter: DFlashDrafter, device: torch.device, dtype: torch.dtype):
+    """transformers' own DFlash drafter class (5.24+: MuseGlimmerAssistantModel) holding our drafter's weights,
+    renamed by the engine's mapping to transformers' names (engine/hf_format.py) and loaded strictly, or None
+    where this transformers has no DFlash path. Both loops then run the same drafter on the same target."""
     try:
         from transformers import AutoModel, GenerationConfig, MuseGlimmerAssistantConfig
     except ImportError:
         return None
     if not hasattr(GenerationConfig(), "speculation_type"):
         return None
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "rms_norm_eps", "layer_types", "block_size", "vocab_size")
-    cfg = MuseGlimmerAssistantConfig(**{k: dcfg[k] for k in keys}, target_layer_ids=dcfg["dflash_config"]["target_layer_ids"],
-                                     mask_token_id=dcfg["dflash_config"]["mask_token_id"],
-                                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
+    from dflash_cli.engine.hf_format import to_transformers_config, to_transformers_state_dict
+
+    raw = to_transformers_config(drafter.config)
+    raw.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = MuseGlimmerAssistantConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     with torch.device(device):
         model = AutoModel.from_config(cfg, dtype=dtype)
+    model.load_state_dict(to_transformers_state_dict(drafter.state_dict()), strict=True)
     return model.eval().requires_grad_(False)
 
 
@@ -396,8 +395,9 @@ def print_hf(rows: list[dict], engine_plain: float, meta: dict, gpu: bool) -> No
               fmt(r["tokens_per_s"] / hf_plain, ".2f") + "x", fmt(r["tokens_per_s"] / engine_plain, ".2f") + "x",
               peak_gib(r, gpu)] for r in rows]
     print_table(["config", "tau", "tok/s", "vs hf generate", "vs engine plain", "peak GiB"], table)
-    print("tau = new tokens per target forward. The assistants have random weights and almost never agree with")
-    print("the target: these rows measure each loop's overhead, not a real speedup.")
+    print("tau = new tokens per target forward. The assistants have random weights (hf dflash: our random drafter's")
+    print("weights, compare with 'dflash random drafter') and almost never agree with the target: these rows")
+    print("measure each loop's overhead, not a real speedup.")
     print(flush=True)
 
 
@@ -613,9 +613,9 @@ def main(argv=None) -> int:
         log("transformers generate() baselines")
         variants = {"hf generate": {},
                     "hf assisted (random LM)": dict(assistant_model=build_assistant(tcfg, device, dtype, args.seed + 2))}
-        hf_dflash = build_hf_dflash_assistant(dcfg, device, dtype, args.seed + 3)
+        hf_dflash = build_hf_dflash_assistant(drafter, device, dtype)
         if hf_dflash is not None:
-            variants["hf dflash (random drafter)"] = dict(assistant_model=hf_dflash, speculation_type="dflash")
+            variants["hf dflash (same drafter)"] = dict(assistant_model=hf_dflash, speculation_type="dflash")
         else:
             log("  this transformers has no generate(speculation_type='dflash'): skipping that row")
         try:

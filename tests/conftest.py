@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_cli.engine.dflash2 import drafter_class
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.load import save_drafter
 
@@ -73,16 +74,41 @@ def drafter_config(target: dict, *, layers: int = 2, block_size: int = 8, taps=(
     return cfg
 
 
-def save_random_drafter(folder: Path, config: dict, seed: int = 0, scale: float = 1.0) -> Path:
+def dflash2_config(target: dict, *, layers: int = 2, block_size: int = 8, taps=(1, 3, 4), top_k: int = 4,
+                   **overrides) -> dict:
+    """A DFlash 2 drafter config shaped like the fixture (all layers sliding, is_causal false, softcap),
+    scaled down to the tiny targets."""
+    cfg = drafter_config(target, layers=layers, block_size=block_size, taps=taps, nested_block=True,
+                         architectures=["DFlash2DraftModel"], is_causal=False, sliding_window=6,
+                         use_sliding_window=True, layer_types=["sliding_attention"] * layers)
+    cfg.pop("block_size", None)
+    cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=top_k,
+                                output_multiplier=0.5, final_logit_softcapping=20.0)
+    cfg.update(overrides)
+    return cfg
+
+
+def random_drafter(config: dict, seed: int = 0, scale: float = 1.0) -> DFlashDrafter:
+    """A drafter of the config's architecture with random weights (norms not all ones, so a norm loaded
+    into the wrong slot shows; DFlash 2 convolutions and codebooks random too)."""
     torch.manual_seed(seed)
-    model = DFlashDrafter(DrafterConfig.from_dict(config))
+    cfg = DrafterConfig.from_dict(config)
+    model = drafter_class(cfg)(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)  # not all ones, so a norm loaded into the wrong slot shows
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("base_kernel"):
+                p.uniform_(-1.0, 1.0)
+            elif name.endswith("codebook"):
+                p.normal_(0.0, 1.0)
             elif scale != 1.0:
                 p.mul_(scale)
-    return save_drafter(model, folder)
+    return model
+
+
+def save_random_drafter(folder: Path, config: dict, seed: int = 0, scale: float = 1.0, fmt: str = "dflash") -> Path:
+    return save_drafter(random_drafter(config, seed, scale), folder, format=fmt)
 
 
 @pytest.fixture(scope="session")

@@ -174,3 +174,18 @@ def test_sampled_runs_report_their_seed_and_compare_identical(folders):
                          "Roll"))
     assert replay["text"] == data["text"] and replay["seed"] == data["seed"]
     assert as_json(run(folders, "-n", "3", "--json", "Greedy"))["seed"] is None
+
+
+@pytest.mark.parametrize("kind", ["transformers format", "dflash 2"])
+def test_draft_accepts_every_drafter_format(folders, tmp_path, kind):
+    """--draft FOLDER reads the format from config.json; the text equals the run with the z-lab drafter."""
+    from conftest import dflash2_config, drafter_config, save_random_drafter, target_config
+
+    if kind == "transformers format":
+        drafter = save_random_drafter(tmp_path / "d", drafter_config(target_config("qwen3")), seed=2, fmt="transformers")
+    else:
+        drafter = save_random_drafter(tmp_path / "d", dflash2_config(target_config("qwen3")), seed=2)
+    want = as_json(run(folders, "-n", "16", "--json", "Tell me"))
+    got = as_json(run((folders[0], drafter), "-n", "16", "--json", "Tell me"))
+    assert got["text"] == want["text"] and got["drafted"] > 0
+    assert str(drafter) in run((folders[0], drafter), "-n", "4", "Tell me").stderr

@@ -181,10 +181,10 @@ def test_published_qwen35_drafter_config_loads_and_drafts(tmp_path):
     assert got.tokens == expected and got.stats.drafted > 0
 
 
-def test_dflash2_drafters_are_refused_by_name(tiny_models, tmp_path):
-    folder = copy_drafter(tiny_models["qwen3-drafter"], tmp_path / "d2")
+def test_unknown_drafter_architectures_are_refused_by_name(tiny_models, tmp_path):
+    folder = copy_drafter(tiny_models["qwen3-drafter"], tmp_path / "d3")
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["architectures"] = ["DFlash3DraftModel"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="DFlash2DraftModel"):
+    with pytest.raises(UnsupportedModelError, match="DFlash3DraftModel"):
         load_drafter(folder, device="cpu")

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import drafter_config, save_random_drafter, save_target, target_config
+from conftest import dflash2_config, drafter_config, random_drafter, save_random_drafter, save_target, target_config
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import generate
-from dflash_cli.engine.load import load_pair
+from dflash_cli.engine.load import load_pair, save_drafter
 from dflash_cli.engine.oracle import OracleDrafter
 from dflash_cli.engine.sampling import Sampler, sampling_probs
 
@@ -58,13 +58,13 @@ def reference_probs(logits: list[float], temperature: float, top_k: int = 0, top
     return {i: probs[i] / mass for i in nucleus}
 
 
-def exact_distribution(target, settings) -> dict[tuple[int, ...], float]:
+def exact_distribution(target, settings, prompt=PROMPT) -> dict[tuple[int, ...], float]:
     """P(x1..x4) under the target alone, by enumerating every sequence the filters allow."""
     dist = {(): 1.0}
     for _ in range(N_NEW):
         nxt = {}
         for prefix, p in dist.items():
-            logits = target.model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double().tolist()
+            logits = target.model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double().tolist()
             for token, q in reference_probs(logits, **settings).items():
                 nxt[prefix + (token,)] = p * q
         dist = nxt
@@ -158,3 +158,123 @@ def test_filters():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(InvalidSettingError):
         Sampler(**{"temperature": 1.0, **bad})
+
+
+@pytest.fixture(scope="module")
+def dflash2_pair(tmp_path_factory):
+    """A two-layer 8-token target and a DFlash 2 drafter whose selector favours repeating the previous token
+    (so its sampled drafts are often accepted and often rejected)."""
+    root = tmp_path_factory.mktemp("sampling-dflash2")
+    vocab = 8
+    cfg = target_config("llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_size=vocab)
+    target = save_target(root / "target", cfg, seed=5, scale=4.0)
+    dcfg = dflash2_config(cfg, layers=1, taps=(0, 1), top_k=vocab)
+    dcfg["dflash_config"].update(mask_token_id=vocab - 1, selector_rank=vocab)
+    model = random_drafter(dcfg, seed=6)
+    with torch.no_grad():
+        model.candidate_selector.predecessor_codebook.copy_(torch.eye(vocab))
+        model.candidate_selector.successor_codebook.copy_(3 * torch.eye(vocab))
+    return load_pair(target, save_drafter(model, root / "drafter"), device="cpu", dtype="float32")
+
+
+DFLASH2_PROMPT = [1, 3, 5, 2]
+
+
+def test_sampled_dflash2_drafts_keep_the_target_distribution(dflash2_pair):
+    """Sampled DFlash 2 drafts (the selector's q, coupled to the target's noise) through the real loop."""
+    pair = dflash2_pair
+    settings = dict(temperature=1.0, top_k=2, top_p=1.0)
+    dist = exact_distribution(pair.target, settings, DFLASH2_PROMPT)
+    n = 1500
+    counts: Counter = Counter()
+    accepted = drafted = 0
+    for seed in range(n):
+        out = generate(pair.target, pair.drafter, DFLASH2_PROMPT, max_new_tokens=N_NEW, stop_ids=[], seed=seed,
+                       adaptive=False, **settings)
+        counts[tuple(out.tokens)] += 1
+        accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
+    assert accepted > 200 and drafted - accepted > 200  # both the accept and the reject paths ran
+    assert chi_square_p_value(counts, dist, n) > 1e-3
+    wrong = exact_distribution(pair.target, dict(settings, temperature=0.4), DFLASH2_PROMPT)
+    assert chi_square_p_value(counts, wrong, n) < 1e-6
+
+
+class TargetAsDrafter:
+    """A drafter whose draft distribution is exactly the target's: it runs the real drafter (caches stay
+    consistent), then proposes what the target itself picks with the sampler it is given, one position at
+    a time after the committed tokens. With the sampler's own noise every draft must be accepted."""
+
+    def __init__(self, drafter, target):
+        self.drafter, self.target, self.config = drafter, target, drafter.config
+        self.state = None
+
+    block_size = property(lambda self: self.drafter.block_size)
+    mask_token_id = property(lambda self: self.drafter.mask_token_id)
+
+    def new_cache(self, capacity=256):
+        return self.drafter.new_cache(capacity)
+
+    def draft(self, context, anchor, start, block_len, cache, embed_weight, lm_head, *, keep=None, sampler=None):
+        self.drafter.draft(context, anchor, start, block_len, cache, embed_weight, lm_head, keep=keep)
+        ids = list(self.state.tokens)
+        assert len(ids) == start + 1
+        for i in range(keep):
+            logits = self.target.model(torch.tensor([ids])).logits[0, -1:]
+            ids.append(int(sampler(logits, start + 1 + i)[0]) if sampler is not None else int(logits.argmax()))
+        return torch.tensor(ids[start + 1:])
+
+
+def test_a_drafter_with_the_targets_distribution_is_always_accepted_when_sampling(pair):
+    """Coupled drafts: the loop hands the drafter the target's sampler, and the noise of draft d_i is the
+    noise of the target's choice at the same position, so q = p means every draft is accepted."""
+    from dflash_cli.engine.state import DecodeState
+
+    drafter = TargetAsDrafter(pair.drafter, pair.target)
+    for seed in range(3):
+        drafter.state = DecodeState(pair.target, drafter)
+        kwargs = dict(max_new_tokens=20, stop_ids=[], temperature=1.0, top_p=0.95, seed=seed)
+        out = generate(pair.target, drafter, PROMPT, adaptive=False, state=drafter.state, **kwargs)
+        assert out.stats.drafted > 10 and out.stats.accepted == out.stats.drafted
+        assert out.tokens == generate(pair.target, None, PROMPT, **kwargs).tokens
+
+
+def test_gumbel_coupling_accepts_at_least_one_minus_tv_over_one_plus_tv():
+    """The bound the docs state (Daliri, Musco, Suresh 2024): P(argmax(log q + g) = argmax(log p + g))
+    >= (1 - TV) / (1 + TV) with g the sampler's noise, and at most 1 - TV (the optimal coupling)."""
+    torch.manual_seed(3)
+    sampler = Sampler(temperature=1.0, seed=11)
+    n, V = 4000, 30
+    noise = sampler.gumbel(0, n, V, torch.device("cpu"))
+    for spread in (0.3, 1.0, 3.0):
+        p = torch.softmax(torch.randn(V) * 2, 0)
+        q = torch.softmax(p.log() + torch.randn(V) * spread, 0)
+        tv = 0.5 * (p - q).abs().sum().item()
+        agree = ((p.log() + noise).argmax(-1) == (q.log() + noise).argmax(-1)).double().mean().item()
+        bound = (1 - tv) / (1 + tv)
+        assert agree >= bound - 3 * math.sqrt(bound * (1 - bound) / n), (spread, agree, bound)
+        assert agree <= 1 - tv + 3 * math.sqrt((1 - tv) * tv / n)  # no coupling beats the optimal one
+
+
+def test_v1_sampled_drafts_are_the_samplers_choice_from_the_draft_logits(pair):
+    """At T > 0 a v1 drafter proposes the sampler's own pick from its (post-processed) draft logits, with the
+    noise of the position each draft stands for (start + 1 for slot 1); at T = 0 the argmax."""
+    drafter, target = pair.drafter, pair.target
+    torch.manual_seed(0)
+    context, anchor, start = torch.randn(1, 6, 2 * 32), torch.tensor([9]), 6
+    args = (anchor, start, drafter.block_size, None, target.embed_weight, target.lm_head)
+    with torch.no_grad():
+        _, logits = drafter.draft_logits(context, *args[:3], drafter.new_cache(), *args[4:], None)
+    differs = False
+    for seed in range(5):
+        sampler = Sampler(temperature=1.0, top_p=0.9, seed=seed)
+        got = drafter.draft(context, anchor, start, drafter.block_size, drafter.new_cache(), target.embed_weight,
+                            target.lm_head, sampler=sampler)
+        probs = sampling_probs(logits, 1.0, 0.9)
+        noise = torch.stack([-torch.log(-torch.log(sampler.uniform(start + 1 + i, probs.shape[-1], probs.device)))
+                             for i in range(probs.shape[0])])
+        assert got.tolist() == (probs.log() + noise).argmax(-1).tolist()
+        differs |= got.tolist() != logits.argmax(-1).tolist()
+    assert differs
+    greedy = drafter.draft(context, anchor, start, drafter.block_size, drafter.new_cache(), target.embed_weight,
+                           target.lm_head, sampler=Sampler(temperature=0.0))
+    assert greedy.tolist() == logits.argmax(-1).tolist()

@@ -109,7 +109,8 @@ def test_train_resumes_from_checkpoint_without_regenerating(tmp_path, tiny_targe
     assert json.loads((out / "config.json").read_text())["training"]["step"] == 20
 
 
-def test_cli_train_writes_a_drafter(tmp_path, tiny_target_dir):
+@pytest.mark.parametrize("fmt", ["dflash", "transformers"])
+def test_cli_train_writes_a_drafter(tmp_path, tiny_target_dir, fmt):
     from click.testing import CliRunner
 
     from dflash_cli.ui.cli import cli
@@ -119,11 +120,14 @@ def test_cli_train_writes_a_drafter(tmp_path, tiny_target_dir):
     result = CliRunner().invoke(cli, ["train", "-m", str(tiny_target_dir), "-o", str(tmp_path / "d"),
                                       "--prompts", str(prompts), "--steps", "3", "--block-size", "4",
                                       "--anchors", "4", "--max-new-tokens", "12", "--device", DEVICE,
-                                      "--dtype", "float32", "--taps", "1,4"])
+                                      "--dtype", "float32", "--taps", "1,4", "--format", fmt])
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "d" / "config.json").read_text())
-    assert config["dflash_config"]["target_layer_ids"] == [1, 4] and config["training"]["step"] == 3
-    load_drafter(tmp_path / "d", device=DEVICE, dtype="float32")
+    taps = config["dflash_config"]["target_layer_ids"] if fmt == "dflash" else config["target_layer_ids"]
+    assert taps == [1, 4] and config["training"]["step"] == 3
+    assert (config["model_type"] == "muse_glimmer_assistant") == (fmt == "transformers")
+    drafter = load_drafter(tmp_path / "d", device=DEVICE, dtype="float32")
+    assert drafter.config.source_format == fmt
 
 
 def test_best_heldout_checkpoint_is_the_drafter_written(tmp_path, tiny_target_dir, monkeypatch):

@@ -14,8 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_cli.engine.errors import CheckpointError, UnsupportedModelError
+from dflash_cli.engine.sampling import Sampler
 
 DEFAULT_BLOCK_SIZE = 16
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def _fallback_taps(num_draft_layers: int, num_target_layers: int) -> list[int]:
@@ -49,17 +52,45 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    architecture: str = "DFlashDraftModel"
+    # DFlash 2 only (docs/engine.md): conv kernel K, conv group G, selector rank R and top-k
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    source_format: str = "dflash"  # "dflash" (z-lab) or "transformers" (muse_glimmer_assistant)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == "DFlash2DraftModel"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
-        architectures = raw.get("architectures") or []
-        if any(a != "DFlashDraftModel" for a in architectures):
+        from dflash_cli.engine.hf_format import from_transformers_config, is_transformers_config
+
+        source_format = "dflash"
+        if is_transformers_config(raw):
+            raw, source_format = from_transformers_config(raw), "transformers"
+        architectures = raw.get("architectures") or ["DFlashDraftModel"]
+        if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{source}: architecture {architectures} is not a DFlash drafter this version can run",
-                hint="supported: DFlashDraftModel (z-lab DFlash checkpoints)",
+                hint="supported: DFlashDraftModel and DFlash2DraftModel (z-lab DFlash checkpoints) and "
+                     "muse_glimmer_assistant (transformers' DFlash format)",
             )
         dflash = raw.get("dflash_config") or {}
+        dflash2 = {}
+        if architectures[0] == "DFlash2DraftModel":
+            absent = [k for k in DFLASH2_FIELDS if dflash.get(k) is None]
+            if absent:
+                raise CheckpointError(f"{source}: a DFlash 2 drafter needs dflash_config.{absent[0]}")
+            dflash2 = {k: int(dflash[k]) for k in DFLASH2_FIELDS}
+            if raw.get("vocab_size") is None:
+                raise CheckpointError(f"{source}: a DFlash 2 drafter needs vocab_size (its selector's codebooks)")
+            if int(raw.get("hidden_size") or 0) % dflash2["conv_group_size"]:
+                raise CheckpointError(f"{source}: hidden_size {raw.get('hidden_size')} is not a multiple of "
+                                      f"conv_group_size {dflash2['conv_group_size']}")
 
         def need(key: str) -> Any:
             if raw.get(key) is None:
@@ -109,7 +140,10 @@ class DrafterConfig:
             input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
             output_multiplier=float(dflash.get("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
+            architecture=architectures[0],
+            source_format=source_format,
             raw=dict(raw),
+            **dflash2,
         )
 
     def tap_layers(self, num_target_layers: int | None = None) -> list[int]:
@@ -269,13 +303,15 @@ def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, window
 class DFlashDrafter(nn.Module):
     """A DFlash drafter. It has no embedding and no LM head: it borrows the target's."""
 
+    layer_class: type[nn.Module] = DraftLayer
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
         n_taps = len(cfg.target_layer_ids) if cfg.target_layer_ids is not None else cfg.num_hidden_layers
         self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary: nn.Module | None = None  # made by init_rotary(), outside any meta-device context
 
@@ -341,13 +377,24 @@ class DFlashDrafter(nn.Module):
     @torch.inference_mode()
     def draft(self, context: torch.Tensor | None, anchor: torch.Tensor, start: int, block_len: int,
               cache: DraftCache, embed_weight: torch.Tensor, lm_head: nn.Module, *,
-              keep: int | None = None) -> torch.Tensor:
+              keep: int | None = None, sampler: Sampler | None = None) -> torch.Tensor:
         """Proposes tokens after `anchor` (a (1,) tensor) from a block of `block_len` slots.
 
         Returns the first `keep` drafts (default all block_len-1) as a (keep,) tensor; the LM head runs on
         those slots only. Drafting the block the drafter was trained on and keeping a prefix gives better
         first drafts than drafting a shorter block: a block attends to itself bidirectionally.
+
+        `sampler` (the target's): the draft at position p is the sampler's own choice from the draft logits
+        with the noise it will use for the target at p (coupled drafts, docs/engine.md); None = argmax.
         """
+        hidden, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
+        if sampler is None:
+            return logits.float().argmax(-1)
+        return sampler(logits, start + 1)
+
+    def draft_logits(self, context, anchor, start, block_len, cache, embed_weight, lm_head,
+                     keep: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed hidden states (keep, H) and post-processed draft logits (keep, V) of slots 1..keep."""
         keep = block_len - 1 if keep is None else keep
         ids = torch.cat([anchor, anchor.new_full((block_len - 1,), self.mask_token_id)])
         block = F.embedding(ids, embed_weight)[None].to(self.hidden_norm.weight.dtype)  # (1, B, H)
@@ -356,8 +403,7 @@ class DFlashDrafter(nn.Module):
         # slot 0 (the anchor) predicts nothing; a 2-D input keeps the LM head on the plain matmul path
         # (a 3-D slice makes CPU bf16 kernels copy the whole vocabulary matrix on every call)
         h = self(context, block, start, cache)[0, 1 : keep + 1]  # (keep, H)
-        logits = self.postprocess_logits(lm_head(h.to(lm_head_dtype(lm_head) or embed_weight.dtype)))
-        return logits.float().argmax(-1)
+        return h, self.postprocess_logits(lm_head(h.to(lm_head_dtype(lm_head) or embed_weight.dtype)))
 
     def postprocess_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.config.output_multiplier != 1.0:

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from dflash_cli.engine.device import pick_device, pick_dtype
+from dflash_cli.engine.dflash2 import drafter_class
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
-from dflash_cli.engine.errors import CheckpointError
+from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
 from dflash_cli.engine.pairing import check_pair, check_target_config, read_config, safetensors_files
 from dflash_cli.engine.quant import bnb_config, check_quant, quantize_linears
 from dflash_cli.engine.target import Target
@@ -21,25 +22,37 @@ def read_drafter_config(folder: Path) -> DrafterConfig:
 
 
 def _read_state_dict(files: list[Path], expected: dict[str, torch.Size], device: torch.device,
-                     dtype: torch.dtype, folder: Path) -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype, folder: Path, transformers_format: bool = False) -> dict[str, torch.Tensor]:
+    """Reads every tensor of `expected` (our names) from the checkpoint, strictly; errors name the tensor
+    as the checkpoint spells it. A transformers-format checkpoint's names are mapped from its own header."""
     from safetensors import SafetensorError, safe_open
 
+    from dflash_cli.engine.hf_format import checkpoint_names, their_name
+
     tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if key not in expected:
-                        raise CheckpointError(f"{path}: unexpected tensor {key!r} (not part of this drafter's config)")
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != tuple(expected[key]):
-                        raise CheckpointError(
-                            f"{path}: tensor {key!r} has shape {list(shape)}, the config implies {list(expected[key])}")
-                    tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
-        except SafetensorError as e:
-            raise CheckpointError(f"{path} is not a readable safetensors file ({e})",
-                                  hint="the download may be truncated: delete it and fetch it again") from None
+    prefix, path = "", None
+    try:
+        handles = []
+        for path in files:
+            handles.append((path, safe_open(str(path), framework="pt", device="cpu")))
+        if transformers_format:
+            prefix, ours = checkpoint_names([k for _, f in handles for k in f.keys()])
+        for path, f in handles:
+            for key in f.keys():
+                name = ours[key] if transformers_format else key
+                if name not in expected:
+                    raise CheckpointError(f"{path}: unexpected tensor {key!r} (not part of this drafter's config)")
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(expected[name]):
+                    raise CheckpointError(
+                        f"{path}: tensor {key!r} has shape {list(shape)}, the config implies {list(expected[name])}")
+                tensors[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e})",
+                              hint="the download may be truncated: delete it and fetch it again") from None
     missing = sorted(set(expected) - set(tensors))
+    if transformers_format:
+        missing = [their_name(m, prefix) for m in missing]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"drafter folder {folder} is missing tensor {', '.join(map(repr, missing[:3]))}{more}")
@@ -48,13 +61,14 @@ def _read_state_dict(files: list[Path], expected: dict[str, torch.Size], device:
 
 def load_drafter(folder: str | Path, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | str | None = None, quant: str | None = None) -> DFlashDrafter:
-    """Loads a DFlash drafter folder (config.json + safetensors), strictly: every tensor, every shape.
+    """Loads a drafter folder (config.json + safetensors), strictly: every tensor, every shape.
 
     Args:
-        folder: a local folder in the public DFlash checkpoint format.
+        folder: a local folder in the public DFlash checkpoint format (DFlashDraftModel or
+            DFlash2DraftModel) or in transformers' format (muse_glimmer_assistant), told apart by config.json.
         device: defaults to cuda when available, else cpu.
         dtype: defaults to bf16 on GPUs and fast-bf16 CPUs, else fp32.
-        quant: None, "int8" or "nf4" (bitsandbytes) for the draft layers.
+        quant: None, "int8" or "nf4" (bitsandbytes) for the draft layers (never the DFlash 2 selector).
     """
     folder = Path(folder)
     device = pick_device(str(device) if device is not None else None)
@@ -63,9 +77,9 @@ def load_drafter(folder: str | Path, *, device: torch.device | str | None = None
     cfg = read_drafter_config(folder)
     files = safetensors_files(folder, "drafter")
     with torch.device("meta"):
-        model = DFlashDrafter(cfg)
+        model = drafter_class(cfg)(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    state = _read_state_dict(files, expected, device, dtype, folder)
+    state = _read_state_dict(files, expected, device, dtype, folder, cfg.source_format == "transformers")
     model.load_state_dict(state, strict=True, assign=True)
     model.init_rotary(device)
     if quant:
@@ -145,18 +159,30 @@ def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,
     return Pair(target, drafter)
 
 
-def save_drafter(drafter: DFlashDrafter, folder: str | Path) -> Path:
-    """Writes a drafter in the public format: config.json + model.safetensors (what load_drafter reads)."""
+def save_drafter(drafter: DFlashDrafter, folder: str | Path, *, format: str = "dflash") -> Path:
+    """Writes a drafter as config.json + model.safetensors (what load_drafter reads).
+
+    format: "dflash" (the z-lab checkpoint format) or "transformers" (muse_glimmer_assistant, which
+    transformers' MuseGlimmerAssistantModel loads; v1 drafters only).
+    """
     import json
 
     from safetensors.torch import save_file
 
+    from dflash_cli.engine.hf_format import to_transformers_config, to_transformers_state_dict
+
+    if format not in ("dflash", "transformers"):
+        raise InvalidSettingError(f"unknown drafter format {format!r}", hint="use dflash or transformers")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if format == "transformers":
+        config = to_transformers_config(drafter.config)
+        tensors = to_transformers_state_dict(tensors)
+    else:
+        config = dict(drafter.config.raw)
+        config.setdefault("architectures", [drafter.config.architecture])
+        config.setdefault("model_type", "qwen3")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = dict(drafter.config.raw)
-    config.setdefault("architectures", ["DFlashDraftModel"])
-    config.setdefault("model_type", "qwen3")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder

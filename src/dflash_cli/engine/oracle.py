@@ -47,8 +47,10 @@ class OracleDrafter:
     def new_cache(self, capacity: int = 256) -> DraftCache:
         return self.drafter.new_cache(capacity)
 
-    def draft(self, context, anchor, start, block_len, cache, embed_weight, lm_head, *, keep=None) -> torch.Tensor:
-        real = self.drafter.draft(context, anchor, start, block_len, cache, embed_weight, lm_head, keep=keep)
+    def draft(self, context, anchor, start, block_len, cache, embed_weight, lm_head, *, keep=None,
+              sampler=None) -> torch.Tensor:
+        real = self.drafter.draft(context, anchor, start, block_len, cache, embed_weight, lm_head, keep=keep,
+                                  sampler=sampler)
         known = self.reference[start + 1 : start + 1 + real.shape[0]]
         if known.shape[0] < real.shape[0]:  # past the end of the reference: keep the real drafts
             known = torch.cat([known, real[known.shape[0]:]])

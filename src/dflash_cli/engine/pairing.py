@@ -107,4 +107,10 @@ def check_pair(target_config: dict[str, Any], drafter: DrafterConfig, *, target_
         raise IncompatiblePairError(
             f"{both} do not match: the drafter's mask token id {drafter.mask_token_id} is outside the "
             f"target's embedding matrix ({rows} rows)")
+    codebook = drafter.raw.get("vocab_size")
+    if drafter.is_dflash2 and rows is not None and codebook != rows:
+        raise IncompatiblePairError(
+            f"{both} do not match: the drafter's selector has codebooks for {codebook} tokens, "
+            f"the target's vocabulary has {rows}",
+            hint="a drafter is trained for one target: pick the drafter made for this target")
     return taps

@@ -54,11 +54,19 @@ class Sampler:
         if self.greedy:
             return logits.float().argmax(dim=-1)  # fp32: CPU argmax over bf16 is several times slower
         probs = sampling_probs(logits, self.temperature, self.top_p, self.top_k)
-        noise = torch.stack([self._uniform(position + i, probs.shape[-1], probs.device)
-                             for i in range(probs.shape[0])])
-        return (probs.log() - torch.log(-torch.log(noise))).argmax(dim=-1)
+        return (probs.log() + self.gumbel(position, probs.shape[0], probs.shape[-1], probs.device)).argmax(dim=-1)
 
-    def _uniform(self, position: int, size: int, device: torch.device) -> torch.Tensor:
+    def gumbel(self, position: int, rows: int, size: int, device: torch.device) -> torch.Tensor:
+        """(rows, size) Gumbel noise of positions position..position+rows-1: what __call__ adds to log p there.
+
+        A drafter that adds the same noise to its own log q proposes an exact sample of q that is coupled to
+        the target's draw (docs/engine.md, "Sampled drafts").
+        """
+        uniform = torch.stack([self.uniform(position + i, size, device) for i in range(rows)])
+        return -torch.log(-torch.log(uniform))
+
+    def uniform(self, position: int, size: int, device: torch.device) -> torch.Tensor:
+        """The (size,) uniforms of absolute position `position`, a function of (seed, position) only."""
         generator = torch.Generator(device=device)
         generator.manual_seed((self.seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
         return torch.rand(size, generator=generator, device=device).clamp_(min=1e-20)

@@ -5,7 +5,8 @@ x_0; the target, fed [x_0, d_1..d_{B-1}], yields its own choice t_0..t_{B-1} at 
 a sample from its filtered distribution at T>0). Accept the longest prefix with d_i == t_{i-1}, a tokens,
 then commit d_1..d_a plus the target's own t_a: every committed token is exactly what the target alone
 would have chosen at that position, so the output is lossless (in distribution when sampling: one-hot
-rejection sampling with argmax drafts).
+rejection sampling). At T>0 the drafter proposes with the sampler's own position-keyed noise, so its
+drafts are samples of its distribution coupled to the target's (docs/engine.md, "Sampled drafts").
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def speculative_rounds(state: DecodeState, drafter: DFlashDrafter, sample: Sampl
         draft_watch.start()
         if n > 1:  # draft the trained block, verify its first n-1 drafts
             drafts = drafter.draft(state.pending, anchor, start, drafter.block_size, state.draft_cache,
-                                   target.embed_weight, target.logits_head, keep=n - 1)  # (n-1,)
+                                   target.embed_weight, target.logits_head, keep=n - 1, sampler=sample)  # (n-1,)
             state.pending = None  # now in the draft cache
         else:
             drafts = anchor.new_empty(0)

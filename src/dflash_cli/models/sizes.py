@@ -241,7 +241,8 @@ def count_drafter(drafter_config: dict[str, Any]) -> _Counts:
     cfg = drafter_config
     h = int(cfg["hidden_size"])
     n = int(cfg["num_hidden_layers"])
-    taps = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    # z-lab format: under dflash_config; transformers' format (muse_glimmer_assistant): top level
+    taps = (cfg.get("dflash_config") or {}).get("target_layer_ids", cfg.get("target_layer_ids"))
     n_taps = len(taps) if taps is not None else n  # the engine's rule (DFlashDrafter.__init__)
     c = _Counts(fc=n_taps * h * h)
     q3 = dict(cfg, model_type="qwen3")  # DFlash draft layers are Qwen3 layers (q_norm/k_norm)

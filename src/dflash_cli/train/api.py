@@ -108,7 +108,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                   gamma: float = 7.0, sub_vocab: bool = True, max_new_tokens: int = 200, gen_batch: int = 16,
                   gen_time_budget: float | None = None,
                   checkpoint_every: int = 100, eval_every: int = 50, seed: int = 0,
-                  device: str | None = None, dtype: str | None = None,
+                  device: str | None = None, dtype: str | None = None, drafter_format: str = "dflash",
                   on_progress: Callable[[str, Any], None] | None = None) -> Path:
     """Distils a drafter for the target in `target_dir` and writes it to `out_dir`; returns out_dir.
 
@@ -120,12 +120,16 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
             later run, and training uses the answers stored so far.
         sub_vocab: compute the loss over the tokens occurring in the responses only (much faster on big
             vocabularies; drafting still uses the full head).
+        drafter_format: "dflash" (z-lab's checkpoint format) or "transformers" (muse_glimmer_assistant,
+            loadable by transformers' MuseGlimmerAssistantModel); dflash-cli reads both.
         on_progress: called with ("data", dict(done, total, tokens, seconds)) per generated batch,
             ("train", trainer.Progress) per step and ("note", text) for things the user should know.
     Re-running with the same out_dir resumes: stored prompts are not generated again and training
     continues from the checkpoint (pass a larger `steps` to train further). The drafter written is the
     one with the best held-out acceptance estimate seen during training (the last one without held-out data).
     """
+    if drafter_format not in ("dflash", "transformers"):
+        raise InvalidSettingError(f"unknown drafter format {drafter_format!r}", hint="use dflash or transformers")
     if steps is None and time_budget is None:
         steps = 1000
     started = time.perf_counter()
@@ -211,7 +215,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                            last_heldout_tau=state.evals[-1][2] if state.evals else None)
     drafter.config.raw.clear()
     drafter.config.raw.update(raw)
-    save_drafter(drafter.to(dt), out_dir)
+    save_drafter(drafter.to(dt), out_dir, format=drafter_format)
     (out_dir / "training_log.json").write_text(json.dumps(
         {"losses": state.losses, "evals": state.evals, "wall_seconds": time.perf_counter() - started}))
     return out_dir

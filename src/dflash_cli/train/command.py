@@ -46,12 +46,15 @@ def _parse_taps(_ctx, _param, value):
                    "(a later run with the same folder answers the rest).")
 @click.option("--sub-vocab/--full-vocab", default=True, show_default=True,
               help="Loss over the tokens seen in the responses only (faster), or the whole vocabulary.")
+@click.option("--format", "drafter_format", type=click.Choice(["dflash", "transformers"]), default="dflash",
+              show_default=True, help="Drafter folder format: z-lab's DFlash checkpoints, or transformers' own "
+                                      "(muse_glimmer_assistant). --draft reads both.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 [default: cuda when available].")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="Compute dtype.")
 @click.option("--debug", is_flag=True, help="Show tracebacks of unexpected errors.")
 def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_budget, batch, anchors,
-          max_new_tokens, gen_batch, gen_budget, sub_vocab, device, dtype, debug):
+          max_new_tokens, gen_batch, gen_budget, sub_vocab, drafter_format, device, dtype, debug):
     """Distil a DFlash drafter for a local target from the target's own answers to prompts.
 
     \b
@@ -76,7 +79,8 @@ def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_bu
     kwargs = dict(prompts=prompts, layers=layers, block_size=block_size, taps=taps, lr=lr, steps=steps,
                   time_budget=time_budget * 60 if time_budget else None, batch=batch, anchors=anchors,
                   max_new_tokens=max_new_tokens, gen_batch=gen_batch,
-                  gen_time_budget=gen_budget * 60 if gen_budget else None, sub_vocab=sub_vocab, device=device,
+                  gen_time_budget=gen_budget * 60 if gen_budget else None, sub_vocab=sub_vocab,
+                  drafter_format=drafter_format, device=device,
                   dtype=None if dtype == "auto" else dtype)
     guarded(lambda: Output("auto", provenance=False), lambda out: _run(out, target, out_dir, kwargs), debug)
 

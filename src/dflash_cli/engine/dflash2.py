@@ -1,0 +1,119 @@
+"""DFlash 2 drafters (`DFlash2DraftModel`): a v1 drafter plus a grouped dynamic causal convolution around
+each sublayer and a candidate selector that replaces the per-slot argmax by a left-to-right walk.
+
+Attention, MLP, norms, masks and the context cache are the v1 modules (engine/drafter.py); module names
+match the checkpoint keys. The equations are in docs/engine.md ("DFlash 2").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, DraftLayer
+from dflash_cli.engine.sampling import Sampler, sampling_probs
+
+
+class DynamicConv(nn.Module):
+    """Grouped dynamic causal convolution over the block's slots (the context rows are not part of it)."""
+
+    def __init__(self, hidden: int, kernel: int, group: int):
+        super().__init__()
+        self.kernel, self.group = kernel, group
+        base = torch.zeros(2, kernel, hidden)
+        base[:, 0] = 1.0  # the identity until trained or loaded
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (1, B, H) -> (the convolved x, the dynamic weights (1, B, K, H/G) that `finish` uses)."""
+        d = self.kernel_projection(x).unflatten(-1, (2, self.kernel, -1))
+        return self.conv(x, d[..., 0, :, :], self.base_kernel[0]), d[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self.conv(y, dynamic, self.base_kernel[1])
+
+    def conv(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        # out[t] = sum_o (base[o] + dynamic[t, o, group of the channel]) * x[t - o], x[<0] = 0
+        weight = base + dynamic.repeat_interleave(self.group, dim=-1)  # (1, B, K, H)
+        out = weight[:, :, 0] * x
+        for o in range(1, self.kernel):
+            shifted = torch.nn.functional.pad(x[:, :-o], (0, 0, o, 0)) if o < x.shape[1] else torch.zeros_like(x)
+            out = out + weight[:, :, o] * shifted
+        return out
+
+
+class DFlash2Layer(DraftLayer):
+    def __init__(self, cfg: DrafterConfig, index: int):
+        super().__init__(cfg, index)
+        self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def forward(self, h, ctx, cos, sin, cache, mask):
+        x, dynamic = self.attention_conv.prepare(self.input_layernorm(h))
+        h = h + self.attention_conv.finish(self.self_attn(x, ctx, cos, sin, cache, self.index, mask), dynamic)
+        x, dynamic = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), dynamic)
+
+
+class CandidateSelector(nn.Module):
+    """Scores the top-k candidates of each slot given the token chosen at the slot before:
+    score_j = unary_j + sum_r pred[prev, r] * hp[r] * succ[cand_j, r], hp = hidden_projection(h_slot)."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        # stored without a .weight suffix in the checkpoints
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+
+    def walk(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, start: int,
+             sampler: Sampler | None = None) -> torch.Tensor:
+        """Draft tokens (P,) for slots 1..P from their logits (P, V) and hidden states (P, H).
+
+        Greedy takes argmax_j score_j; sampling draws j from q = the sampler's filtered softmax(score/T)
+        over the candidates, by Gumbel-max with the noise the sampler uses for the target at that position.
+        """
+        unary, cand = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)  # (P, k)
+        hp = self.hidden_projection(hidden.to(self.successor_codebook.dtype)).float()  # (P, R) (may be packed)
+        succ = self.successor_codebook[cand].float() * hp[:, None]  # (P, k, R)
+        pred = self.predecessor_codebook  # rows are gathered before the cast: the codebook is vocabulary-sized
+        # pair[p - 1][i, j]: the pair term between candidate i of slot p-1 and candidate j of slot p
+        first = succ[0] @ pred[anchor[0]].float()  # (k,)
+        pair = torch.einsum("pir,pjr->pij", pred[cand[:-1]].float(), succ[1:])  # (P-1, k, k)
+        sampled = sampler is not None and not sampler.greedy
+        if sampled:
+            noise = sampler.gumbel(start + 1, cand.shape[0], logits.shape[-1], logits.device).gather(1, cand)
+        picks = []
+        j = None
+        for p in range(cand.shape[0]):
+            score = unary[p] + (first if p == 0 else pair[p - 1, j])
+            if sampled:
+                q = sampling_probs(score[None], sampler.temperature, sampler.top_p, sampler.top_k)[0]
+                score = q.log() + noise[p]
+            j = score.argmax()
+            picks.append(j)
+        return cand.gather(1, torch.stack(picks)[:, None])[:, 0]
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """A DFlash 2 drafter: the v1 forward pass with DFlash2Layer layers, then the selector's walk."""
+
+    layer_class = DFlash2Layer
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__(cfg)
+        vocab = cfg.raw.get("vocab_size")
+        self.candidate_selector = CandidateSelector(cfg.hidden_size, int(vocab), cfg.selector_rank,
+                                                    cfg.selector_top_k)
+
+    @torch.inference_mode()
+    def draft(self, context, anchor, start, block_len, cache, embed_weight, lm_head, *, keep=None,
+              sampler: Sampler | None = None) -> torch.Tensor:
+        hidden, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
+        return self.candidate_selector.walk(logits, hidden, anchor, start, sampler)
+
+
+def drafter_class(cfg: DrafterConfig) -> type[DFlashDrafter]:
+    return DFlash2Drafter if cfg.is_dflash2 else DFlashDrafter
