@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -311,3 +312,12 @@ def test_real_size_table(capsys):
     for name, est, real in rows:
         assert within(est, real), name
         print(f"{name:28} {est:>16,.0f} {real:>16,.0f} {100 * (est - real) / real:+.3f}%", file=sys.stderr)
+
+
+def test_dflash2_drafter_is_counted_tensor_for_tensor_against_its_published_header():
+    header = json.loads((DATA / "z-lab__dflash2-muse-glimmer-fixture" / "safetensors-header.json").read_text())
+    published = sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    estimate = drafter_weight_bytes(cfg("z-lab__dflash2-muse-glimmer-fixture"))
+    assert estimate.total_params == published  # layers, convolutions, selector and codebooks
+    # quantizing the drafter leaves the codebooks 16-bit (quantized codebooks drop acceptance to ~0)
+    assert drafter_weight_bytes(cfg("z-lab__dflash2-muse-glimmer-fixture"), "nf4").total > 2 * 202048 * 256 * 2

@@ -246,11 +246,20 @@ def count_drafter(drafter_config: dict[str, Any]) -> _Counts:
     n_taps = len(taps) if taps is not None else n  # the engine's rule (DFlashDrafter.__init__)
     c = _Counts(fc=n_taps * h * h)
     q3 = dict(cfg, model_type="qwen3")  # DFlash draft layers are Qwen3 layers (q_norm/k_norm)
+    dflash2 = "DFlash2DraftModel" in (cfg.get("architectures") or [])
+    extra = cfg.get("dflash_config") or {}
     for _ in range(n):
         _attention(c, q3)
         _dense_mlp(c, h, int(cfg["intermediate_size"]))
         c.norms_other += 2 * h
+        if dflash2:  # attention_conv and mlp_conv: base_kernel (2, K, H) and kernel_projection
+            k, g = int(extra["conv_kernel_size"]), int(extra["conv_group_size"])
+            c.norms_other += 2 * 2 * k * h
+            c.add(h, 2 * k * (h // g), count=2)
     c.norms_other += 2 * h  # hidden_norm, norm
+    if dflash2:  # the candidate selector: hidden projection and two vocabulary-sized codebooks, never quantized
+        rank = int(extra["selector_rank"])
+        c.norms_other += rank * h + 2 * int(cfg["vocab_size"]) * rank
     return c
 
 
