@@ -235,6 +235,7 @@ def test_warns_once_when_thinking_contradicts_the_drafters_training(pairs, regis
         assert "--no-think (chat: /set nothink) matches its training" in result.stderr
     assert on not in ok(generate(pair, "--no-think")).stderr
     assert on not in ok(generate(pair, "--no-draft")).stderr
+    assert on not in ok(generate(pair, "--no-chat-template")).stderr  # no template, no thinking mode
     assert on not in ok(generate((pair[0], pairs["other-drafter"]))).stderr  # not the registry's drafter
     registry(True)
     assert WARNING.format("on", "off") in ok(generate(pair, "--no-think")).stderr
