@@ -78,6 +78,7 @@ class Runtime:
     dtype: str
     device: str
     fast_path: str = "transformers forward"
+    pair: Any = None  # the registry PairEntry whose drafter is loaded (its thinking mode), else None
 
     @property
     def speculative(self) -> bool:
@@ -190,6 +191,8 @@ class Conversation:
     messages: list[dict[str, str]] = field(default_factory=list)
     interrupted: bool = False  # the last reply was cut short (and kept)
     cached_before: int = 0  # tokens the caches held before the last reply
+    # None: the model has no <think> sections; else whether the prompt of the last reply opened one
+    reply_in_thinking: bool | None = None
 
     def __post_init__(self) -> None:
         from dflash_cli.engine.state import DecodeState
@@ -224,9 +227,17 @@ class Conversation:
         return self._respond(settings)
 
     def _respond(self, settings: GenerationSettings) -> Iterator[Any]:
-        from dflash_cli.engine.generate import stream_generate
+        """Builds the prompt now (so reply_in_thinking is known before the first Step), then streams."""
+        from dflash_cli.engine.text import opens_thinking, uses_think_tags
 
         prompt = self.prompt_ids(settings)
+        tokenizer = self.runtime.tokenizer
+        self.reply_in_thinking = opens_thinking(tokenizer, prompt) if uses_think_tags(tokenizer) else None
+        return self._stream(prompt, settings)
+
+    def _stream(self, prompt: list[int], settings: GenerationSettings) -> Iterator[Any]:
+        from dflash_cli.engine.generate import stream_generate
+
         self.cached_before = len(self.state.tokens)
         drafter = self.runtime.drafter
         parts: list[str] = []

@@ -38,6 +38,7 @@ ENV = {
     "no_history": "DFLASH_NO_HISTORY",
     "max_context": "DFLASH_MAX_CONTEXT",
     "compile": "DFLASH_COMPILE",
+    "hide_thinking": "DFLASH_HIDE_THINKING",
 }
 DEBUG_ENV = "DFLASH_DEBUG"
 
@@ -66,6 +67,7 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "model": str, "draft": str, "quant": str, "dtype": str, "device": str, "max_tokens": int,
     "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
     "system": str, "color": str, "provenance": bool, "max_context": int, "compile": str,
+    "hide_thinking": bool,
 }
 
 

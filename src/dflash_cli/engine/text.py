@@ -82,6 +82,38 @@ def supports_thinking(tokenizer: PreTrainedTokenizerBase) -> bool:
     return "enable_thinking" in _template_of(tokenizer)
 
 
+def uses_think_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """True when the model writes its reasoning between <think> tags (its template or vocabulary has them)."""
+    if "</think>" in _template_of(tokenizer):
+        return True
+    return any(t.content == "</think>" for t in getattr(tokenizer, "added_tokens_decoder", {}).values())
+
+
+def opens_thinking(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int]) -> bool:
+    """True when the prompt ends inside an open <think> (the template opened it): the reply starts in it."""
+    tail = tokenizer.decode(list(prompt[-16:]), skip_special_tokens=False)
+    return tail.rstrip().endswith("<think>")
+
+
+def thinking_default(tokenizer: PreTrainedTokenizerBase) -> bool | None:
+    """Whether the chat template thinks when `enable_thinking` is not given (None: no switch, or unclear),
+    found by rendering a one-message chat with the flag unset, on and off."""
+    if not supports_thinking(tokenizer):
+        return None
+    chat = [{"role": "user", "content": "hi"}]
+
+    def render(**kwargs: Any) -> str | None:
+        try:
+            return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception:  # noqa: BLE001 - a template that fails here fails later with a clear error
+            return None
+
+    unset, on, off = render(), render(enable_thinking=True), render(enable_thinking=False)
+    if unset is None or on == off:
+        return None
+    return True if unset == on else False if unset == off else None
+
+
 def encode_prompt(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, str]] | str,

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.engine.errors import CheckpointError, DFlashError
-from dflash_cli.models.registry import ModelSpec, looks_like_repo_id, resolve_spec
+from dflash_cli.models.registry import (ModelSpec, PairEntry, folder_repo_names, looks_like_repo_id,
+                                        resolve_spec)
 
 
 class MemoryPlanError(DFlashError):
@@ -27,6 +28,7 @@ class ResolvedPair:
     spec: ModelSpec
     drafter_note: str  # why speculation is on or off, for the user
     quant: str  # the quantization to load with: the one asked for, or what --quant auto chose
+    drafter_entry: PairEntry | None = None  # the registry pair whose drafter this is (its training facts)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     else:
         target_where, target_kind = spec.target, spec.kind
 
-    drafter_kind, drafter_where, drafter_rev = None, None, None
+    drafter_kind, drafter_where, drafter_rev, drafter_entry = None, None, None, None
     if no_draft:
         note = "speculation off: --no-draft"
     elif draft:
@@ -126,11 +128,14 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
         if drafter_kind is None:
             raise CheckpointError(f"drafter {draft!r} is neither a folder nor a Hub repo id (org/name)")
         note = f"speculation on: drafter {draft}"
+        if spec.entry is not None and _names_drafter(draft, spec.entry):
+            drafter_entry = spec.entry
     elif spec.drafter:
         drafter_kind = "folder" if Path(spec.drafter).is_dir() else "repo"
         drafter_where, drafter_rev = spec.drafter, spec.drafter_revision
         paired = f"paired with {spec.entry.alias} in the registry" if spec.entry else "built in"
         note = f"speculation on: drafter {spec.drafter} ({paired})"
+        drafter_entry = spec.entry
     else:
         note = "speculation off: no drafter known for this model (--draft FOLDER or REPO)"
 
@@ -154,4 +159,14 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
         drafter_dir = Path(drafter_where)
     elif drafter_kind == "repo":
         drafter_dir = _fetch(drafter_where, drafter_rev, endpoint, on_status, tqdm_class)
-    return ResolvedPair(target_dir, drafter_dir, spec, note, quant)
+    return ResolvedPair(target_dir, drafter_dir, spec, note, quant, drafter_entry)
+
+
+def _names_drafter(draft: str, entry: PairEntry) -> bool:
+    """--draft names the registry pair's drafter: its repo id, or a folder of that repo."""
+    if not entry.drafter:
+        return False
+    if draft.lower() == entry.drafter.lower():
+        return True
+    folder = Path(draft).expanduser()
+    return folder.is_dir() and entry.drafter.rsplit("/", 1)[-1].lower() in folder_repo_names(folder)

@@ -33,6 +33,7 @@ HELP = '''Available commands:
   /set parameter NAME VALUE   temperature, top_p, top_k, max_tokens (num_predict), block_size, seed
   /set verbose | quiet        Statistics block / nothing after each reply
   /set think | nothink        Turn the model's thinking mode on or off
+  /set hidethinking | showthinking   Leave the reasoning out of replies, or show it (dimmed)
   /set provenance | noprovenance   Colour drafted-and-accepted tokens apart from the target's own
   /show info | parameters | system
   /stats                      Statistics of the last reply
@@ -244,6 +245,7 @@ class ChatSession:
         started = time.perf_counter()
         try:
             steps = start()
+            out.begin_reply(conv.reply_in_thinking)
             for step in steps:
                 last = step
                 out.text(step)
@@ -321,10 +323,16 @@ class ChatSession:
             self.verbose, self.quiet = key == "verbose", key == "quiet"
             self.out.info(f"Set '{key}' mode.")
         elif key in ("think", "nothink"):
-            from dflash_cli.ui.run import check_thinking
+            from dflash_cli.ui.run import check_thinking, effective_thinking
 
+            before = effective_thinking(self.runtime, self.settings.think)
             self.settings.think = key == "think"
-            check_thinking(self.out, self.runtime, self.settings.think)
+            changed = effective_thinking(self.runtime, self.settings.think) != before
+            check_thinking(self.out, self.runtime, self.settings.think, chat_template=self.settings.chat_template,
+                           drafter=changed)  # the drafter warning once, not at every repeated /set
+            self.out.info(f"Set '{key}' mode.")
+        elif key in ("hidethinking", "showthinking"):
+            self.out.hide_thinking = key == "hidethinking"
             self.out.info(f"Set '{key}' mode.")
         elif key in ("provenance", "noprovenance"):
             if key == "provenance" and not self.out.color_out:
@@ -333,7 +341,8 @@ class ChatSession:
             self.out.info(f"Set '{key}' mode.")
         else:
             self.out.error(f"unknown /set option '{key}'" if key else "usage: /set OPTION [VALUE]",
-                           "options: system, parameter, verbose, quiet, think, nothink, provenance, noprovenance")
+                           "options: system, parameter, verbose, quiet, think, nothink, hidethinking, "
+                           "showthinking, provenance, noprovenance")
 
     def set_parameter(self, name: str, raw: str) -> bool:
         """Validates and applies one /set parameter; a bad name or value prints an error and changes nothing."""
@@ -461,7 +470,8 @@ def run_chat(out: Output, opts: dict[str, Any], *, history: bool, stdin: Any = N
         out.error(NOT_A_TERMINAL)
         return EXIT_USAGE
     runtime = load_runtime_for(out, opts, quiet=opts["quiet"])
-    check_thinking(out, runtime, opts["think"])
+    check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
+    out.hide_thinking = opts["hide_thinking"]
     session = ChatSession(runtime, out, generation_settings(opts), system=opts["system"],
                           history=open_history(out) if history else None,
                           verbose=opts["verbose"], quiet=opts["quiet"])

@@ -67,6 +67,10 @@ output_options = _apply([
                  envvar=S.ENV["color"], show_envvar=True, show_default=True, help="Colours on terminals."),
     click.option("--provenance/--no-provenance", default=True, show_default=True,
                  help="Colour drafted-and-accepted tokens apart from the target's own (terminals only)."),
+    click.option("--hide-thinking/--show-thinking", default=False, envvar=S.ENV["hide_thinking"],
+                 show_envvar=True,
+                 help="Leave a thinking model's reasoning out of the printed reply (shown dimmed on terminals "
+                      "by default); --json keeps it under 'thinking' either way."),
     click.option("-v", "--verbose", is_flag=True, help="Print detailed statistics on stderr."),
     click.option("-q", "--quiet", is_flag=True, help="Print only the generated text (and errors)."),
     click.option("--debug", is_flag=True, envvar=S.DEBUG_ENV, help="Show tracebacks of unexpected errors."),

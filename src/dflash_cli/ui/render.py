@@ -68,12 +68,16 @@ class Output:
         self._last_char = "\n"
         self._column = 0  # terminal cells since the last newline of the streamed text
         self._status: StatusLine | None = None
+        self.hide_thinking = False  # --hide-thinking: print only the answer of a reply
+        self._thinking: Any = None  # the reply's ThinkingSplitter, between begin_reply and end_text
 
     # -- stdout: generated text only ------------------------------------------------------------
     def text(self, step: Any) -> None:
         """Writes one Step's text, coloured by provenance when enabled, and flushes."""
         if not step.text:
             return
+        if self._thinking is not None:
+            return self._thinking_text(step)
         if self.provenance:
             chunks = [f"{DRAFT_STYLE}{p}{RESET}" if drafted and p else p
                       for p, drafted in zip(step.pieces, step.from_draft)]
@@ -83,8 +87,37 @@ class Output:
 
     def end_text(self) -> None:
         """Ends the reply on a fresh line, so prompts and files never run into the text."""
+        if self._thinking is not None:
+            segments, self._thinking = self._thinking.flush(), None
+            self._write_segments([(thinking, s, False) for thinking, s in segments])
         if self._last_char != "\n":
             self._write_out("\n", "\n")
+
+    # -- replies with reasoning (<think> ... </think>) -----------------------------------------------
+    def begin_reply(self, in_thinking: bool | None) -> None:
+        """Before a reply's first Step: None for a model without <think> sections (its text goes out as
+        is), else whether the prompt opened one. The reasoning is then dimmed on a colour terminal,
+        plain elsewhere, and left out with hide_thinking."""
+        from dflash_cli.ui.thinking import ThinkingSplitter
+
+        wanted = in_thinking is not None and (self.hide_thinking or self.color_out)
+        self._thinking = ThinkingSplitter(in_thinking) if wanted else None
+
+    def _thinking_text(self, step: Any) -> None:
+        segments = [(thinking, s, drafted) for piece, drafted in zip(step.pieces, step.from_draft)
+                    for thinking, s in self._thinking.feed(piece)]
+        self._write_segments(segments)
+
+    def _write_segments(self, segments: list[tuple[bool, str, bool]]) -> None:
+        """(is_thinking, text, drafted) segments: dimmed or dropped reasoning, provenance colours kept."""
+        chunks = []
+        for thinking, s, drafted in segments:
+            if not s or (thinking and self.hide_thinking):
+                continue
+            style = (DRAFT_STYLE if drafted and self.provenance else "") + (DIM if thinking and self.color_out else "")
+            chunks.append((f"{style}{s}{RESET}" if style else s, s[-1]))
+        if chunks:
+            self._write_out("".join(c for c, _ in chunks), chunks[-1][1])
 
     def _write_out(self, s: str, last: str) -> None:
         # Bookkeeping first: a Ctrl-C landing inside the write must still end the reply with a newline.

@@ -60,6 +60,7 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
                                quant=pair.quant, dtype=opts["dtype"], device=opts["device"],
                                compile=opts.get("compile", "auto"), max_context=opts.get("max_context"),
                                on_notice=out.warn)
+    runtime.pair = pair.drafter_entry
     if not quiet:
         where = f"{runtime.device} {runtime.dtype}" + (f" {runtime.quant}" if runtime.quant else "")
         block = f" (block {runtime.drafter.block_size})" if runtime.speculative else ""
@@ -80,11 +81,40 @@ def memory_budget(opts: dict[str, Any]):
     return MemoryBudget(free, opts["max_context"], dtype, "GPU memory" if device.type == "cuda" else "system memory")
 
 
-def check_thinking(out: Output, runtime: Any, think: bool | None) -> None:
+def check_thinking(out: Output, runtime: Any, think: bool | None, *, chat_template: bool = True,
+                   drafter: bool = True) -> None:
+    """Warns when the think setting cannot apply, and (`drafter`) when the thinking mode differs from the
+    one the registry says the drafter was trained with."""
     from dflash_cli.engine.text import supports_thinking
 
     if think is not None and not supports_thinking(runtime.tokenizer):
         out.warn("this model's chat template has no thinking switch: the think setting is ignored")
+    warning = drafter_thinking_warning(runtime, think) if drafter and chat_template else None
+    if warning:
+        out.warn(warning)
+
+
+def effective_thinking(runtime: Any, think: bool | None) -> bool | None:
+    """The thinking mode a reply runs in: the setting, else the chat template's default (None: unknown)."""
+    from dflash_cli.engine.text import supports_thinking, thinking_default
+
+    if not supports_thinking(runtime.tokenizer):
+        return None
+    return think if think is not None else thinking_default(runtime.tokenizer)
+
+
+def drafter_thinking_warning(runtime: Any, think: bool | None) -> str | None:
+    pair = getattr(runtime, "pair", None)
+    if pair is None or pair.thinking is None or not runtime.speculative:
+        return None
+    mode = effective_thinking(runtime, think)
+    if mode is None or mode == pair.thinking:
+        return None
+    trained, chosen = ("on", "off") if pair.thinking else ("off", "on")
+    switch = "think" if pair.thinking else "no-think"
+    return (f"the drafter for {pair.alias} was trained with thinking {trained}: with thinking {chosen}, expect "
+            f"lower acceptance (fewer tokens per step); --{switch} (chat: /set {switch.replace('-', '')}) "
+            "matches its training")
 
 
 def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: bool, as_json: bool) -> int:
@@ -94,7 +124,8 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
 
     quiet = opts["quiet"] or as_json
     runtime = load_runtime_for(out, opts, quiet=quiet)
-    check_thinking(out, runtime, opts["think"])
+    check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
+    out.hide_thinking = opts["hide_thinking"]
     settings = generation_settings(opts)
     if settings.temperature > 0 and settings.seed is None:
         # a fresh seed, reported by --json/--verbose so the run can be replayed; --compare reuses it
@@ -110,7 +141,9 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     status = None if quiet else out.status_line()
     last, tokens, interrupted = None, [], False
     try:
-        for step in conversation.ask(prompt, settings):
+        steps = conversation.ask(prompt, settings)
+        out.begin_reply(conversation.reply_in_thinking)
+        for step in steps:
             last = step
             tokens.extend(step.tokens)
             if not as_json:
@@ -134,7 +167,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     if compare and not interrupted:
         baseline = _baseline(runtime, conversation, settings)
     if as_json:
-        data = {"text": conversation.messages[-1]["content"], **stats_json(stats),
+        data = {**reply_json(conversation), **stats_json(stats),
                 "interrupted": interrupted, "model": str(runtime.target_dir),
                 "drafter": str(runtime.drafter_dir) if runtime.drafter_dir else None,
                 "forward": runtime.fast_path, "seed": settings.seed}
@@ -165,6 +198,15 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         out.info("interrupted")
         return 130
     return 0
+
+
+def reply_json(conversation: Any) -> dict[str, Any]:
+    """--json's text: the answer; the reasoning of a thinking model under 'thinking' (else null)."""
+    from dflash_cli.ui.thinking import split_reply
+
+    reply, inside = conversation.messages[-1]["content"], conversation.reply_in_thinking
+    thinking, answer = split_reply(reply, inside) if inside is not None else (None, reply)
+    return {"text": answer, "thinking": thinking}
 
 
 def _warm_up(runtime: Any, settings: Any) -> None:
