@@ -455,14 +455,14 @@ def is_transcript(path: Path) -> bool:
 def run_chat(out: Output, opts: dict[str, Any], *, history: bool, stdin: Any = None, stdout: Any = None) -> int:
     """The `chat` command's body: refuses non-terminals (exit 2), loads the pair, runs the REPL."""
     from dflash_cli.ui.options import generation_settings
-    from dflash_cli.ui.run import check_thinking, load_runtime_for
+    from dflash_cli.ui.run import check_thinking, load_runtime_for, system_prompt
 
     if not (is_terminal(stdin or sys.stdin) and is_terminal(stdout or sys.stdout)):
         out.error(NOT_A_TERMINAL)
         return EXIT_USAGE
     runtime = load_runtime_for(out, opts, quiet=opts["quiet"])
     check_thinking(out, runtime, opts["think"])
-    session = ChatSession(runtime, out, generation_settings(opts), system=opts["system"],
+    session = ChatSession(runtime, out, generation_settings(opts), system=system_prompt(out, opts),
                           history=open_history(out) if history else None,
                           verbose=opts["verbose"], quiet=opts["quiet"])
     return session.run()

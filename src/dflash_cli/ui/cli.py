@@ -68,9 +68,9 @@ def generate(prompt, file, as_json, compare, **opts):
     from dflash_cli.ui.render import Output
     from dflash_cli.ui.run import read_prompt, run_generate
 
-    text = read_prompt(prompt, file, sys.stdin)
     guarded(lambda: Output(opts["color"], provenance=opts["provenance"]),
-            lambda out: run_generate(out, opts, text, compare=compare, as_json=as_json), opts["debug"])
+            lambda out: run_generate(out, opts, read_prompt(prompt, file, sys.stdin, warn=out.warn),
+                                     compare=compare, as_json=as_json), opts["debug"])
 
 
 @cli.command()
