@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -140,8 +141,31 @@ from dflash_cli.train.command import train as _train_command  # noqa: E402
 cli.add_command(_train_command)
 
 
+def reopen_closed_streams() -> list[str]:
+    """Gives a closed stdin, stdout or stderr (`>&-`) /dev/null, so that no file opened later gets its
+    number (and stray output), and the Python stream is usable. Returns the names of the closed ones."""
+    closed = []
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+            closed.append(name)
+    return closed
+
+
 def main() -> None:
     """Entry point: config-file values become option defaults (environment variables and flags win)."""
+    if "stdout" in reopen_closed_streams():
+        from dflash_cli.ui.render import Output
+
+        Output("never").error("cannot write the output: stdout is closed",
+                              "redirect it instead, for example > /dev/null or > FILE")
+        sys.exit(1)
     try:
         config = S.load_config()
     except S.ConfigError as error:

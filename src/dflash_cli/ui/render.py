@@ -8,6 +8,7 @@ code reaches a stream that is not a terminal unless --color always.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sys
@@ -22,6 +23,27 @@ DIM, BOLD, RED, YELLOW, RESET = "\x1b[2m", "\x1b[1m", "\x1b[31m", "\x1b[33m", "\
 
 class OutputClosed(Exception):
     """stdout was closed by its reader (`| head`): stop generating quietly."""
+
+
+def output_failed(error: OSError) -> Exception:
+    """A failed write to stdout (a full disk, an I/O error) as a one-line error; stdout is pointed at
+    /dev/null first, so the flush at exit does not fail a second time."""
+    from dflash_cli.engine.errors import DFlashError
+
+    silence_stdout()
+    reason = (error.strerror or str(error)).lower()
+    return DFlashError(f"cannot write the output: {reason}", hint="free some space or write it elsewhere"
+                       if error.errno == errno.ENOSPC else None)
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null: after `| head` closed the pipe, or after a write failed."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _isatty(stream: TextIO) -> bool:
@@ -90,13 +112,19 @@ class Output:
         # Bookkeeping first: a Ctrl-C landing inside the write must still end the reply with a newline.
         self._last_char = last
         self._track_column(s)
+        self.write_out(s)
+        if self._status is not None:
+            self._status.refresh()
+
+    def write_out(self, s: str) -> None:
+        """Writes to stdout and flushes: a closed pipe raises OutputClosed, any other failure one error."""
         try:
             self.out.write(s)
             self.out.flush()
         except BrokenPipeError:
             raise OutputClosed from None
-        if self._status is not None:
-            self._status.refresh()
+        except OSError as e:
+            raise output_failed(e) from None
 
     def _track_column(self, s: str) -> None:
         from rich.cells import cell_len
@@ -126,13 +154,16 @@ class Output:
             self._err_line(self._style("Hint: ", BOLD) + hint)
 
     def _err_line(self, line: str) -> None:
+        # a message must not fail: a stdout that cannot be flushed is reported by the next write_out
+        for flush in (lambda: self._status is not None and self._status.clear(), self.out.flush):
+            try:
+                flush()
+            except (OSError, ValueError):
+                pass
         try:
-            if self._status is not None:
-                self._status.clear()
-            self.out.flush()
             self.err.write(line + "\n")
             self.err.flush()
-        except (BrokenPipeError, ValueError):
+        except (OSError, ValueError):
             pass
 
     def legend(self) -> None:
@@ -213,7 +244,7 @@ class StatusLine:
             self.out.flush()
             self.err.write(s)
             self.err.flush()
-        except (BrokenPipeError, ValueError):
+        except (OSError, ValueError):
             pass
 
     def update(self, line: str, force: bool = False) -> None:

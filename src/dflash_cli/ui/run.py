@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sys
 import time
@@ -11,7 +10,7 @@ from typing import Any
 
 import click
 
-from dflash_cli.ui.render import Output, OutputClosed, stats_block, stats_json, status_text, summary_line
+from dflash_cli.ui.render import Output, OutputClosed, silence_stdout, stats_block, stats_json, status_text, summary_line
 
 
 def read_prompt(words: tuple[str, ...], file: str | None, stdin: Any, warn=lambda _: None) -> str:
@@ -163,7 +162,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     except KeyboardInterrupt:
         interrupted = True
     except OutputClosed:
-        _silence_stdout()
+        silence_stdout()
         return 0
     finally:
         out.close_status()
@@ -183,8 +182,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
                 "forward": runtime.fast_path, "seed": settings.seed}
         if baseline is not None:
             data.update(_comparison(tokens, stats, baseline))
-        out.out.write(json.dumps(data, ensure_ascii=False) + "\n")
-        out.out.flush()
+        out.write_out(json.dumps(data, ensure_ascii=False) + "\n")
     elif opts["verbose"]:
         for line in stats_block(stats, load_seconds=runtime.load_seconds, wall_seconds=wall,
                                 baseline=baseline[1] if baseline else None, forward=runtime.fast_path,
@@ -243,12 +241,3 @@ def _comparison(tokens: list[int], stats: Any, baseline: tuple[list[int], Any]) 
             "speedup": stats.decode_tokens_per_second / rate if rate else None,
             "identical": diverge is None,
             "first_divergence": diverge}
-
-
-def _silence_stdout() -> None:
-    """After `| head` closed the pipe: point stdout at /dev/null so exiting prints no BrokenPipeError."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
