@@ -21,6 +21,7 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
 from dflash_cli import settings as S
+from dflash_cli.ui import signals
 from dflash_cli.ui.render import Output, OutputClosed, stats_block, status_text, summary_line
 
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
@@ -139,6 +140,8 @@ class ChatSession:
             try:
                 text, literal = self._read(prompt)
             except KeyboardInterrupt:
+                if signals.received is not None:  # SIGTERM or SIGHUP: prompt_toolkit has restored the terminal
+                    return signals.exit_code()
                 now = time.monotonic()
                 if now - self._last_interrupt < self.double_interrupt_seconds:
                     return EXIT_INTERRUPTED
@@ -156,6 +159,8 @@ class ChatSession:
                 code = None
             except OutputClosed:
                 return EXIT_OK
+            if signals.received is not None:
+                return signals.exit_code()
             if code is not None:
                 return code
 
@@ -273,7 +278,7 @@ class ChatSession:
         if last is not None:
             self.last_stats, self.last_wall = last.stats, time.perf_counter() - started
         if interrupted:
-            out.info(INTERRUPTED, dim=False)
+            out.info(INTERRUPTED if signals.received is None else "interrupted", dim=False)
         elif last is not None and self.verbose:
             self.cmd_stats("")
             reread = self.reread_tokens(last.stats)

@@ -25,6 +25,7 @@ def cli() -> None:
 
 def guarded(out_factory: Callable, body: Callable[[], int], debug: bool) -> None:
     """Runs a command body, turning known errors into one line + hint and the right exit code."""
+    from dflash_cli.ui import signals
     from dflash_cli.ui.errors import EXIT_INTERRUPTED, describe
 
     out = out_factory()
@@ -32,10 +33,10 @@ def guarded(out_factory: Callable, body: Callable[[], int], debug: bool) -> None
         code = body(out)
     except (click.ClickException, click.exceptions.Exit, click.Abort):
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (ui/signals.py)
         out.close_status()
         out.info("interrupted")
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(signals.exit_code())
     except Exception as error:  # noqa: BLE001 - the one place that turns errors into messages
         out.close_status()
         if debug or S.debug_enabled():
@@ -43,7 +44,7 @@ def guarded(out_factory: Callable, body: Callable[[], int], debug: bool) -> None
         message, hint, code = describe(error)
         out.error(message, hint)
         sys.exit(code)
-    sys.exit(code)
+    sys.exit(signals.exit_code() if code == EXIT_INTERRUPTED else code)
 
 
 @cli.command()
@@ -160,6 +161,9 @@ def reopen_closed_streams() -> list[str]:
 
 def main() -> None:
     """Entry point: config-file values become option defaults (environment variables and flags win)."""
+    from dflash_cli.ui import signals
+
+    signals.install()
     if "stdout" in reopen_closed_streams():
         from dflash_cli.ui.render import Output
 
@@ -176,4 +180,9 @@ def main() -> None:
         if not cheap:
             sys.exit(1)
         config = S.Config(S.config_path())
-    cli(default_map=config.default_map())
+    try:
+        cli(default_map=config.default_map())
+    except SystemExit:
+        if signals.received is not None:  # stopped by SIGTERM/SIGHUP anywhere, even outside a command body
+            sys.exit(signals.exit_code())
+        raise

@@ -170,6 +170,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         out.end_text()
     wall = time.perf_counter() - started
     if last is None:
+        out.info("interrupted")
         return 130
     stats = last.stats
     baseline = None
@@ -180,6 +181,8 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
                 "interrupted": interrupted, "model": str(runtime.target_dir),
                 "drafter": str(runtime.drafter_dir) if runtime.drafter_dir else None,
                 "forward": runtime.fast_path, "seed": settings.seed}
+        if interrupted:
+            data["finish_reason"] = "interrupted"
         if baseline is not None:
             data.update(_comparison(tokens, stats, baseline))
         out.write_out(json.dumps(data, ensure_ascii=False) + "\n")
