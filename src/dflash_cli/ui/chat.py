@@ -90,18 +90,46 @@ class SafeFileHistory(FileHistory):
 
 
 def open_history(out: Output, path: Path | None = None) -> History:
-    """The persistent input history; an in-memory one (and a warning) when the file cannot be used."""
+    """The persistent input history; an in-memory one (and a warning) when the file cannot be used.
+
+    A damaged file (not UTF-8, a NUL, lines not in FileHistory's format) is moved aside, never deleted,
+    and a new one is started: its entries would otherwise come back with the Up arrow."""
     path = path or S.history_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            path.read_bytes()
+        damage = history_damage(path.read_bytes()) if path.exists() else None
+        if damage is not None:
+            aside = _free_name(path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"))
+            path.rename(aside)
+            out.warn(f"the chat history file {path} is damaged ({damage}): moved it to {aside.name} "
+                     "and started a new one")
         with open(path, "ab"):
             pass
     except OSError as e:
         out.warn(f"cannot use the chat history file {path} ({e.strerror or e}): continuing without history")
         return InMemoryHistory()
     return SafeFileHistory(str(path))
+
+
+def history_damage(data: bytes) -> str | None:
+    """What is wrong with the bytes of a history file, or None when they are what FileHistory writes."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"bytes that are not UTF-8 at offset {e.start}"
+    if "\0" in text:
+        return "a NUL character"
+    for number, line in enumerate(text.split("\n"), 1):
+        if line and line[0] not in "#+":
+            return f"line {number} is not a history entry"
+    return None
+
+
+def _free_name(path: Path) -> Path:
+    candidate, n = path, 1
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.name}-{n}"), n + 1
+    return candidate
 
 
 class ChatSession:

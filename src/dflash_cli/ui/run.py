@@ -134,7 +134,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     from dflash_cli.session import Conversation
     from dflash_cli.ui.options import generation_settings
 
-    quiet = opts["quiet"] or as_json
+    quiet = opts["quiet"] or (as_json and not opts["verbose"])  # --json -v: the JSON, and -v's lines on stderr
     runtime = load_runtime_for(out, opts, quiet=quiet)
     check_thinking(out, runtime, opts["think"])
     settings = generation_settings(opts)
@@ -186,12 +186,12 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         if baseline is not None:
             data.update(_comparison(tokens, stats, baseline))
         out.write_out(json.dumps(data, ensure_ascii=False) + "\n")
-    elif opts["verbose"]:
+    if opts["verbose"]:
         for line in stats_block(stats, load_seconds=runtime.load_seconds, wall_seconds=wall,
                                 baseline=baseline[1] if baseline else None, forward=runtime.fast_path,
                                 seed=settings.seed):
             out.info(line, dim=False)
-    elif not opts["quiet"] and out.err_tty:
+    elif not quiet and out.err_tty:
         out.info(summary_line(stats, runtime.speculative))
     if baseline is not None and not as_json:
         cmp = _comparison(tokens, stats, baseline)
