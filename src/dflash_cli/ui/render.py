@@ -135,7 +135,7 @@ class Output:
     def _at_pending_wrap(self) -> bool:
         """True when the text exactly filled the last line: the terminal has not wrapped yet, and saving
         and restoring the cursor (as the status redraw does) would cancel the wrap and lose a character."""
-        width = shutil.get_terminal_size().columns
+        width = terminal_size(self.out).columns
         return self._column > 0 and self._column % width == 0
 
     # -- stderr: everything else ------------------------------------------------------------------
@@ -202,6 +202,15 @@ def _strip_ansi(s: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", s)
 
 
+def terminal_size(stream: TextIO) -> os.terminal_size:
+    """The size of the terminal `stream` is on. Asked of the terminal itself: escape codes that place the
+    cursor need its real size, and $LINES/$COLUMNS (which shutil prefers) may be stale."""
+    try:
+        return os.get_terminal_size(stream.fileno())
+    except (OSError, AttributeError, ValueError):
+        return shutil.get_terminal_size()
+
+
 def _same_terminal(a: TextIO, b: TextIO) -> bool:
     try:
         return os.ttyname(a.fileno()) == os.ttyname(b.fileno())
@@ -232,7 +241,7 @@ class StatusLine:
     def __init__(self, err: TextIO, out: TextIO, *, reserve_row: bool, color: bool,
                  hold: Callable[[], bool] = lambda: False):
         self.err, self.out, self.reserve, self.color, self.hold = err, out, reserve_row, color, hold
-        self.rows = shutil.get_terminal_size().lines
+        self.rows = terminal_size(err).lines
         self.reserve = self.reserve and self.rows >= 3
         self._line = ""
         self._last = 0.0
