@@ -159,6 +159,21 @@ def reopen_closed_streams() -> list[str]:
     return closed
 
 
+def check_config_values(config: S.Config) -> None:
+    """Checks the file's values with the options' own types (ranges, choices), so that a bad value is
+    blamed on its line of the file, not on the environment variable click would name."""
+    params = {p.name: p for p in generate.params}
+    for key, value in config.values.items():
+        param = params.get(key)
+        if param is None or param.type is None:
+            continue
+        try:
+            param.type.convert(value, param, None)
+        except click.BadParameter as e:
+            raise S.ConfigError(f"{config.where(key)}: {key} = {value!r}: {e.message}",
+                                f"fix or remove it in {config.path} (dflash-cli never rewrites it)") from None
+
+
 def main() -> None:
     """Entry point: config-file values become option defaults (environment variables and flags win)."""
     from dflash_cli.ui import signals
@@ -172,13 +187,14 @@ def main() -> None:
         sys.exit(1)
     try:
         config = S.load_config()
+        check_config_values(config)
     except S.ConfigError as error:
         from dflash_cli.ui.render import Output
 
         cheap = not sys.argv[1:] or any(a in ("-h", "--help", "-V", "--version") for a in sys.argv[1:])
         Output("auto").error(str(error), error.hint)
         if not cheap:
-            sys.exit(1)
+            sys.exit(error.exit_code)
         config = S.Config(S.config_path())
     try:
         cli(default_map=config.default_map())
