@@ -45,7 +45,8 @@ def resolve_block_size(drafter: DFlashDrafter | None, block_size: int | None) ->
         return drafter.block_size
     if not 1 <= block_size <= drafter.block_size:
         raise InvalidSettingError(
-            f"block size {block_size} is outside 1..{drafter.block_size} (this drafter's trained block size)")
+            f"block size {block_size} is outside 1..{drafter.block_size} (this drafter's trained block size)",
+            hint=f"use a block size from 1 to {drafter.block_size}")
     return block_size
 
 

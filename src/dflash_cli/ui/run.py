@@ -74,8 +74,12 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
-def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
-    """Resolves the pair (registry, preflight, download on first use), then loads it with a spinner."""
+def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: str | None = None,
+                     system: str | None = None):
+    """Resolves the pair (registry, preflight, download on first use), then loads it with a spinner.
+
+    What can be checked without the weights is checked first: --block-size against the drafter's config,
+    and the length of `prompt` (generate's) against --max-context, with the tokenizer alone."""
     from dflash_cli.models.resolve import resolve_pair
     from dflash_cli.session import load_runtime
 
@@ -85,18 +89,43 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
     pair = resolve_pair(opts["model"], opts.get("draft"), no_draft=opts["no_draft"],
                         on_status=out.info if not quiet else (lambda _: None), quant=opts["quant"],
                         budget=memory_budget(opts))
+    check_block_size(opts.get("block_size"), pair.block_size)
     if opts["quant"] == "auto" and not quiet:
         out.info(f"--quant auto: {pair.quant if pair.quant != 'none' else 'no quantization'} fits")
     with out.spinner(f"Loading {opts['model']} ..."):
         runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None,
                                quant=pair.quant, dtype=opts["dtype"], device=opts["device"],
                                compile=opts.get("compile", "auto"), max_context=opts.get("max_context"),
-                               on_notice=out.warn)
+                               on_notice=out.warn,
+                               before_weights=None if prompt is None else
+                               lambda tokenizer: check_prompt_fits(tokenizer, prompt, system, opts))
     if not quiet:
         where = f"{runtime.device} {runtime.dtype}" + (f" {runtime.quant}" if runtime.quant else "")
         block = f" (block {runtime.drafter.block_size})" if runtime.speculative else ""
         out.info(f"{pair.drafter_note}{block} · {where} · loaded in {runtime.load_seconds:.1f}s")
     return runtime
+
+
+def check_block_size(block_size: int | None, trained: int | None) -> None:
+    from dflash_cli.engine.errors import InvalidSettingError
+
+    if block_size is None or (trained is not None and 1 <= block_size <= trained) or block_size == 1:
+        return
+    if trained is None:
+        raise InvalidSettingError("--block-size needs a drafter", hint="drop --block-size or add --draft")
+    raise InvalidSettingError(f"block size {block_size} is outside 1..{trained} (this drafter's trained block size)",
+                              hint=f"use --block-size 1..{trained}, or leave it out for {trained}")
+
+
+def check_prompt_fits(tokenizer: Any, prompt: str, system: str | None, opts: dict[str, Any]) -> None:
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.engine.text import encode_prompt
+
+    n = len(encode_prompt(tokenizer, prompt, chat_template=not opts["no_chat_template"],
+                          enable_thinking=opts["think"], system=system))
+    if opts.get("max_context") and n >= opts["max_context"]:
+        raise InvalidSettingError(f"the prompt has {n} tokens, --max-context holds {opts['max_context']}",
+                                  hint="shorten the prompt, or raise --max-context")
 
 
 def memory_budget(opts: dict[str, Any]):
@@ -135,7 +164,8 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     from dflash_cli.ui.options import generation_settings
 
     quiet = opts["quiet"] or (as_json and not opts["verbose"])  # --json -v: the JSON, and -v's lines on stderr
-    runtime = load_runtime_for(out, opts, quiet=quiet)
+    system = system_prompt(out, opts)
+    runtime = load_runtime_for(out, opts, quiet=quiet, prompt=prompt, system=system)
     check_thinking(out, runtime, opts["think"])
     settings = generation_settings(opts)
     if settings.temperature > 0 and settings.seed is None:
@@ -147,7 +177,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         _warm_up(runtime, settings)
     if not quiet and not compare:
         out.legend()
-    conversation = Conversation(runtime, system=system_prompt(out, opts))
+    conversation = Conversation(runtime, system=system)
     started = time.perf_counter()
     status = None if quiet else out.status_line()
     last, tokens, interrupted = None, [], False
