@@ -306,6 +306,8 @@ def summary_line(stats: Any, speculative: bool) -> str:
         parts.append("speculation off")
     if stats.finish_reason == "length":
         parts.append("stopped at the token limit")
+    elif stats.finish_reason == "context":
+        parts.append("stopped: the context is full")
     return " · ".join(parts)
 
 

@@ -235,6 +235,9 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         out.info(f"compare: speculative {stats.decode_tokens_per_second:.1f} tok/s vs plain "
                  f"{cmp['baseline']['decode_tokens_per_second']:.1f} tok/s = {cmp['speedup']:.2f}x · {same}",
                  dim=False)
+    if stats.finish_reason == "context" and not opts["quiet"]:
+        out.warn(f"the reply stopped after {stats.generated_tokens} tokens: the context is full "
+                 f"({stats.prompt_tokens + stats.generated_tokens} tokens); raise --max-context for longer replies")
     if interrupted:
         out.info("interrupted")
         return 130
