@@ -70,9 +70,15 @@ def is_terminal(stream: Any) -> bool:
 
 
 class SafeFileHistory(FileHistory):
-    """FileHistory that never raises: a failing read or write is remembered (and reported) instead."""
+    """FileHistory that never raises: a failing read or write is remembered (and reported) instead.
+
+    The first line of a \"\"\" block is not kept: the whole block is, once it ends (ChatSession._read)."""
 
     error: OSError | None = None
+
+    def append_string(self, string: str) -> None:
+        if not is_block_opening(string):
+            super().append_string(string)
 
     def load_history_strings(self):
         try:
@@ -87,6 +93,12 @@ class SafeFileHistory(FileHistory):
                 super().store_string(string)
         except OSError as e:
             self.error = e
+
+
+def is_block_opening(line: str) -> bool:
+    """True for the line that starts a \"\"\" block without ending it."""
+    text = line.strip()
+    return text.startswith('"""') and not (len(text) >= 6 and text.endswith('"""'))
 
 
 def open_history(out: Output, path: Path | None = None) -> History:

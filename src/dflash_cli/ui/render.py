@@ -211,6 +211,14 @@ def terminal_size(stream: TextIO) -> os.terminal_size:
         return shutil.get_terminal_size()
 
 
+def _fit(line: str, width: int) -> str:
+    """The line cut to `width` cells: a status line that wrapped would be redrawn one row too low."""
+    from rich.cells import cell_len, set_cell_size
+
+    plain = _strip_ansi(line)
+    return line if cell_len(plain) <= width else set_cell_size(plain, max(width, 0)).rstrip()
+
+
 def _same_terminal(a: TextIO, b: TextIO) -> bool:
     try:
         return os.ttyname(a.fileno()) == os.ttyname(b.fileno())
@@ -267,10 +275,11 @@ class StatusLine:
     def refresh(self) -> None:
         if not self._line or (self.reserve and self.hold()):
             return
+        line = _fit(self._line, terminal_size(self.err).columns - 1)
         if self.reserve:
-            self._raw(f"\x1b7\x1b[{self.rows};1H\x1b[2K{self._line}\x1b8")
+            self._raw(f"\x1b7\x1b[{self.rows};1H\x1b[2K{line}\x1b8")
         else:
-            self._raw(f"\r\x1b[2K{self._line}")
+            self._raw(f"\r\x1b[2K{line}")
 
     def clear(self) -> None:
         if self.reserve:
