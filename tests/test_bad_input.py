@@ -204,3 +204,99 @@ def test_a_healthy_history_file_is_used_as_it_is(tmp_path):
     out = Output("never", stdout=StringIO(), stderr=StringIO())
     assert list(open_history(out, path).load_history_strings()) == ["/bye", "caf\u00e9\nsecond line"]
     assert out.err.getvalue() == "" and list(tmp_path.iterdir()) == [path]
+
+
+# -- 7. the config file ----------------------------------------------------------------------------
+
+def cli_with_config(tmp_path, config_path, *args):
+    env = dict(os.environ, DFLASH_CONFIG=str(config_path), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "dflash_cli", *args], capture_output=True, text=True, env=env,
+                          stdin=subprocess.DEVNULL, timeout=120)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('model = "x"\n\nmax_tokens = 0\n', ", line 3: max_tokens = 0: 0 is not in the range x>=1."),
+    ('quant = "fp3"\n', ", line 1: quant = 'fp3': 'fp3' is not one of"),
+    ('# comment\ntop_k = "x"\n', ", line 2: top_k = 'x' has the wrong type (expected an integer)"),
+])
+def test_a_bad_config_value_is_blamed_on_its_line_of_the_file(tmp_path, text, message):
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    result = cli_with_config(tmp_path, path, "generate", "hi")
+    assert result.returncode == 1
+    assert error_lines(result.stderr) == [f"Error: config file {path}{message}" +
+                                          result.stderr.split(message, 1)[1].split("\n")[0]]
+    assert "env var" not in result.stderr and path.read_text() == text
+
+
+@pytest.mark.parametrize("what", ["missing", "a folder"])
+def test_dflash_config_naming_no_file_exits_2(tmp_path, what):
+    path = tmp_path if what == "a folder" else tmp_path / "nope.toml"
+    result = cli_with_config(tmp_path, path, "generate", "hi")
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == [f"Error: DFLASH_CONFIG names {path}, which is {what}"]
+
+
+# -- 8. checks made before the weights load --------------------------------------------------------
+
+def test_block_size_and_prompt_length_are_checked_before_loading(folders):
+    too_big = invoke(folders, "--block-size", "99", "x")
+    assert too_big.exit_code == 2 and "loaded in" not in too_big.stderr
+    assert error_lines(too_big.stderr) == ["Error: block size 99 is outside 1..8 (this drafter's trained block size)"]
+    assert "Hint: use --block-size 1..8" in too_big.stderr
+    too_long = invoke(folders, "--max-context", "16", "a prompt far longer than sixteen characters")
+    assert too_long.exit_code == 2 and "loaded in" not in too_long.stderr
+    assert error_lines(too_long.stderr)[0].startswith("Error: the prompt has ")
+    assert "--max-context holds 16" in too_long.stderr and "/clear" not in too_long.stderr
+
+
+# -- 9. a reply cut by the context -----------------------------------------------------------------
+
+def test_a_reply_cut_by_the_context_says_so(folders):
+    result = invoke(folders, "-n", "40", "--max-context", "24", "--json", "--temperature", "1", "--seed", "3",
+                    "--no-chat-template", "0123456789")
+    data = json.loads(result.stdout)
+    assert data["finish_reason"] == "context" and data["prompt_tokens"] + data["generated_tokens"] == 24
+    assert "the context is full (24 tokens); raise --max-context" in result.stderr
+    by_length = json.loads(invoke(folders, "-n", "3", "--max-context", "24", "--json", "--temperature", "1",
+                                  "--seed", "3", "--no-chat-template", "0123456789").stdout)
+    assert by_length["finish_reason"] == "length"
+
+
+# -- 10. smaller ones ------------------------------------------------------------------------------
+
+def test_an_empty_folder_as_model_says_what_is_missing(tmp_path):
+    result = CliRunner().invoke(cli, ["generate", "-m", str(tmp_path), "hi"])
+    assert result.exit_code == 1
+    assert error_lines(result.stderr) == [f"Error: model folder {tmp_path} has no config.json"]
+
+
+def test_json_with_verbose_keeps_the_statistics(folders):
+    result = invoke(folders, "-n", "3", "--json", "-v", "hi")
+    assert json.loads(result.stdout)["generated_tokens"] == 3
+    assert "eval count:" in result.stderr and "eval count" not in result.stdout
+
+
+def test_the_status_line_fits_a_narrow_terminal(monkeypatch):
+    from dflash_cli.ui.render import StatusLine
+
+    class Narrow(StringIO):  # a 50-column terminal
+        def fileno(self):
+            raise OSError
+
+    line = "● spec on   123.4 tok/s  τ 3.20  draft 45%  block 16  200 tok"
+    err = Narrow()
+    status = StatusLine(err, StringIO(), reserve_row=False, color=False)
+    monkeypatch.setenv("COLUMNS", "50")
+    status.update(line, force=True)
+    drawn = err.getvalue().rsplit("\x1b[2K", 1)[1]
+    assert drawn == line[:49].rstrip() and len(drawn) <= 49
+
+
+def test_the_opening_of_a_block_is_not_saved_to_the_history(tmp_path):
+    path = tmp_path / "chat_history"
+    history = open_history(Output("never", stdout=StringIO(), stderr=StringIO()), path)
+    for entry in ('"""', '"""first line', '"""first line\nsecond"""', '"""one line"""', "plain"):
+        history.append_string(entry)
+    assert list(SafeFileHistory(str(path)).load_history_strings()) == [
+        "plain", '"""one line"""', '"""first line\nsecond"""']
