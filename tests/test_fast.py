@@ -77,7 +77,7 @@ def test_the_static_cache_is_allocated_once_and_rolls_back_by_length(tiny_models
 def test_a_sequence_longer_than_the_static_cache_stops_at_its_size(tiny_models):
     pair = fast_pair(tiny_models, context=40)
     got = generate(pair.target, pair.drafter, list(range(3, 33)), max_new_tokens=100, stop_ids=[])
-    assert len(got.tokens) == 10 and got.stats.finish_reason == "length"
+    assert len(got.tokens) == 10 and got.stats.finish_reason == "context"
     with pytest.raises(InvalidSettingError, match="the context holds 40"):
         generate(pair.target, pair.drafter, list(range(3, 45)), max_new_tokens=4, stop_ids=[])
 

@@ -146,3 +146,44 @@ def test_chat_in_a_real_terminal(pair, tmp_path):
         assert exit_file.read_text().strip() == "0"
     finally:
         tmux.kill()
+
+
+AFTER_EXIT = ('echo "exit=$?"; stty -a | tr " " "\\n" | grep -x -- "-\\{0,1\\}icanon"; '
+              'i=0; while [ $i -lt 40 ]; do i=$((i+1)); echo "line $i"; done; printf END')
+
+
+@pytest.mark.parametrize("when", ["at the prompt", "during a reply"])
+def test_sigterm_stops_the_chat_and_restores_the_terminal(pair, tmp_path, when, smollm2_converted, monkeypatch):
+    """SIGTERM acts like Ctrl-C then exits 143: the partial reply ends with "interrupted", the status line
+    is gone, the tty is back in canonical mode and the scroll region spans the whole screen again (the
+    lines printed after the chat scroll down to the last row). During a reply: the demo model, whose
+    replies are long and slow enough on a CPU to be caught in the middle."""
+    target, drafter, *_ = pair
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(smollm2_converted.cache))  # reuse this run's conversion
+    exe = Path(sys.executable).with_name("dflash-cli")
+    cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "dflash_cli"]
+    model = ["-m", "demo", "--temperature", "1", "--seed", "1", "-n", "3000"] if when == "during a reply" else \
+        ["-m", str(target), "--draft", str(drafter), "--dtype", "float32"]
+    args = [*cli, "chat", *model, "--device", "cpu", "--no-history"]
+    pid_file = tmp_path / "pid"
+    chat = f"echo $$ > {shlex.quote(str(pid_file))}; exec env TERM=xterm-256color OMP_NUM_THREADS=1 {shlex.join(args)}"
+    script = f"sh -c {shlex.quote(chat)}; {AFTER_EXIT}; sleep 60"
+    tmux = Tmux()
+    try:
+        tmux("new-session", "-d", "-s", "chat", "-x", "100", "-y", "30", "sh", "-c", script)
+        tmux.wait_for("the prompt", lambda pane: ">>> " in pane)
+        if when == "during a reply":
+            tmux("send-keys", "-t", "chat", "-l", "Tell me a long story")
+            tmux("send-keys", "-t", "chat", "Enter")
+            tmux.wait_for("the reply to start", lambda pane: "tok/s" in pane)  # the live status line
+        subprocess.run(["kill", "-TERM", pid_file.read_text().strip()], check=True)
+        history = tmux.wait_for("the shell after the chat", lambda pane: "END" in pane)
+        assert "exit=143" in history and "\nicanon\n" in history, history
+        screen = tmux("capture-pane", "-p", "-t", "chat").split("\n")
+        assert screen[29] == "END", history  # last row: no scroll region left
+        assert "tok/s" not in history.split("exit=143")[0].rsplit("Tell me a long story", 1)[-1]
+        if when == "during a reply":
+            before_exit = history.split("exit=143")[0].rstrip("\n").splitlines()
+            assert before_exit[-1] == "interrupted" and "Terminated" not in history
+    finally:
+        tmux.kill()

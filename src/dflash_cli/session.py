@@ -105,12 +105,14 @@ class Runtime:
 def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dtype: str | None = None,
                  device: str | None = None, compile: str = S.DEFAULT_COMPILE, max_context: int | None = None,
                  on_status: Callable[[str], None] | None = None,
-                 on_notice: Callable[[str], None] | None = None) -> Runtime:
+                 on_notice: Callable[[str], None] | None = None,
+                 before_weights: Callable[[Any], None] | None = None) -> Runtime:
     """Resolves and loads a target (and drafter), checking the pair before any weights load.
 
     `compile` (auto/on/off) picks the target's forward: the static-cache fast path, compiled or not, or
     (off) transformers' own; `max_context` sizes the static cache. `on_notice` gets one-line warnings
-    (a compile that failed and fell back).
+    (a compile that failed and fell back). `before_weights(tokenizer)` runs before the weights load: checks
+    that need only the tokenizer fail there, in a second rather than after a long load.
     """
     from dflash_cli.engine.device import pick_device, pick_dtype
     from dflash_cli.engine.load import load_pair
@@ -124,13 +126,15 @@ def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dty
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     quant = None if quant in (None, "none") else quant
-    pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant)
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot load the tokenizer from {target_dir}: {e}") from None
+    if before_weights is not None:
+        before_weights(tokenizer)
+    pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant)
     fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context, quantized=quant is not None,
                                  on_status=on_status, on_notice=on_notice)
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed

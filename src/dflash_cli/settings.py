@@ -74,9 +74,10 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
 class ConfigError(Exception):
     """The config file cannot be used. It is never rewritten by dflash-cli."""
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, exit_code: int = 1):
         super().__init__(message)
         self.hint = hint
+        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,12 @@ class Config:
     path: Path
     values: dict[str, Any] = field(default_factory=dict)
     pairs: dict[str, Any] = field(default_factory=dict)
+    lines: dict[str, int] = field(default_factory=dict)  # key -> its line in the file
+
+    def where(self, key: str) -> str:
+        """'config file PATH, line N' for a top-level key, to name in an error."""
+        line = self.lines.get(key)
+        return f"config file {self.path}" + (f", line {line}" if line else "")
 
     def default_map(self) -> dict[str, dict[str, Any]]:
         """click's default_map: config values become option defaults (flags and env vars still win)."""
@@ -104,12 +111,18 @@ def load_config(path: Path | None = None) -> Config:
     """Reads the TOML config file; a missing file is an empty config."""
     import tomllib
 
+    named = path is None and bool(os.environ.get(CONFIG_ENV))
     path = path or config_path()
     if not path.is_file():
+        if named:
+            what = "a folder" if path.is_dir() else "missing" if not path.exists() else "not a file"
+            raise ConfigError(f"{CONFIG_ENV} names {path}, which is {what}",
+                              f"point {CONFIG_ENV} at a TOML file, or unset it", exit_code=2)
         return Config(path)
     hint = f"fix or remove {path} (dflash-cli never rewrites it)"
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}", hint) from None
     except (OSError, UnicodeDecodeError) as e:
@@ -117,11 +130,30 @@ def load_config(path: Path | None = None) -> Config:
     pairs = data.pop("pairs", {})
     if not isinstance(pairs, dict):
         raise ConfigError(f"config file {path}: [pairs] must be a table of tables", hint)
+    config = Config(path, data, pairs, _key_lines(text))
     for key, value in data.items():
         expected = CONFIG_KEYS.get(key)
         if expected is None:
-            raise ConfigError(f"config file {path}: unknown key {key!r}",
+            raise ConfigError(f"{config.where(key)}: unknown key {key!r}",
                               f"known keys: {', '.join(CONFIG_KEYS)}, and [pairs.NAME] tables")
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ConfigError(f"config file {path}: {key} = {value!r} has the wrong type", hint)
-    return Config(path, data, pairs)
+            raise ConfigError(f"{config.where(key)}: {key} = {value!r} has the wrong type (expected "
+                              f"{_TYPE_NAMES.get(expected, 'a number')})", hint)
+    return config
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """The line of each top-level `key = value` (tomllib does not report positions)."""
+    import re
+
+    lines: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("["):
+            break  # the top-level keys end at the first table
+        match = re.match(r"\s*([A-Za-z0-9_-]+)\s*=", line)
+        if match:
+            lines.setdefault(match.group(1), number)
+    return lines

@@ -14,10 +14,40 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def pick_device(name: str | None = None) -> torch.device:
-    """`name` if given ("cuda", "cuda:1", "cpu", "mps"), else cuda when available, else cpu."""
-    if name and name != "auto":
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """`name` if given ("cuda", "cuda:1", "cpu", "mps"), else cuda when available, else cpu.
+
+    A device this machine does not have is an InvalidSettingError that lists the ones it has."""
+    if not name or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from dflash_cli.engine.errors import InvalidSettingError
+
+    hint = f"devices here: {', '.join(available_devices())} (or auto)"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InvalidSettingError(f"unknown device {name!r}", hint=hint) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if not torch.version.cuda else "no CUDA GPU is visible"
+            raise InvalidSettingError(f"device {name!r} is not available: {why}", hint=hint)
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InvalidSettingError(f"device {name!r} is not available: there are "
+                                      f"{torch.cuda.device_count()} CUDA device(s)", hint=hint)
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise InvalidSettingError(f"device {name!r} is not available on this machine", hint=hint)
+    elif device.type != "cpu":
+        raise InvalidSettingError(f"device {name!r} is not supported: dflash-cli runs on cuda, mps or cpu",
+                                  hint=hint)
+    return device
+
+
+def available_devices() -> list[str]:
+    """The --device values this machine can use."""
+    found = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    if torch.backends.mps.is_available():
+        found.append("mps")
+    return ["cuda", *found, "cpu"] if found and found[0].startswith("cuda") else [*found, "cpu"]
 
 
 def cpu_has_fast_bf16() -> bool:

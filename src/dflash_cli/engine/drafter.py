@@ -92,10 +92,13 @@ class DrafterConfig:
                 raise CheckpointError(f"{source}: hidden_size {raw.get('hidden_size')} is not a multiple of "
                                       f"conv_group_size {dflash2['conv_group_size']}")
 
-        def need(key: str) -> Any:
-            if raw.get(key) is None:
+        def need(key: str) -> int:
+            value = raw.get(key)
+            if value is None:
                 raise CheckpointError(f"{source}: required field {key!r} is missing")
-            return raw[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"{source}: field {key!r} must be a positive integer, not {value!r}")
+            return value
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))

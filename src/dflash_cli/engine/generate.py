@@ -13,7 +13,7 @@ from dflash_cli.engine.baseline import baseline_rounds
 from dflash_cli.engine.device import peak_memory, reset_peak_memory
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.errors import InvalidSettingError
-from dflash_cli.engine.response import (FINISH_LENGTH, FINISH_STOP, GenerationResult, GenerationStats,
+from dflash_cli.engine.response import (FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, GenerationResult, GenerationStats,
                                         Step)
 from dflash_cli.engine.sampling import Sampler
 from dflash_cli.engine.speculative import Round, speculative_rounds
@@ -45,7 +45,8 @@ def resolve_block_size(drafter: DFlashDrafter | None, block_size: int | None) ->
         return drafter.block_size
     if not 1 <= block_size <= drafter.block_size:
         raise InvalidSettingError(
-            f"block size {block_size} is outside 1..{drafter.block_size} (this drafter's trained block size)")
+            f"block size {block_size} is outside 1..{drafter.block_size} (this drafter's trained block size)",
+            hint=f"use a block size from 1 to {drafter.block_size}")
     return block_size
 
 
@@ -141,7 +142,9 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
         state = DecodeState(target, drafter)
     limit = len(prompt) + max_new_tokens
     context = min((c for c in (target.context_limit, max_context) if c), default=None)
+    at_limit = FINISH_LENGTH
     if context:
+        at_limit = FINISH_CONTEXT if context < limit else FINISH_LENGTH
         limit = min(limit, context)
         if len(prompt) >= limit:
             raise InvalidSettingError(f"the prompt has {len(prompt)} tokens, the context holds {context}",
@@ -163,7 +166,7 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
         tally.prefill_seconds = time.perf_counter() - t0
         tally.generated = 1
 
-        finish = _finish_reason(first_id, stops, len(state.tokens), limit)
+        finish = _finish_reason(first_id, stops, len(state.tokens), limit, at_limit)
         pieces = _pieces(decoder, first_id, finish)
         yield Step(tuple(first_id), "".join(pieces), pieces, 0, 0, (False,), 0.0, 0.0, tally.snapshot(finish),
                    finish)
@@ -179,7 +182,7 @@ def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Seque
                 state.rewind(len(state.tokens) - (len(tokens) - stop_at - 1))
                 tokens = tokens[: stop_at + 1]
             tally.add_round(r, len(tokens))
-            finish = _finish_reason(tokens, stops, len(state.tokens), limit)
+            finish = _finish_reason(tokens, stops, len(state.tokens), limit, at_limit)
             pieces = _pieces(decoder, tokens, finish)
             accepted = min(r.accepted, len(tokens))
             from_draft = tuple([True] * accepted + [False] * (len(tokens) - accepted))
@@ -201,11 +204,11 @@ def _pieces(decoder, tokens: list[int], finish: str | None) -> tuple[str, ...]:
     return tuple(pieces)
 
 
-def _finish_reason(tokens: Sequence[int], stops: set[int], length: int, limit: int) -> str | None:
+def _finish_reason(tokens: Sequence[int], stops: set[int], length: int, limit: int, at_limit: str) -> str | None:
     if any(t in stops for t in tokens):
         return FINISH_STOP
     if length >= limit:
-        return FINISH_LENGTH
+        return at_limit
     return None
 
 

@@ -60,11 +60,27 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 # hybrids whose linear-attention state the fast path rolls back exactly (engine/linear_attention.py)
 HYBRID_MODEL_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+#: what the memory planner (models/sizes.py) and the loader read from a target's config.json
+TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 
 
 def check_target_config(config: dict[str, Any], name: str) -> None:
-    """Refuses targets whose cache cannot be rolled back to an accepted length."""
+    """Refuses configs that lack a field the planner or loader needs, and targets whose cache cannot be
+    rolled back to an accepted length."""
+    source = f"{name}/config.json"
+    if not isinstance(config, dict) or not isinstance(config.get("text_config") or {}, dict):
+        raise CheckpointError(f"{source} is not a model configuration (expected a JSON object)")
     cfg = text_config(config)
+    for key in TARGET_FIELDS:
+        if key == "intermediate_size" and "intermediate_size" not in cfg and cfg.get("moe_intermediate_size"):
+            key = "moe_intermediate_size"  # a mixture of experts with no dense MLP layer
+        value = cfg.get(key)
+        if value is None:
+            raise CheckpointError(f"{source}: required field {key!r} is missing",
+                                  hint="the folder is incomplete or not a transformers causal LM: "
+                                       "download the model again")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{source}: field {key!r} must be a positive integer, not {value!r}")
     kinds = set(cfg.get("layer_types") or [])
     recurrent = kinds & {"linear_attention", "mamba", "conv", "recurrent"}
     if recurrent == {"linear_attention"} and cfg.get("model_type") in HYBRID_MODEL_TYPES:

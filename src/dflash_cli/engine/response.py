@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 FINISH_STOP = "stop"  # a stop token was generated
-FINISH_LENGTH = "length"  # max_new_tokens (or the target's context length) was reached
+FINISH_LENGTH = "length"  # max_new_tokens was reached
+FINISH_CONTEXT = "context"  # the context (max_context, or the target's own limit) filled up first
 
 
 @dataclass(frozen=True)

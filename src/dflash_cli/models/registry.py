@@ -128,6 +128,10 @@ def resolve_spec(spec: str, registry: dict[str, PairEntry]) -> ModelSpec:
         return ModelSpec("repo", entry.target, entry.target_revision, entry=entry, **drafter)
     if looks_like_repo_id(spec):
         return ModelSpec("repo", spec)
+    if folder.is_dir():
+        raise CheckpointError(f"model folder {folder} has no config.json",
+                              hint="a model folder holds config.json, *.safetensors and the tokenizer files; "
+                                   "'dflash-cli pull' downloads one")
     known = ", ".join(sorted(registry)) + ", " + ", ".join(BUILTIN_MODELS)
     raise CheckpointError(f"model {spec!r} is not a folder, a known name or a Hub repo id (org/name)",
                           hint=f"known names: {known}")

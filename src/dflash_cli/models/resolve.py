@@ -29,6 +29,7 @@ class ResolvedPair:
     drafter_note: str  # why speculation is on or off, for the user
     quant: str  # the quantization to load with: the one asked for, or what --quant auto chose
     drafter_entry: PairEntry | None = None  # the registry pair whose drafter this is (its training facts)
+    block_size: int | None = None  # the drafter's trained block size (None: no drafter)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
         drafter_dir = Path(drafter_where)
     elif drafter_kind == "repo":
         drafter_dir = _fetch(drafter_where, drafter_rev, endpoint, on_status, tqdm_class)
-    return ResolvedPair(target_dir, drafter_dir, spec, note, quant, drafter_entry)
+    block = DrafterConfig.from_dict(drafter_cfg).block_size if drafter_cfg is not None else None
+    return ResolvedPair(target_dir, drafter_dir, spec, note, quant, drafter_entry, block)
 
 
 def _names_drafter(draft: str, entry: PairEntry) -> bool:

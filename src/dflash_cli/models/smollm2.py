@@ -318,7 +318,10 @@ def _install(tmp: Path, target: Path, dtype: str, source: _SourceStamp) -> None:
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    """Silence transformers' warnings and progress bars for the duration, then restore them."""
+    """Silence transformers' warnings and progress bars for the duration, then restore them.
+
+    The GGUF reader draws its own tqdm bar on stderr (not transformers' switchable one): stderr goes to
+    /dev/null meanwhile, so no carriage-return bar lands in a log file; status lines report progress."""
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -326,7 +329,8 @@ def _quiet_transformers() -> Iterator[None]:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        yield
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+            yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

@@ -129,6 +129,5 @@ def _run_bench(out, opts, prompt_sets, *, max_tokens, block_size, limit, warmup,
         for line in format_table(report):
             out.info(line, dim=False)
     if as_json:
-        out.out.write(_json.dumps(report.to_dict(), ensure_ascii=False) + "\n")
-        out.out.flush()
+        out.write_out(_json.dumps(report.to_dict(), ensure_ascii=False) + "\n")
     return 0

@@ -21,6 +21,7 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
 from dflash_cli import settings as S
+from dflash_cli.ui import signals
 from dflash_cli.ui.render import Output, OutputClosed, stats_block, status_text, summary_line
 
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
@@ -70,9 +71,15 @@ def is_terminal(stream: Any) -> bool:
 
 
 class SafeFileHistory(FileHistory):
-    """FileHistory that never raises: a failing read or write is remembered (and reported) instead."""
+    """FileHistory that never raises: a failing read or write is remembered (and reported) instead.
+
+    The first line of a \"\"\" block is not kept: the whole block is, once it ends (ChatSession._read)."""
 
     error: OSError | None = None
+
+    def append_string(self, string: str) -> None:
+        if not is_block_opening(string):
+            super().append_string(string)
 
     def load_history_strings(self):
         try:
@@ -89,19 +96,53 @@ class SafeFileHistory(FileHistory):
             self.error = e
 
 
+def is_block_opening(line: str) -> bool:
+    """True for the line that starts a \"\"\" block without ending it."""
+    text = line.strip()
+    return text.startswith('"""') and not (len(text) >= 6 and text.endswith('"""'))
+
+
 def open_history(out: Output, path: Path | None = None) -> History:
-    """The persistent input history; an in-memory one (and a warning) when the file cannot be used."""
+    """The persistent input history; an in-memory one (and a warning) when the file cannot be used.
+
+    A damaged file (not UTF-8, a NUL, lines not in FileHistory's format) is moved aside, never deleted,
+    and a new one is started: its entries would otherwise come back with the Up arrow."""
     path = path or S.history_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            path.read_bytes()
+        damage = history_damage(path.read_bytes()) if path.exists() else None
+        if damage is not None:
+            aside = _free_name(path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"))
+            path.rename(aside)
+            out.warn(f"the chat history file {path} is damaged ({damage}): moved it to {aside.name} "
+                     "and started a new one")
         with open(path, "ab"):
             pass
     except OSError as e:
         out.warn(f"cannot use the chat history file {path} ({e.strerror or e}): continuing without history")
         return InMemoryHistory()
     return SafeFileHistory(str(path))
+
+
+def history_damage(data: bytes) -> str | None:
+    """What is wrong with the bytes of a history file, or None when they are what FileHistory writes."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"bytes that are not UTF-8 at offset {e.start}"
+    if "\0" in text:
+        return "a NUL character"
+    for number, line in enumerate(text.split("\n"), 1):
+        if line and line[0] not in "#+":
+            return f"line {number} is not a history entry"
+    return None
+
+
+def _free_name(path: Path) -> Path:
+    candidate, n = path, 1
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.name}-{n}"), n + 1
+    return candidate
 
 
 class ChatSession:
@@ -140,6 +181,8 @@ class ChatSession:
             try:
                 text, literal = self._read(prompt)
             except KeyboardInterrupt:
+                if signals.received is not None:  # SIGTERM or SIGHUP: prompt_toolkit has restored the terminal
+                    return signals.exit_code()
                 now = time.monotonic()
                 if now - self._last_interrupt < self.double_interrupt_seconds:
                     return EXIT_INTERRUPTED
@@ -157,6 +200,8 @@ class ChatSession:
                 code = None
             except OutputClosed:
                 return EXIT_OK
+            if signals.received is not None:
+                return signals.exit_code()
             if code is not None:
                 return code
 
@@ -275,7 +320,7 @@ class ChatSession:
         if last is not None:
             self.last_stats, self.last_wall = last.stats, time.perf_counter() - started
         if interrupted:
-            out.info(INTERRUPTED, dim=False)
+            out.info(INTERRUPTED if signals.received is None else "interrupted", dim=False)
         elif last is not None and self.verbose:
             self.cmd_stats("")
             reread = self.reread_tokens(last.stats)
@@ -464,7 +509,7 @@ def is_transcript(path: Path) -> bool:
 def run_chat(out: Output, opts: dict[str, Any], *, history: bool, stdin: Any = None, stdout: Any = None) -> int:
     """The `chat` command's body: refuses non-terminals (exit 2), loads the pair, runs the REPL."""
     from dflash_cli.ui.options import generation_settings
-    from dflash_cli.ui.run import check_thinking, load_runtime_for
+    from dflash_cli.ui.run import check_thinking, load_runtime_for, system_prompt
 
     if not (is_terminal(stdin or sys.stdin) and is_terminal(stdout or sys.stdout)):
         out.error(NOT_A_TERMINAL)
@@ -472,7 +517,7 @@ def run_chat(out: Output, opts: dict[str, Any], *, history: bool, stdin: Any = N
     runtime = load_runtime_for(out, opts, quiet=opts["quiet"])
     check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
     out.hide_thinking = opts["hide_thinking"]
-    session = ChatSession(runtime, out, generation_settings(opts), system=opts["system"],
+    session = ChatSession(runtime, out, generation_settings(opts), system=system_prompt(out, opts),
                           history=open_history(out) if history else None,
                           verbose=opts["verbose"], quiet=opts["quiet"])
     return session.run()

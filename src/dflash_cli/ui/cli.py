@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ def cli() -> None:
 
 def guarded(out_factory: Callable, body: Callable[[], int], debug: bool) -> None:
     """Runs a command body, turning known errors into one line + hint and the right exit code."""
+    from dflash_cli.ui import signals
     from dflash_cli.ui.errors import EXIT_INTERRUPTED, describe
 
     out = out_factory()
@@ -31,10 +33,10 @@ def guarded(out_factory: Callable, body: Callable[[], int], debug: bool) -> None
         code = body(out)
     except (click.ClickException, click.exceptions.Exit, click.Abort):
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (ui/signals.py)
         out.close_status()
         out.info("interrupted")
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(signals.exit_code())
     except Exception as error:  # noqa: BLE001 - the one place that turns errors into messages
         out.close_status()
         if debug or S.debug_enabled():
@@ -42,7 +44,7 @@ def guarded(out_factory: Callable, body: Callable[[], int], debug: bool) -> None
         message, hint, code = describe(error)
         out.error(message, hint)
         sys.exit(code)
-    sys.exit(code)
+    sys.exit(signals.exit_code() if code == EXIT_INTERRUPTED else code)
 
 
 @cli.command()
@@ -68,9 +70,9 @@ def generate(prompt, file, as_json, compare, **opts):
     from dflash_cli.ui.render import Output
     from dflash_cli.ui.run import read_prompt, run_generate
 
-    text = read_prompt(prompt, file, sys.stdin)
     guarded(lambda: Output(opts["color"], provenance=opts["provenance"]),
-            lambda out: run_generate(out, opts, text, compare=compare, as_json=as_json), opts["debug"])
+            lambda out: run_generate(out, opts, read_prompt(prompt, file, sys.stdin, warn=out.warn),
+                                     compare=compare, as_json=as_json), opts["debug"])
 
 
 @cli.command()
@@ -140,16 +142,63 @@ from dflash_cli.train.command import train as _train_command  # noqa: E402
 cli.add_command(_train_command)
 
 
+def reopen_closed_streams() -> list[str]:
+    """Gives a closed stdin, stdout or stderr (`>&-`) /dev/null, so that no file opened later gets its
+    number (and stray output), and the Python stream is usable. Returns the names of the closed ones."""
+    closed = []
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+            closed.append(name)
+    return closed
+
+
+def check_config_values(config: S.Config) -> None:
+    """Checks the file's values with the options' own types (ranges, choices), so that a bad value is
+    blamed on its line of the file, not on the environment variable click would name."""
+    params = {p.name: p for p in generate.params}
+    for key, value in config.values.items():
+        param = params.get(key)
+        if param is None or param.type is None:
+            continue
+        try:
+            param.type.convert(value, param, None)
+        except click.BadParameter as e:
+            raise S.ConfigError(f"{config.where(key)}: {key} = {value!r}: {e.message}",
+                                f"fix or remove it in {config.path} (dflash-cli never rewrites it)") from None
+
+
 def main() -> None:
     """Entry point: config-file values become option defaults (environment variables and flags win)."""
+    from dflash_cli.ui import signals
+
+    signals.install()
+    if "stdout" in reopen_closed_streams():
+        from dflash_cli.ui.render import Output
+
+        Output("never").error("cannot write the output: stdout is closed",
+                              "redirect it instead, for example > /dev/null or > FILE")
+        sys.exit(1)
     try:
         config = S.load_config()
+        check_config_values(config)
     except S.ConfigError as error:
         from dflash_cli.ui.render import Output
 
         cheap = not sys.argv[1:] or any(a in ("-h", "--help", "-V", "--version") for a in sys.argv[1:])
         Output("auto").error(str(error), error.hint)
         if not cheap:
-            sys.exit(1)
+            sys.exit(error.exit_code)
         config = S.Config(S.config_path())
-    cli(default_map=config.default_map())
+    try:
+        cli(default_map=config.default_map())
+    except SystemExit:
+        if signals.received is not None:  # stopped by SIGTERM/SIGHUP anywhere, even outside a command body
+            sys.exit(signals.exit_code())
+        raise

@@ -8,7 +8,10 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 def describe(error: BaseException) -> tuple[str, str | None, int]:
     """(message, hint, exit code) for an exception that reached the command line."""
     from dflash_cli.engine.errors import DFlashError, InvalidSettingError
+    from dflash_cli.settings import ConfigError
 
+    if isinstance(error, ConfigError):
+        return str(error), error.hint, error.exit_code
     if isinstance(error, InvalidSettingError):
         return str(error), error.hint, EXIT_USAGE
     if isinstance(error, DFlashError):

@@ -8,6 +8,7 @@ code reaches a stream that is not a terminal unless --color always.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sys
@@ -22,6 +23,27 @@ DIM, BOLD, RED, YELLOW, RESET = "\x1b[2m", "\x1b[1m", "\x1b[31m", "\x1b[33m", "\
 
 class OutputClosed(Exception):
     """stdout was closed by its reader (`| head`): stop generating quietly."""
+
+
+def output_failed(error: OSError) -> Exception:
+    """A failed write to stdout (a full disk, an I/O error) as a one-line error; stdout is pointed at
+    /dev/null first, so the flush at exit does not fail a second time."""
+    from dflash_cli.engine.errors import DFlashError
+
+    silence_stdout()
+    reason = (error.strerror or str(error)).lower()
+    return DFlashError(f"cannot write the output: {reason}", hint="free some space or write it elsewhere"
+                       if error.errno == errno.ENOSPC else None)
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null: after `| head` closed the pipe, or after a write failed."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _isatty(stream: TextIO) -> bool:
@@ -123,13 +145,19 @@ class Output:
         # Bookkeeping first: a Ctrl-C landing inside the write must still end the reply with a newline.
         self._last_char = last
         self._track_column(s)
+        self.write_out(s)
+        if self._status is not None:
+            self._status.refresh()
+
+    def write_out(self, s: str) -> None:
+        """Writes to stdout and flushes: a closed pipe raises OutputClosed, any other failure one error."""
         try:
             self.out.write(s)
             self.out.flush()
         except BrokenPipeError:
             raise OutputClosed from None
-        if self._status is not None:
-            self._status.refresh()
+        except OSError as e:
+            raise output_failed(e) from None
 
     def _track_column(self, s: str) -> None:
         from rich.cells import cell_len
@@ -140,7 +168,7 @@ class Output:
     def _at_pending_wrap(self) -> bool:
         """True when the text exactly filled the last line: the terminal has not wrapped yet, and saving
         and restoring the cursor (as the status redraw does) would cancel the wrap and lose a character."""
-        width = shutil.get_terminal_size().columns
+        width = terminal_size(self.out).columns
         return self._column > 0 and self._column % width == 0
 
     # -- stderr: everything else ------------------------------------------------------------------
@@ -159,13 +187,16 @@ class Output:
             self._err_line(self._style("Hint: ", BOLD) + hint)
 
     def _err_line(self, line: str) -> None:
+        # a message must not fail: a stdout that cannot be flushed is reported by the next write_out
+        for flush in (lambda: self._status is not None and self._status.clear(), self.out.flush):
+            try:
+                flush()
+            except (OSError, ValueError):
+                pass
         try:
-            if self._status is not None:
-                self._status.clear()
-            self.out.flush()
             self.err.write(line + "\n")
             self.err.flush()
-        except (BrokenPipeError, ValueError):
+        except (OSError, ValueError):
             pass
 
     def legend(self) -> None:
@@ -204,6 +235,23 @@ def _strip_ansi(s: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", s)
 
 
+def terminal_size(stream: TextIO) -> os.terminal_size:
+    """The size of the terminal `stream` is on. Asked of the terminal itself: escape codes that place the
+    cursor need its real size, and $LINES/$COLUMNS (which shutil prefers) may be stale."""
+    try:
+        return os.get_terminal_size(stream.fileno())
+    except (OSError, AttributeError, ValueError):
+        return shutil.get_terminal_size()
+
+
+def _fit(line: str, width: int) -> str:
+    """The line cut to `width` cells: a status line that wrapped would be redrawn one row too low."""
+    from rich.cells import cell_len, set_cell_size
+
+    plain = _strip_ansi(line)
+    return line if cell_len(plain) <= width else set_cell_size(plain, max(width, 0)).rstrip()
+
+
 def _same_terminal(a: TextIO, b: TextIO) -> bool:
     try:
         return os.ttyname(a.fileno()) == os.ttyname(b.fileno())
@@ -234,7 +282,7 @@ class StatusLine:
     def __init__(self, err: TextIO, out: TextIO, *, reserve_row: bool, color: bool,
                  hold: Callable[[], bool] = lambda: False):
         self.err, self.out, self.reserve, self.color, self.hold = err, out, reserve_row, color, hold
-        self.rows = shutil.get_terminal_size().lines
+        self.rows = terminal_size(err).lines
         self.reserve = self.reserve and self.rows >= 3
         self._line = ""
         self._last = 0.0
@@ -246,7 +294,7 @@ class StatusLine:
             self.out.flush()
             self.err.write(s)
             self.err.flush()
-        except (BrokenPipeError, ValueError):
+        except (OSError, ValueError):
             pass
 
     def update(self, line: str, force: bool = False) -> None:
@@ -260,10 +308,11 @@ class StatusLine:
     def refresh(self) -> None:
         if not self._line or (self.reserve and self.hold()):
             return
+        line = _fit(self._line, terminal_size(self.err).columns - 1)
         if self.reserve:
-            self._raw(f"\x1b7\x1b[{self.rows};1H\x1b[2K{self._line}\x1b8")
+            self._raw(f"\x1b7\x1b[{self.rows};1H\x1b[2K{line}\x1b8")
         else:
-            self._raw(f"\r\x1b[2K{self._line}")
+            self._raw(f"\r\x1b[2K{line}")
 
     def clear(self) -> None:
         if self.reserve:
@@ -299,6 +348,8 @@ def summary_line(stats: Any, speculative: bool) -> str:
         parts.append("speculation off")
     if stats.finish_reason == "length":
         parts.append("stopped at the token limit")
+    elif stats.finish_reason == "context":
+        parts.append("stopped: the context is full")
     return " · ".join(parts)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sys
 import time
@@ -11,28 +10,62 @@ from typing import Any
 
 import click
 
-from dflash_cli.ui.render import Output, OutputClosed, stats_block, stats_json, status_text, summary_line
+from dflash_cli.ui.render import (Output, OutputClosed, silence_stdout, stats_block, stats_json, status_text,
+                                  summary_line)
 
 
-def read_prompt(words: tuple[str, ...], file: str | None, stdin: Any) -> str:
-    """stdin (when piped) or -f FILE first, then the instruction from the arguments (ollama and llm agree)."""
-    parts = []
+def read_prompt(words: tuple[str, ...], file: str | None, stdin: Any, warn=lambda _: None) -> str:
+    """stdin (when piped) or -f FILE first, then the instruction from the arguments (ollama and llm agree).
+
+    All three are UTF-8: bytes that are not become U+FFFD, and `warn` is told once."""
+    parts, replaced = [], False
     if file is not None:
         try:
-            with open(file, encoding="utf-8", errors="replace") as f:
-                parts.append(f.read())
+            with open(file, "rb") as f:
+                data, bad = decode_utf8(f.read())
         except OSError as e:
             raise click.BadParameter(f"cannot read {file}: {e.strerror}", param_hint="-f/--file") from None
+        parts.append(data)
+        replaced |= bad
     if stdin is not None and not _isatty(stdin):
-        data = stdin.read()
+        raw = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read()
+        data, bad = decode_utf8(raw)
         if data.strip():
             parts.append(data)
+            replaced |= bad
     if words:
-        parts.append(" ".join(words))
+        data, bad = decode_utf8(" ".join(words))
+        parts.append(data)
+        replaced |= bad
     prompt = "\n\n".join(p.rstrip("\n") for p in parts)
     if not prompt.strip():
         raise click.UsageError("no prompt: give it as arguments, pipe it on stdin, or use -f FILE")
+    if replaced:
+        warn(NOT_UTF8.format(what="the prompt"))
     return prompt
+
+
+NOT_UTF8 = "{what} is not valid UTF-8: the invalid bytes were replaced with U+FFFD"
+
+
+def decode_utf8(data: bytes | str) -> tuple[str, bool]:
+    """(text, whether something was replaced). A str may hold the surrogate escapes Python gives to
+    undecodable bytes in arguments, environment variables and C-locale streams: those become U+FFFD."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+            return data, False
+        except UnicodeEncodeError:
+            data = data.encode("utf-8", "surrogateescape" if _only_escapes(data) else "replace")
+            return data.decode("utf-8", "replace"), True
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "replace"), True
+
+
+def _only_escapes(text: str) -> bool:
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in text)
 
 
 def _isatty(stream: Any) -> bool:
@@ -42,8 +75,12 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
-def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
-    """Resolves the pair (registry, preflight, download on first use), then loads it with a spinner."""
+def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: str | None = None,
+                     system: str | None = None):
+    """Resolves the pair (registry, preflight, download on first use), then loads it with a spinner.
+
+    What can be checked without the weights is checked first: --block-size against the drafter's config,
+    and the length of `prompt` (generate's) against --max-context, with the tokenizer alone."""
     from dflash_cli.models.resolve import resolve_pair
     from dflash_cli.session import load_runtime
 
@@ -53,19 +90,44 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool):
     pair = resolve_pair(opts["model"], opts.get("draft"), no_draft=opts["no_draft"],
                         on_status=out.info if not quiet else (lambda _: None), quant=opts["quant"],
                         budget=memory_budget(opts))
+    check_block_size(opts.get("block_size"), pair.block_size)
     if opts["quant"] == "auto" and not quiet:
         out.info(f"--quant auto: {pair.quant if pair.quant != 'none' else 'no quantization'} fits")
     with out.spinner(f"Loading {opts['model']} ..."):
         runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None,
                                quant=pair.quant, dtype=opts["dtype"], device=opts["device"],
                                compile=opts.get("compile", "auto"), max_context=opts.get("max_context"),
-                               on_notice=out.warn)
+                               on_notice=out.warn,
+                               before_weights=None if prompt is None else
+                               lambda tokenizer: check_prompt_fits(tokenizer, prompt, system, opts))
     runtime.pair = pair.drafter_entry
     if not quiet:
         where = f"{runtime.device} {runtime.dtype}" + (f" {runtime.quant}" if runtime.quant else "")
         block = f" (block {runtime.drafter.block_size})" if runtime.speculative else ""
         out.info(f"{pair.drafter_note}{block} · {where} · loaded in {runtime.load_seconds:.1f}s")
     return runtime
+
+
+def check_block_size(block_size: int | None, trained: int | None) -> None:
+    from dflash_cli.engine.errors import InvalidSettingError
+
+    if block_size is None or (trained is not None and 1 <= block_size <= trained) or block_size == 1:
+        return
+    if trained is None:
+        raise InvalidSettingError("--block-size needs a drafter", hint="drop --block-size or add --draft")
+    raise InvalidSettingError(f"block size {block_size} is outside 1..{trained} (this drafter's trained block size)",
+                              hint=f"use --block-size 1..{trained}, or leave it out for {trained}")
+
+
+def check_prompt_fits(tokenizer: Any, prompt: str, system: str | None, opts: dict[str, Any]) -> None:
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.engine.text import encode_prompt
+
+    n = len(encode_prompt(tokenizer, prompt, chat_template=not opts["no_chat_template"],
+                          enable_thinking=opts["think"], system=system))
+    if opts.get("max_context") and n >= opts["max_context"]:
+        raise InvalidSettingError(f"the prompt has {n} tokens, --max-context holds {opts['max_context']}",
+                                  hint="shorten the prompt, or raise --max-context")
 
 
 def memory_budget(opts: dict[str, Any]):
@@ -79,6 +141,16 @@ def memory_budget(opts: dict[str, Any]):
         return None
     dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(pick_dtype(opts["dtype"], device)), "fp32")
     return MemoryBudget(free, opts["max_context"], dtype, "GPU memory" if device.type == "cuda" else "system memory")
+
+
+def system_prompt(out: Output, opts: dict[str, Any]) -> str | None:
+    """-s/--system (or DFLASH_SYSTEM), with bytes that are not UTF-8 replaced as in the prompt."""
+    if opts.get("system") is None:
+        return None
+    text, replaced = decode_utf8(opts["system"])
+    if replaced:
+        out.warn(NOT_UTF8.format(what="the system prompt"))
+    return text
 
 
 def check_thinking(out: Output, runtime: Any, think: bool | None, *, chat_template: bool = True,
@@ -122,8 +194,9 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     from dflash_cli.session import Conversation
     from dflash_cli.ui.options import generation_settings
 
-    quiet = opts["quiet"] or as_json
-    runtime = load_runtime_for(out, opts, quiet=quiet)
+    quiet = opts["quiet"] or (as_json and not opts["verbose"])  # --json -v: the JSON, and -v's lines on stderr
+    system = system_prompt(out, opts)
+    runtime = load_runtime_for(out, opts, quiet=quiet, prompt=prompt, system=system)
     check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
     out.hide_thinking = opts["hide_thinking"]
     settings = generation_settings(opts)
@@ -136,7 +209,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         _warm_up(runtime, settings)
     if not quiet and not compare:
         out.legend()
-    conversation = Conversation(runtime, system=opts["system"])
+    conversation = Conversation(runtime, system=system)
     started = time.perf_counter()
     status = None if quiet else out.status_line()
     last, tokens, interrupted = None, [], False
@@ -153,7 +226,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     except KeyboardInterrupt:
         interrupted = True
     except OutputClosed:
-        _silence_stdout()
+        silence_stdout()
         return 0
     finally:
         out.close_status()
@@ -161,6 +234,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         out.end_text()
     wall = time.perf_counter() - started
     if last is None:
+        out.info("interrupted")
         return 130
     stats = last.stats
     baseline = None
@@ -171,16 +245,17 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
                 "interrupted": interrupted, "model": str(runtime.target_dir),
                 "drafter": str(runtime.drafter_dir) if runtime.drafter_dir else None,
                 "forward": runtime.fast_path, "seed": settings.seed}
+        if interrupted:
+            data["finish_reason"] = "interrupted"
         if baseline is not None:
             data.update(_comparison(tokens, stats, baseline))
-        out.out.write(json.dumps(data, ensure_ascii=False) + "\n")
-        out.out.flush()
-    elif opts["verbose"]:
+        out.write_out(json.dumps(data, ensure_ascii=False) + "\n")
+    if opts["verbose"]:
         for line in stats_block(stats, load_seconds=runtime.load_seconds, wall_seconds=wall,
                                 baseline=baseline[1] if baseline else None, forward=runtime.fast_path,
                                 seed=settings.seed):
             out.info(line, dim=False)
-    elif not opts["quiet"] and out.err_tty:
+    elif not quiet and out.err_tty:
         out.info(summary_line(stats, runtime.speculative))
     if baseline is not None and not as_json:
         cmp = _comparison(tokens, stats, baseline)
@@ -194,6 +269,9 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         out.info(f"compare: speculative {stats.decode_tokens_per_second:.1f} tok/s vs plain "
                  f"{cmp['baseline']['decode_tokens_per_second']:.1f} tok/s = {cmp['speedup']:.2f}x · {same}",
                  dim=False)
+    if stats.finish_reason == "context" and not opts["quiet"]:
+        out.warn(f"the reply stopped after {stats.generated_tokens} tokens: the context is full "
+                 f"({stats.prompt_tokens + stats.generated_tokens} tokens); raise --max-context for longer replies")
     if interrupted:
         out.info("interrupted")
         return 130
@@ -242,12 +320,3 @@ def _comparison(tokens: list[int], stats: Any, baseline: tuple[list[int], Any]) 
             "speedup": stats.decode_tokens_per_second / rate if rate else None,
             "identical": diverge is None,
             "first_divergence": diverge}
-
-
-def _silence_stdout() -> None:
-    """After `| head` closed the pipe: point stdout at /dev/null so exiting prints no BrokenPipeError."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
