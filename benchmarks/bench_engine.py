@@ -433,6 +433,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
     p.add_argument("--json", metavar="FILE", help="also write all numbers to FILE")
+    p.add_argument("--units-only", action="store_true",
+                   help="only the unit costs (decode, verify, draft, rollback): minutes less on big CPU shapes")
     p.add_argument("--paths", nargs="+", choices=list(PATHS), default=None,
                    help="target forwards to measure side by side: eager (transformers' forward, dynamic cache), "
                         "fast (static cache, eager), compiled (static cache, torch.compile) "
@@ -495,6 +497,12 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
             out["compile_seconds"] = time.perf_counter() - t0
             log(f"compiled in {out['compile_seconds']:.0f}s" + ("" if target.fast_compiled else " (FAILED: eager)"))
     print(f"\n## {path} path")
+    if args.units_only:
+        units = out["unit_costs"] = unit_costs(target, drafter, args.prompt_len + new_tokens // 2,
+                                               sorted({4, 8, 16, block} & set(range(2, block + 1)) | {block}),
+                                               repeats)
+        print_units(units)
+        return out
     # Full-length warm-up of both loops: on the GPU the first pass through each new cache length is
     # about twice as slow (per-shape setup), and would otherwise land in the first measured prompt.
     log(f"[{path}] warm-up")
@@ -609,7 +617,7 @@ def main(argv=None) -> int:
         print_paths(results["paths"], block)
     target.disable_fast_path()
 
-    if not args.no_hf:
+    if not args.no_hf and not args.units_only:
         log("transformers generate() baselines")
         variants = {"hf generate": {},
                     "hf assisted (random LM)": dict(assistant_model=build_assistant(tcfg, device, dtype, args.seed + 2))}
