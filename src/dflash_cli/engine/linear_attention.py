@@ -99,7 +99,6 @@ def gated_delta_net(net: nn.Module, proj: nn.ModuleDict, x: torch.Tensor, conv_s
     """
     n = x.shape[1]
     mixed, z, b, a = proj["inputs"](x)
-    kernel = net.conv_kernel_size
     conv_in = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # (1, C, K-1+n)
     weight = net.conv1d.weight  # (C, 1, K)
     mixed = F.conv1d(conv_in.to(weight.dtype), weight, net.conv1d.bias, groups=weight.shape[0])  # (1, C, n)
@@ -110,14 +109,13 @@ def gated_delta_net(net: nn.Module, proj: nn.ModuleDict, x: torch.Tensor, conv_s
     k = k.reshape(n, net.num_k_heads, net.head_k_dim).float().repeat_interleave(repeat, dim=1).transpose(0, 1)
     v = v.reshape(n, heads, net.head_v_dim).float().transpose(0, 1)  # (h, n, dv)
     q, k = l2norm(q) * net.head_k_dim**-0.5, l2norm(k)
-    beta = b[0].float().sigmoid().transpose(0, 1)  # (h, n)
+    beta = b[0].sigmoid().float().transpose(0, 1)  # (h, n), rounded as transformers does in bf16
     g = (-net.A_log.float().exp() * F.softplus(a[0].float() + net.dt_bias)).transpose(0, 1)
-    outs = []
-    s0 = state
+    outs, record = [], None
     for lo in range(0, n, CHUNK):
         hi = min(lo + CHUNK, n)
-        if lo:  # the state at this chunk's start, from the chunk before
-            s0 = state_after(record, CHUNK)
+        # the state at this chunk's start: the layer's, or the end of the chunk before
+        s0 = state if record is None else state_after(record, CHUNK)
         out, cum_g, delta = delta_rule_chunk(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], s0)
         record = BlockRecord(s0, k[:, lo:hi], cum_g, delta, conv_in[:, :, lo:])
         outs.append(out)
