@@ -183,7 +183,7 @@ def test_rm_removes_exactly_one_pair(fake, online, env):
 
 def test_rm_confirmation_on_a_terminal(fake, online, env, monkeypatch):
     assert invoke("pull", "tiny", endpoint=fake.endpoint).exit_code == 0
-    monkeypatch.setattr("dflash_cli.ui.render._isatty", lambda stream: True)
+    monkeypatch.setattr("dflash_cli.ui.render.isatty", lambda stream: True)
     no = invoke("rm", "tiny", input="n\n")
     assert no.exit_code == 0 and "nothing removed" in no.stderr
     assert len(invoke("ls", "-q").stdout.split()) == 2
