@@ -26,6 +26,7 @@ endpoint_option = click.option("--endpoint", envvar="HF_ENDPOINT", hidden=True, 
 
 
 def apply_all(options: list[Callable]) -> Callable:
+    """One decorator for a group of click options, listed in --help in the order given."""
     def decorator(f: Callable) -> Callable:
         for option in reversed(options):
             f = option(f)
@@ -92,7 +93,11 @@ output_options = apply_all([
 ])
 
 
+common_options = apply_all([color_option, debug_option])
+
+
 def generation_settings(kwargs: dict):
+    """The per-reply settings of generate's and chat's options."""
     from dflash_cli.session import GenerationSettings
 
     return GenerationSettings(max_tokens=kwargs["max_tokens"], temperature=kwargs["temperature"],
@@ -100,9 +105,6 @@ def generation_settings(kwargs: dict):
                               block_size=kwargs["block_size"], think=kwargs["think"],
                               chat_template=not kwargs["no_chat_template"],
                               max_context=kwargs.get("max_context"))
-
-
-common_options = apply_all([color_option, debug_option])
 
 
 # -- running a command body ----------------------------------------------------------------------------

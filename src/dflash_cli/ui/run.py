@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import sys
 import time
 from typing import Any
 
