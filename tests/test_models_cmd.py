@@ -183,7 +183,7 @@ def test_rm_removes_exactly_one_pair(fake, online, env):
 
 def test_rm_confirmation_on_a_terminal(fake, online, env, monkeypatch):
     assert invoke("pull", "tiny", endpoint=fake.endpoint).exit_code == 0
-    monkeypatch.setattr("dflash_cli.ui.render._isatty", lambda stream: True)
+    monkeypatch.setattr("dflash_cli.ui.render.isatty", lambda stream: True)
     no = invoke("rm", "tiny", input="n\n")
     assert no.exit_code == 0 and "nothing removed" in no.stderr
     assert len(invoke("ls", "-q").stdout.split()) == 2
@@ -249,3 +249,86 @@ def test_progress_disabled_by_env(monkeypatch):
     assert progress_enabled(Tty()) and not progress_enabled(io.StringIO())
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     assert not progress_enabled(Tty())
+
+
+# -- one resolver: every command reads a -m value the same way (models/resolve.py) ----------------------
+
+def test_a_folder_without_config_json_does_not_shadow_a_name_in_any_command(fake, online, env, tmp_path,
+                                                                            monkeypatch):
+    from dflash_cli.models.resolve import resolve_spec
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()  # an empty folder named like the pair: the name wins everywhere
+    removed = invoke("rm", "tiny", "-y")
+    assert removed.exit_code == 1 and f"({TARGET}, {DRAFTER})" in removed.stderr
+    shown = json.loads(invoke("show", "tiny", "--json", endpoint=fake.endpoint).stdout)
+    assert shown["target"] == TARGET and shown["drafter"] == DRAFTER
+    planned = invoke("pull", "tiny", "--dry-run", endpoint=fake.endpoint)
+    assert planned.exit_code == 0 and f"target {TARGET}" in planned.stdout
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    generated = invoke("generate", "-m", "tiny", "hi")
+    assert generated.exit_code == 1 and f"Error: {TARGET} is only partly downloaded" in generated.stderr
+    assert resolve_spec("tiny").target == TARGET
+
+
+def test_a_model_folder_named_like_a_pair_is_that_folder_in_every_command(env, tmp_path, monkeypatch, repo_files):
+    from dflash_cli.models.resolve import resolve_spec
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(repo_files[TARGET]["config.json"])
+    assert resolve_spec("tiny").kind == "folder"
+    shown = json.loads(invoke("show", "tiny", "--json").stdout)
+    assert shown["target"] == "tiny" and shown["configs"]["target"] == str(Path("tiny") / "config.json")
+    pulled = invoke("pull", "tiny")
+    assert pulled.exit_code == 1 and "tiny is a local folder: there is nothing to pull" in pulled.stderr
+    removed = invoke("rm", "tiny", "-y")  # not the cached pair of the same name
+    assert removed.exit_code == 1 and "tiny is a local folder" in removed.stderr
+
+
+def test_unsupported_pairs_are_shown_and_removable_but_not_run_or_pulled(env, tmp_path, monkeypatch):
+    config = tmp_path / "later.toml"
+    config.write_text('[pairs.later]\ntarget = "a/b"\nunsupported = "mamba layers cannot roll back yet"\n')
+    monkeypatch.setenv("DFLASH_CONFIG", str(config))
+    assert json.loads(invoke("show", "later", "--json").stdout)["unsupported"] == "mamba layers cannot roll back yet"
+    assert "later is not in the local cache (a/b)" in invoke("rm", "later", "-y").stderr
+    for args in (["pull", "later"], ["generate", "-m", "later", "hi"]):
+        result = invoke(*args)
+        assert result.exit_code == 1 and "is not supported: mamba layers" in result.stderr, args
+
+
+def test_show_plans_with_the_configured_max_context(env, monkeypatch, repo_files, tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(repo_files[TARGET]["config.json"])
+    config = Path(monkeypatch_config := str(tmp_path / "config.toml"))
+    config.write_text(config.read_text().replace("[pairs.tiny]", "max_context = 2048\n\n[pairs.tiny]"))
+    data = json.loads(invoke("show", str(folder), "--json").stdout)
+    assert data["memory"]["context_tokens"] == 2048
+    assert data["settings"]["context"] == {"value": 2048, "from": f"config file {monkeypatch_config}"}
+    monkeypatch.setenv("DFLASH_MAX_CONTEXT", "4096")
+    data = json.loads(invoke("show", str(folder), "--json").stdout)
+    assert data["settings"]["context"] == {"value": 4096, "from": "env DFLASH_MAX_CONTEXT"}
+    data = json.loads(invoke("show", str(folder), "--json", "--max-context", "512").stdout)
+    assert data["memory"]["context_tokens"] == 512 and data["settings"]["context"]["from"] == "flag"
+
+
+def test_show_plans_against_the_device_generate_would_use(env, monkeypatch, repo_files, tmp_path):
+    from dflash_cli.engine import device as device_mod
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(repo_files[TARGET]["config.json"])
+    asked = []
+    monkeypatch.setattr(device_mod, "free_memory", lambda d: asked.append(str(d)) or 3 << 30)
+    data = json.loads(invoke("show", str(folder), "--json", "--device", "cpu").stdout)
+    assert asked == ["cpu"] and data["memory"]["available_bytes"] == 3 << 30
+    assert data["memory"]["available"] == "free system memory on cpu"
+    assert data["settings"]["device"] == {"value": "cpu", "from": "flag"}
+    # a device this machine lacks: show refuses it with generate's own words (and exit code)
+    shown = invoke("show", str(folder), "--device", "cuda:7")
+    generated = invoke("generate", "-m", str(folder), "--device", "cuda:7", "hi")
+    assert shown.exit_code == generated.exit_code == 2
+    assert shown.stderr.splitlines()[0] == generated.stderr.splitlines()[0]
+    assert "cuda:7" in shown.stderr

@@ -17,10 +17,6 @@ from dflash_cli import settings as S
 from dflash_cli.engine.errors import CheckpointError, DFlashError
 
 
-class ModelNotFoundError(CheckpointError):
-    """A --model/--draft value names nothing this version can find."""
-
-
 class TranscriptError(DFlashError):
     """A saved chat transcript cannot be read."""
 
@@ -42,26 +38,6 @@ class GenerationSettings:
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, seed=self.seed, block_size=self.block_size, max_context=self.max_context)
-
-
-from dflash_cli.models.registry import BUILTIN_MODELS  # noqa: E402
-
-
-def resolve_folder(spec: str, what: str, on_status: Callable[[str], None] | None = None) -> Path:
-    """A --model/--draft value -> a local checkpoint folder (a folder, or a built-in model name)."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return path
-    if spec in BUILTIN_MODELS:
-        from dflash_cli.models.smollm2 import ensure_smollm2
-
-        return ensure_smollm2(on_status=on_status)
-    if path.exists():
-        raise ModelNotFoundError(f"{what} {spec!r} is a file, not a model folder")
-    raise ModelNotFoundError(
-        f"{what} {spec!r} was not found",
-        hint="pass a local folder holding config.json and *.safetensors, or a built-in model: "
-             + ", ".join(BUILTIN_MODELS))
 
 
 @dataclass
@@ -102,12 +78,14 @@ class Runtime:
         return out
 
 
-def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dtype: str | None = None,
+def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | None = None, dtype: str | None = None,
                  device: str | None = None, compile: str = S.DEFAULT_COMPILE, max_context: int | None = None,
                  on_status: Callable[[str], None] | None = None,
                  on_notice: Callable[[str], None] | None = None,
                  before_weights: Callable[[Any], None] | None = None) -> Runtime:
-    """Resolves and loads a target (and drafter), checking the pair before any weights load.
+    """Loads a target folder (and drafter folder), checking the pair before any weights load.
+
+    Names, repo ids and built-in models are turned into folders before this, by models/resolve.py.
 
     `compile` (auto/on/off) picks the target's forward: the static-cache fast path, compiled or not, or
     (off) transformers' own; `max_context` sizes the static cache. `on_notice` gets one-line warnings
@@ -117,8 +95,10 @@ def load_runtime(model: str, draft: str | None, *, quant: str | None = None, dty
     from dflash_cli.engine.device import pick_device, pick_dtype
     from dflash_cli.engine.load import load_pair
 
-    target_dir = resolve_folder(model, "model", on_status)
-    drafter_dir = resolve_folder(draft, "drafter", on_status) if draft else None
+    target_dir, drafter_dir = Path(model).expanduser(), Path(draft).expanduser() if draft else None
+    for what, folder in (("model", target_dir), ("drafter", drafter_dir)):
+        if folder is not None and not folder.is_dir():
+            raise CheckpointError(f"{what} folder {folder} does not exist")
     if not any((target_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise CheckpointError(f"{target_dir} has no tokenizer files (tokenizer.json or tokenizer_config.json)",
                               hint="the model folder must include its tokenizer; 'dflash-cli pull' fetches it")

@@ -1,6 +1,9 @@
 """Every default, declared once, with the environment variable that overrides it.
 
-Only this module reads the environment; the engine receives plain values.
+dflash-cli's own variables (DFLASH_*, and the XDG folders they fall back to) are read only here; the
+engine receives plain values. Variables of other tools are read where they are used: Hugging Face's
+(HF_*) by models/hub.py, ui/download_progress.py and the doctor, the terminal's (NO_COLOR, TERM) by
+ui/render.py.
 """
 
 from __future__ import annotations
@@ -53,6 +56,16 @@ def data_dir() -> Path:
         return Path(os.environ["DFLASH_DATA_DIR"])
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "dflash-cli"
+
+
+def cache_dir() -> Path:
+    """Where converted models and compiled kernels live: $DFLASH_CACHE_DIR, else $XDG_CACHE_HOME/dflash-cli."""
+    explicit = os.environ.get("DFLASH_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "dflash-cli"
 
 
 def history_path() -> Path:

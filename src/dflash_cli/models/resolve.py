@@ -1,7 +1,11 @@
-"""--model/--draft values -> local folders: registry lookup, pairing preflight from configs, then download.
+"""--model/--draft values -> specs -> local folders: the one place that reads those values.
 
-No printing: progress and notes go through `on_status`. The pair is checked from the two config.json
-files before any weights are downloaded, so a mismatched pair costs a few kilobytes, not gigabytes.
+`resolve_spec` and `drafter_source` name what a value means from the registry and the disk alone (no
+network, no download): `show`, `pull`, `rm` and `bench` stop there. `resolve_pair` goes on for the
+commands that run a model: a pairing preflight from the two config.json files, a memory preflight, then
+the download of what is missing, so a mismatched pair costs a few kilobytes, not gigabytes.
+
+No printing: progress and notes go through `on_status`.
 """
 
 from __future__ import annotations
@@ -12,9 +16,85 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.engine.errors import CheckpointError, DFlashError
-from dflash_cli.models.registry import (ModelSpec, PairEntry, folder_repo_names, looks_like_repo_id,
-                                        resolve_spec)
+from dflash_cli.engine.errors import CheckpointError, DFlashError, UnsupportedModelError
+from dflash_cli.models.registry import (BUILTIN_MODELS, PairEntry, demo_drafter_dir, find_pair, folder_repo_names,
+                                        load_registry)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a --model value names: a local folder, a built-in model, or a Hub repo (with its pair)."""
+
+    kind: str  # "folder", "builtin" or "repo"
+    target: str  # folder path, built-in model, or repo id
+    target_revision: str | None = None
+    drafter: str | None = None  # drafter repo id (or folder) the registry pairs with it
+    drafter_revision: str | None = None
+    entry: PairEntry | None = None
+    alias: str | None = None  # the registry alias or built-in name the value was (not a folder or repo id)
+
+
+def known_pairs() -> dict[str, PairEntry]:
+    """The registry: the shipped pairs, then those of the config file."""
+    from dflash_cli import settings
+
+    config = settings.load_config()
+    return load_registry(config.pairs, user_source=str(config.path))
+
+
+def looks_like_repo_id(value: str) -> bool:
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "~", "/"))
+
+
+def known_names(registry: dict[str, PairEntry]) -> str:
+    return ", ".join(sorted(registry)) + ", " + ", ".join(BUILTIN_MODELS)
+
+
+def resolve_spec(value: str, registry: dict[str, PairEntry] | None = None, *, allow_unsupported: bool = False,
+                 store: bool = False) -> ModelSpec:
+    """Turns a --model value into a ModelSpec, from the registry and the disk only (never the network).
+
+    A folder wins over a name only when it holds a config.json. Pairs marked unsupported are refused
+    unless `allow_unsupported` (show, rm). `store`: the value is meant for the model store (pull, show,
+    rm), and an unknown one is reported against the known names."""
+    registry = known_pairs() if registry is None else registry
+    entry = find_pair(value, registry)
+    if entry is not None and entry.unsupported and not allow_unsupported:
+        raise UnsupportedModelError(f"{entry.alias} ({entry.target}) is not supported: {entry.unsupported}",
+                                    hint="pick another model: dflash-cli list --known")
+    drafter = dict(drafter=entry.drafter, drafter_revision=entry.drafter_revision) if entry else {}
+    folder = Path(value).expanduser()
+    if folder.is_dir() and (folder / "config.json").is_file():  # a model folder wins over a name
+        return ModelSpec("folder", str(folder), entry=entry, **drafter)
+    if value.lower() == "demo":
+        return ModelSpec("builtin", "smollm2-135m", drafter=str(demo_drafter_dir()), alias="demo")
+    if value.lower() in BUILTIN_MODELS:
+        return ModelSpec("builtin", value.lower(), alias=value.lower())
+    if entry is not None:
+        named = entry.alias if value.lower() in registry else None
+        return ModelSpec("repo", entry.target, entry.target_revision, entry=entry, alias=named, **drafter)
+    if looks_like_repo_id(value):
+        return ModelSpec("repo", value)
+    if folder.is_dir():
+        raise CheckpointError(f"model folder {folder} has no config.json",
+                              hint="a model folder holds config.json, *.safetensors and the tokenizer files; "
+                                   "'dflash-cli pull' downloads one")
+    if store:
+        raise CheckpointError(f"model {value!r} is not a known name or a Hub repo id (org/name)",
+                              hint=f"known names: {known_names(registry)} (dflash-cli list --known)")
+    raise CheckpointError(f"model {value!r} is not a folder, a known name or a Hub repo id (org/name)",
+                          hint=f"known names: {known_names(registry)}")
+
+
+def drafter_source(draft: str) -> tuple[str, str]:
+    """A --draft value -> ("folder", path) or ("repo", repo id)."""
+    where = str(Path(draft).expanduser())
+    if Path(where).is_dir():
+        return "folder", where
+    if looks_like_repo_id(draft):
+        return "repo", where
+    raise CheckpointError(f"drafter {draft!r} is neither a folder nor a Hub repo id (org/name)")
 
 
 class MemoryPlanError(DFlashError):
@@ -39,7 +119,8 @@ class MemoryBudget:
     available_bytes: int
     context_tokens: int
     dtype: str  # bf16, fp16 or fp32
-    where: str  # "cuda" or "system memory", for messages
+    where: str  # "GPU memory" or "system memory", for messages
+    device: str = ""  # the device planned for: cuda:0, cpu, ...
 
 
 def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, budget: MemoryBudget,
@@ -66,25 +147,37 @@ def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, bud
         hint="; ".join(plan.suggestions[:3]) or "use a smaller model")
 
 
-def _registry():
-    from dflash_cli import settings
-    from dflash_cli.models.registry import load_registry
+def memory_budget(device: str | None, dtype: str | None, context_tokens: int) -> MemoryBudget | None:
+    """What a pair must fit in on the device `generate --device` would pick: free GPU memory on CUDA,
+    available system memory on CPU (None: unknown)."""
+    from dflash_cli.engine.device import free_memory, pick_device, pick_dtype
 
-    config = settings.load_config()
-    return load_registry(config.pairs, user_source=str(config.path))
+    picked = pick_device(device)
+    free = free_memory(picked)
+    if free is None:
+        return None
+    dt = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(pick_dtype(dtype, picked)), "fp32")
+    return MemoryBudget(free, context_tokens, dt, "GPU memory" if picked.type == "cuda" else "system memory",
+                        str(picked))
 
 
-def _config_of(kind: str, where: str, revision: str | None, endpoint: str | None) -> dict[str, Any]:
+def find_config(kind: str, where: str, revision: str | None, endpoint: str | None) -> Path:
+    """The config.json of a folder or a repo: from the cache, else fetched alone (never the weights)."""
     from dflash_cli.models import hub
 
-    folder = Path(where) if kind == "folder" else None
-    if kind == "repo":
-        try:
-            folder = hub.local_snapshot(where, revision, validate=False)
-        except hub.NotDownloadedError:
-            folder = hub.fetch_configs(where, revision, endpoint=endpoint)
+    if kind == "folder":
+        return Path(where) / "config.json"
     try:
-        return json.loads((folder / "config.json").read_text())
+        folder = hub.local_snapshot(where, revision, validate=False)
+    except hub.NotDownloadedError:
+        folder = hub.fetch_configs(where, revision, endpoint=endpoint)
+    return folder / "config.json"
+
+
+def read_config(kind: str, where: str, revision: str | None, endpoint: str | None) -> dict[str, Any]:
+    path = find_config(kind, where, revision, endpoint)
+    try:
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read config.json of {where}: {e}") from None
 
@@ -92,7 +185,7 @@ def _config_of(kind: str, where: str, revision: str | None, endpoint: str | None
 def _fetch(repo: str, revision: str | None, endpoint: str | None, on_status: Callable[[str], None],
            tqdm_class: Any) -> Path:
     from dflash_cli.models import hub
-    from dflash_cli.ui.render import fmt_bytes  # formatting only
+    from dflash_cli.units import fmt_bytes
 
     try:
         return hub.local_snapshot(repo, revision)
@@ -112,7 +205,7 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     from dflash_cli.engine.drafter import DrafterConfig
     from dflash_cli.engine.pairing import check_pair, check_target_config
 
-    spec = resolve_spec(model, _registry())
+    spec = resolve_spec(model)
     if spec.kind == "builtin":
         from dflash_cli.models.smollm2 import ensure_smollm2
 
@@ -124,10 +217,7 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     if no_draft:
         note = "speculation off: --no-draft"
     elif draft:
-        drafter_where = str(Path(draft).expanduser())
-        drafter_kind = "folder" if Path(drafter_where).is_dir() else "repo" if looks_like_repo_id(draft) else None
-        if drafter_kind is None:
-            raise CheckpointError(f"drafter {draft!r} is neither a folder nor a Hub repo id (org/name)")
+        drafter_kind, drafter_where = drafter_source(draft)
         note = f"speculation on: drafter {draft}"
         if spec.entry is not None and _names_drafter(draft, spec.entry):
             drafter_entry = spec.entry
@@ -141,11 +231,11 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
         note = "speculation off: no drafter known for this model (--draft FOLDER or REPO)"
 
     # Preflight from config files only: a bad pair fails here, before any weights download.
-    target_cfg = _config_of(target_kind, target_where, spec.target_revision, endpoint)
+    target_cfg = read_config(target_kind, target_where, spec.target_revision, endpoint)
     check_target_config(target_cfg, target_where)
     drafter_cfg = None
     if drafter_kind is not None:
-        drafter_cfg = _config_of(drafter_kind, drafter_where, drafter_rev, endpoint)
+        drafter_cfg = read_config(drafter_kind, drafter_where, drafter_rev, endpoint)
         check_pair(target_cfg, DrafterConfig.from_dict(drafter_cfg, source=f"{drafter_where}/config.json"),
                    target_name=target_where, drafter_name=drafter_where)
     if budget is not None:

@@ -125,12 +125,9 @@ def gguf_path() -> Path:
 
 def default_cache_dir() -> Path:
     """``$DFLASH_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/dflash-cli`` (``~/.cache/dflash-cli``)."""
-    explicit = os.environ.get("DFLASH_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "dflash-cli"
+    from dflash_cli.settings import cache_dir
+
+    return cache_dir()
 
 
 def _normalize_dtype(dtype: str) -> str:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dflash_cli import settings as S
-from dflash_cli.ui.options import model_options
+from dflash_cli.ui.common import color_option, debug_option, guarded, model_options
 
 
 @click.command()
@@ -29,10 +28,9 @@ from dflash_cli.ui.options import model_options
                    "(measures the speed users get; without it every round drafts a full block, which "
                    "measures the drafter).")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as one JSON object on stdout.")
-@click.option("--color", type=click.Choice(["auto", "always", "never"]), default=S.DEFAULT_COLOR,
-              envvar=S.ENV["color"], show_envvar=True, show_default=True, help="Colours on terminals.")
+@color_option
 @click.option("-q", "--quiet", is_flag=True, help="Print no table or progress (only --json output and errors).")
-@click.option("--debug", is_flag=True, envvar=S.DEBUG_ENV, help="Show tracebacks of unexpected errors.")
+@debug_option
 def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adaptive, as_json, color, quiet, debug,
           **opts):
     """Measure DFlash against plain decoding on prompt sets (greedy, chat template, warm-up first).
@@ -55,7 +53,7 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
 
     if opts["no_draft"]:
         raise click.UsageError("bench compares plain decoding with a drafter: drop --no-draft")
-    if opts["model"] and not opts["draft"] and not _registry_drafter(opts["model"]):
+    if opts["model"] and not opts["draft"] and not has_known_drafter(opts["model"]):
         raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO (this model has no known pair)")
     names = [s.strip() for s in sets.split(",") if s.strip()] if sets else ([] if prompt_files else
                                                                              list(BUILTIN_SETS))
@@ -70,8 +68,6 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
             raise click.BadParameter(str(e), param_hint=hint) from None
     if not prompt_sets:
         raise click.UsageError("no prompt sets: give --sets and/or --prompts")
-    from dflash_cli.ui.cli import guarded
-
     guarded(lambda: Output(color, provenance=False),
             lambda out: _run_bench(out, opts, prompt_sets, max_tokens=max_tokens, block_size=block_size,
                                    limit=limit, warmup=warmup, think=think, adaptive=adaptive, as_json=as_json,
@@ -79,14 +75,14 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
             debug)
 
 
-def _registry_drafter(model: str) -> bool:
+def has_known_drafter(model: str) -> bool:
     """True unless the model is known to have no drafter (unknown names are left to the loader to report)."""
+    from dflash_cli import settings as S
     from dflash_cli.engine.errors import DFlashError
-    from dflash_cli.models.registry import load_registry, resolve_spec
+    from dflash_cli.models.resolve import resolve_spec
 
     try:
-        config = S.load_config()
-        return bool(resolve_spec(model, load_registry(config.pairs, user_source=str(config.path))).drafter)
+        return bool(resolve_spec(model).drafter)
     except (DFlashError, S.ConfigError, OSError):
         return True
 

@@ -508,7 +508,7 @@ def is_transcript(path: Path) -> bool:
 
 def run_chat(out: Output, opts: dict[str, Any], *, history: bool, stdin: Any = None, stdout: Any = None) -> int:
     """The `chat` command's body: refuses non-terminals (exit 2), loads the pair, runs the REPL."""
-    from dflash_cli.ui.options import generation_settings
+    from dflash_cli.ui.common import generation_settings
     from dflash_cli.ui.run import check_thinking, load_runtime_for, system_prompt
 
     if not (is_terminal(stdin or sys.stdin) and is_terminal(stdout or sys.stdout)):

@@ -8,10 +8,10 @@ from typing import Any
 
 def progress_enabled(stream: Any) -> bool:
     """Bars only on a terminal, and never with HF_HUB_DISABLE_PROGRESS_BARS set."""
-    from dflash_cli.ui.render import _isatty
+    from dflash_cli.ui.render import isatty
 
     flag = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().upper()
-    return _isatty(stream) and flag not in {"1", "ON", "YES", "TRUE"}
+    return isatty(stream) and flag not in {"1", "ON", "YES", "TRUE"}
 
 
 def make_tqdm_class(progress: Any, label: str) -> type:

@@ -12,9 +12,9 @@ from typing import Any
 import click
 
 from dflash_cli.engine.errors import CheckpointError
+from dflash_cli.ui.common import common_options, echo, endpoint_option, registry, run_plain, table
 from dflash_cli.ui.download_progress import make_tqdm_class, progress_enabled, rich_progress
 from dflash_cli.ui.errors import EXIT_OK
-from dflash_cli.ui.models_cmd import _print, _registry, _run, _unknown, common_options, endpoint_option, table
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,9 @@ class Wanted:
 
 def pull_targets(spec: str, revision: str | None, no_draft: bool) -> tuple[list[Wanted], str | None]:
     """The repos `pull MODEL` fetches, and the pair alias (if any)."""
-    from dflash_cli.models.registry import ModelSpec, resolve_spec
+    from dflash_cli.models.resolve import resolve_spec
 
-    registry = _registry()
-    try:
-        ms: ModelSpec = resolve_spec(spec, registry)
-    except CheckpointError:
-        raise _unknown(spec, registry) from None
+    ms = resolve_spec(spec, registry(), store=True)
     if ms.kind == "folder":
         raise CheckpointError(f"{spec} is a local folder: there is nothing to pull",
                               hint="use it directly: dflash-cli chat -m " + spec)
@@ -48,7 +44,7 @@ def pull_targets(spec: str, revision: str | None, no_draft: bool) -> tuple[list[
 def run_pull(out: Any, spec: str, revision: str | None, dry_run: bool, no_draft: bool,
              endpoint: str | None) -> int:
     from dflash_cli.models import hub
-    from dflash_cli.ui.render import fmt_bytes
+    from dflash_cli.units import fmt_bytes
 
     wanted, alias = pull_targets(spec, revision, no_draft)
     cache = hub.default_cache_dir()
@@ -61,14 +57,14 @@ def run_pull(out: Any, spec: str, revision: str | None, dry_run: bool, no_draft:
             plan = hub.plan_download(w.repo_id, w.revision, endpoint=endpoint)
             grand_total += plan.total_bytes
             grand_download += plan.download_bytes
-            _print(f"{w.role} {plan.repo_id} (revision {plan.revision}, commit {plan.commit[:12]}): "
+            echo(f"{w.role} {plan.repo_id} (revision {plan.revision}, commit {plan.commit[:12]}): "
                    f"{len(plan.files)} files, {fmt_bytes(plan.download_bytes)} to download"
                    + (f", {fmt_bytes(plan.cached_bytes)} already cached" if plan.cached_bytes else ""))
             rows = [[f.path, fmt_bytes(f.size), "cached" if f.cached else "download"] for f in plan.files]
-            _print(["  " + line for line in table(["FILE", "SIZE", "STATUS"], rows)])
+            echo(["  " + line for line in table(["FILE", "SIZE", "STATUS"], rows)])
             if plan.skipped:
-                _print(f"  skipped (code, pickles, other files): {', '.join(plan.skipped)}")
-        _print(f"total: {fmt_bytes(grand_download)} to download"
+                echo(f"  skipped (code, pickles, other files): {', '.join(plan.skipped)}")
+        echo(f"total: {fmt_bytes(grand_download)} to download"
                + (f" ({fmt_bytes(grand_total - grand_download)} already cached)" if grand_total > grand_download
                   else ""))
         out.info(f"dry run: nothing downloaded; files would go to {cache}")
@@ -125,4 +121,4 @@ def pull(model, revision, dry_run, no_draft, endpoint, color, debug):
       dflash-cli pull Qwen/Qwen3-8B --dry-run
       dflash-cli pull qwen3-4b --no-draft
     """
-    _run(color, debug, lambda out: run_pull(out, model, revision, dry_run, no_draft, endpoint))
+    run_plain(color, debug, lambda out: run_pull(out, model, revision, dry_run, no_draft, endpoint))

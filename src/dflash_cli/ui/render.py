@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from dflash_cli.units import fmt_bytes
+
 DRAFT_STYLE = "\x1b[36m"  # cyan: proposed by the drafter and accepted by the target
 TARGET_STYLE = ""  # default colour: chosen by the target itself (corrections and bonus tokens)
 DIM, BOLD, RED, YELLOW, RESET = "\x1b[2m", "\x1b[1m", "\x1b[31m", "\x1b[33m", "\x1b[0m"
@@ -46,7 +48,7 @@ def silence_stdout() -> None:
         pass
 
 
-def _isatty(stream: TextIO) -> bool:
+def isatty(stream: TextIO) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
@@ -59,21 +61,11 @@ def use_color(mode: str, stream: TextIO) -> bool:
         return True
     if mode == "never":
         return False
-    return _isatty(stream) and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+    return isatty(stream) and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
 
 
 def fmt_seconds(s: float) -> str:
     return f"{s * 1000:.0f}ms" if s < 1 else f"{s:.2f}s"
-
-
-def fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 class Output:
@@ -83,7 +75,7 @@ class Output:
                  stderr: TextIO | None = None):
         self.out = stdout or sys.stdout
         self.err = stderr or sys.stderr
-        self.out_tty, self.err_tty = _isatty(self.out), _isatty(self.err)
+        self.out_tty, self.err_tty = isatty(self.out), isatty(self.err)
         self.color_out = use_color(color, self.out)
         self.color_err = use_color(color, self.err)
         self.provenance = provenance and self.color_out

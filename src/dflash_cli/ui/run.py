@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import sys
 import time
 from typing import Any
 
@@ -81,7 +80,7 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: 
 
     What can be checked without the weights is checked first: --block-size against the drafter's config,
     and the length of `prompt` (generate's) against --max-context, with the tokenizer alone."""
-    from dflash_cli.models.resolve import resolve_pair
+    from dflash_cli.models.resolve import memory_budget, resolve_pair
     from dflash_cli.session import load_runtime
 
     if not opts.get("model"):
@@ -89,7 +88,7 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: 
                                "or a Hub repo id), or set DFLASH_MODEL")
     pair = resolve_pair(opts["model"], opts.get("draft"), no_draft=opts["no_draft"],
                         on_status=out.info if not quiet else (lambda _: None), quant=opts["quant"],
-                        budget=memory_budget(opts))
+                        budget=memory_budget(opts["device"], opts["dtype"], opts["max_context"]))
     check_block_size(opts.get("block_size"), pair.block_size)
     if opts["quant"] == "auto" and not quiet:
         out.info(f"--quant auto: {pair.quant if pair.quant != 'none' else 'no quantization'} fits")
@@ -128,19 +127,6 @@ def check_prompt_fits(tokenizer: Any, prompt: str, system: str | None, opts: dic
     if opts.get("max_context") and n >= opts["max_context"]:
         raise InvalidSettingError(f"the prompt has {n} tokens, --max-context holds {opts['max_context']}",
                                   hint="shorten the prompt, or raise --max-context")
-
-
-def memory_budget(opts: dict[str, Any]):
-    """What the pair must fit in: free GPU memory on CUDA, available system memory on CPU."""
-    from dflash_cli.engine.device import free_memory, pick_device, pick_dtype
-    from dflash_cli.models.resolve import MemoryBudget
-
-    device = pick_device(opts["device"])
-    free = free_memory(device)
-    if free is None:
-        return None
-    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(pick_dtype(opts["dtype"], device)), "fp32")
-    return MemoryBudget(free, opts["max_context"], dtype, "GPU memory" if device.type == "cuda" else "system memory")
 
 
 def system_prompt(out: Output, opts: dict[str, Any]) -> str | None:
@@ -192,7 +178,7 @@ def drafter_thinking_warning(runtime: Any, think: bool | None) -> str | None:
 def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: bool, as_json: bool) -> int:
     """Streams one reply. Returns the exit code (0, or 130 when interrupted)."""
     from dflash_cli.session import Conversation
-    from dflash_cli.ui.options import generation_settings
+    from dflash_cli.ui.common import generation_settings
 
     quiet = opts["quiet"] or (as_json and not opts["verbose"])  # --json -v: the JSON, and -v's lines on stderr
     system = system_prompt(out, opts)

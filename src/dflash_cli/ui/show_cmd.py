@@ -10,72 +10,39 @@ import click
 
 from dflash_cli import settings as S
 from dflash_cli.engine.errors import CheckpointError
+from dflash_cli.ui.common import cell, common_options, config_values, echo, endpoint_option, registry, run_plain
 from dflash_cli.ui.errors import EXIT_OK
-from dflash_cli.ui.models_cmd import (_config_values, _opt, _print, _registry, _run, _unknown, common_options,
-                                      endpoint_option)
 
-DEFAULT_CONTEXT = 8192
 DEFAULT_SHOW_QUANT = "bf16"
 
 
-def available_memory() -> tuple[int, str]:
-    """(bytes, what): free GPU memory when CUDA is available, else MemAvailable from /proc/meminfo."""
-    import importlib.util
+def plan_budget(device: str, context: int) -> tuple[int, str]:
+    """(bytes, what): free memory on the device `generate --device` would use, as generate's preflight
+    reads it."""
+    from dflash_cli.models.resolve import memory_budget
 
-    if importlib.util.find_spec("torch") is not None:
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                free, _total = torch.cuda.mem_get_info()
-                return int(free), f"free memory on {torch.cuda.get_device_name(0)}"
-        except Exception:  # noqa: BLE001 - a broken CUDA setup falls back to RAM
-            pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "available RAM (no CUDA device)"
-    except OSError:
-        pass
-    return 0, "unknown (no CUDA device, no /proc/meminfo)"
+    budget = memory_budget(device, None, context)
+    if budget is None:
+        return 0, "unknown (no /proc/meminfo)"
+    return budget.available_bytes, f"free {budget.where} on {budget.device}"
 
 
-def _resolve_show(spec: str, registry: dict[str, Any]):
-    """(target repo or folder, target revision, drafter, drafter revision, entry, kind); unsupported pairs too."""
-    from dflash_cli.models.registry import BUILTIN_MODELS, find_pair, looks_like_repo_id
-
-    entry = find_pair(spec, registry)
-    if Path(spec).expanduser().is_dir():
-        return (str(Path(spec).expanduser()), None, entry.drafter if entry else None,
-                entry.drafter_revision if entry else None, entry, "folder")
-    if spec.lower() in BUILTIN_MODELS:
-        return spec.lower(), None, None, None, None, "builtin"
-    if entry is not None:
-        return entry.target, entry.target_revision, entry.drafter, entry.drafter_revision, entry, "repo"
-    if looks_like_repo_id(spec):
-        return spec, None, None, None, None, "repo"
-    raise _unknown(spec, registry)
-
-
-def _configs(repo: str | None, revision: str | None, kind: str, endpoint: str | None) -> tuple[dict | None, str]:
+def read_configs(where: str | None, revision: str | None, endpoint: str | None) -> tuple[dict | None, str]:
     """(config dict or None, a note on where it came from or why it is missing)."""
     from dflash_cli.models import hub
+    from dflash_cli.models.resolve import find_config
 
-    if repo is None:
+    if where is None:
         return None, "no drafter"
-    if kind == "folder":
-        path = Path(repo) / "config.json"
-        if not path.is_file():
-            return None, f"{path} does not exist"
-        return json.loads(path.read_text()), str(path)
+    kind = "folder" if Path(where).is_dir() else "repo"
     try:
-        folder = hub.fetch_configs(repo, revision, endpoint=endpoint)
+        path = find_config(kind, where, revision, endpoint)
     except hub.NotDownloadedError:
         return None, "not downloaded, and HF_HUB_OFFLINE is set (unset it to fetch config.json only)"
     except (hub.HubError, CheckpointError) as error:
         return None, str(error)
     try:
-        return json.loads((folder / "config.json").read_text()), str(folder / "config.json")
+        return json.loads(path.read_text()), str(path)
     except (OSError, ValueError) as error:
         return None, f"cannot read config.json: {error}"
 
@@ -101,7 +68,7 @@ def config_summary(target: dict | None, drafter: dict | None) -> dict[str, Any]:
     return out
 
 
-def _source(ctx: click.Context, param: str, config_key: str | None, env: str | None) -> str:
+def option_source(ctx: click.Context, param: str, config_key: str | None, env: str | None) -> str:
     from click.core import ParameterSource
 
     src = ctx.get_parameter_source(param)
@@ -109,29 +76,32 @@ def _source(ctx: click.Context, param: str, config_key: str | None, env: str | N
         return "flag"
     if src == ParameterSource.ENVIRONMENT:
         return f"env {env}"
-    if config_key and config_key in _config_values():
+    if config_key and config_key in config_values():
         return f"config file {S.config_path()}"
     return "default"
 
 
-def run_show(out: Any, ctx_sources: dict[str, str], spec: str, as_json: bool, context: int, quant: str,
-             endpoint: str | None) -> int:
+def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, context: int, quant: str,
+             device: str, endpoint: str | None) -> int:
     from dflash_cli.models.plan import format_plan, plan_memory
     from dflash_cli.models.registry import BUILTIN_MODELS
+    from dflash_cli.models.resolve import resolve_spec
 
-    registry = _registry()
-    target, t_rev, drafter, d_rev, entry, kind = _resolve_show(spec, registry)
-    if kind == "builtin":
-        info = {"name": target, "builtin": True, "description": BUILTIN_MODELS[target]}
-        _print(json.dumps(info, indent=2) if as_json else [f"name      {target}", f"built in  {info['description']}"])
+    spec = resolve_spec(value, registry(), allow_unsupported=True, store=True)
+    if spec.kind == "builtin":
+        name = spec.alias or spec.target
+        info = {"name": name, "builtin": True, "description": BUILTIN_MODELS[name]}
+        echo(json.dumps(info, indent=2) if as_json else [f"name      {name}", f"built in  {info['description']}"])
         return EXIT_OK
-    t_cfg, t_note = _configs(target, t_rev, kind, endpoint)
-    d_cfg, d_note = _configs(drafter, d_rev, "repo", endpoint) if drafter else (None, "no drafter")
+    target, t_rev, drafter, d_rev, entry = (spec.target, spec.target_revision, spec.drafter, spec.drafter_revision,
+                                            spec.entry)
+    t_cfg, t_note = read_configs(target, t_rev, endpoint)
+    d_cfg, d_note = read_configs(drafter, d_rev, endpoint)
     summary = config_summary(t_cfg, d_cfg)
     plan = None
     mem_bytes, mem_what = (0, "")
     if t_cfg is not None:
-        mem_bytes, mem_what = available_memory()
+        mem_bytes, mem_what = plan_budget(device, context)
         plan = plan_memory(t_cfg, d_cfg, quant=quant, context_tokens=context, available_bytes=mem_bytes)
     info = {
         "name": entry.alias if entry else None, "target": target, "target_revision": t_rev,
@@ -141,7 +111,8 @@ def run_show(out: Any, ctx_sources: dict[str, str], spec: str, as_json: bool, co
         "source": entry.source if entry else None,
         "configs": {"target": t_note, "drafter": d_note}, "summary": summary,
         "settings": {"quant": {"value": quant, "from": ctx_sources["quant"]},
-                     "context": {"value": context, "from": ctx_sources["context"]}},
+                     "context": {"value": context, "from": ctx_sources["context"]},
+                     "device": {"value": device, "from": ctx_sources["device"]}},
         "memory": None,
     }
     if plan is not None:
@@ -150,13 +121,13 @@ def run_show(out: Any, ctx_sources: dict[str, str], spec: str, as_json: bool, co
                           "components": plan.components, "total_bytes": plan.total, "fits": plan.fits,
                           "suggestions": plan.suggestions}
     if as_json:
-        _print(json.dumps(info, indent=2))
+        echo(json.dumps(info, indent=2))
         return EXIT_OK
     rows = [("name", info["name"] or "-"),
             ("target", target + (f" @ {t_rev}" if t_rev else "")),
             ("drafter", (drafter or "none (plain decoding)") + (f" @ {d_rev}" if d_rev else ""))]
     if entry is not None:
-        rows += [("block size", _opt(entry.block_size)), ("thinking", _opt(entry.thinking)),
+        rows += [("block size", cell(entry.block_size)), ("thinking", cell(entry.thinking)),
                  ("from", entry.source)]
         if entry.unsupported:
             rows.append(("unsupported", entry.unsupported))
@@ -179,39 +150,49 @@ def run_show(out: Any, ctx_sources: dict[str, str], spec: str, as_json: bool, co
         lines.append(f"  drafter   {d_note}")
     lines += ["", "settings",
               f"  quant     {quant} ({ctx_sources['quant']})",
-              f"  context   {context:,} tokens ({ctx_sources['context']})"]
+              f"  context   {context:,} tokens ({ctx_sources['context']})",
+              f"  device    {device} ({ctx_sources['device']})"]
     lines += ["", f"memory plan (against {mem_what})" if plan else "memory plan"]
     if plan is not None:
         lines += ["  " + line for line in format_plan(plan)]
     else:
         lines.append("  unavailable: the target's config.json is needed")
-    _print(lines)
+    echo(lines)
     return EXIT_OK
 
 
 @click.command()
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--context", type=click.IntRange(min=1), default=DEFAULT_CONTEXT, show_default=True,
-              help="Context length (tokens) for the memory plan.")
+@click.option("--context", "--max-context", "context", type=click.IntRange(min=1), default=None,
+              envvar=S.ENV["max_context"], show_envvar=True,
+              help="Context length (tokens) for the memory plan [default: max_context of the config file, "
+                   f"else {S.DEFAULT_MAX_CONTEXT}, as generate].")
 @click.option("--quant", default=None, envvar=S.ENV["quant"], show_envvar=True,
               type=click.Choice(["auto", "bf16", "fp16", "int8", "nf4", "none"], case_sensitive=False),
               help="Target quantization for the memory plan [default: config file, else bf16].")
+@click.option("--device", default=None, envvar=S.ENV["device"], show_envvar=True,
+              help=f"Device whose free memory the plan is against [default: config file, else {S.DEFAULT_DEVICE}, "
+                   "as generate].")
 @endpoint_option
 @common_options
 @click.pass_context
-def show(ctx, model, as_json, context, quant, endpoint, color, debug):
+def show(ctx, model, as_json, context, quant, device, endpoint, color, debug):
     """Show a pair: target, drafter, notes, config summary and a memory plan.
 
-    The config files are read from the cache, or fetched (config.json only) when online.
+    The config files are read from the cache, or fetched (config.json only) when online. The plan uses
+    the context and device generate would use.
 
     \b
     Examples:
       dflash-cli show qwen3-8b
       dflash-cli show qwen3-8b --quant nf4 --context 32768
     """
-    sources = {"quant": _source(ctx, "quant", "quant", S.ENV["quant"]),
-               "context": _source(ctx, "context", None, None)}
-    if quant is None:
-        quant = str(_config_values().get("quant") or DEFAULT_SHOW_QUANT)
-    _run(color, debug, lambda out: run_show(out, sources, model, as_json, context, quant, endpoint))
+    sources = {"quant": option_source(ctx, "quant", "quant", S.ENV["quant"]),
+               "context": option_source(ctx, "context", "max_context", S.ENV["max_context"]),
+               "device": option_source(ctx, "device", "device", S.ENV["device"])}
+    values = config_values()
+    quant = quant or str(values.get("quant") or DEFAULT_SHOW_QUANT)
+    context = context or int(values.get("max_context") or S.DEFAULT_MAX_CONTEXT)
+    device = device or str(values.get("device") or S.DEFAULT_DEVICE)
+    run_plain(color, debug, lambda out: run_show(out, sources, model, as_json, context, quant, device, endpoint))

@@ -1,10 +1,12 @@
-"""`dflash-cli train`: the click command (registered in ui/cli.py). Imports torch only when run."""
+"""`dflash-cli train`: distil a drafter (the training itself is in dflash_cli.train). Imports torch only when run."""
 
 from __future__ import annotations
 
 import sys
 
 import click
+
+from dflash_cli.ui.common import debug_option, guarded
 
 
 def _parse_taps(_ctx, _param, value):
@@ -52,7 +54,7 @@ def _parse_taps(_ctx, _param, value):
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 [default: cuda when available].")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="Compute dtype.")
-@click.option("--debug", is_flag=True, help="Show tracebacks of unexpected errors.")
+@debug_option
 def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_budget, batch, anchors,
           max_new_tokens, gen_batch, gen_budget, sub_vocab, drafter_format, device, dtype, debug):
     """Distil a DFlash drafter for a local target from the target's own answers to prompts.
@@ -63,7 +65,6 @@ def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_bu
       dflash-cli train -m ./target -o ./drafter --prompts prompts.jsonl --steps 2000 --taps 1,7,14,20,27
       dflash-cli train -m smollm2-135m -o ./demo-drafter --prompts demo --gen-budget 50 --time-budget 60
     """
-    from dflash_cli.ui.cli import guarded
     from dflash_cli.ui.render import Output
 
     if steps is not None and time_budget is not None:
@@ -82,10 +83,10 @@ def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_bu
                   gen_time_budget=gen_budget * 60 if gen_budget else None, sub_vocab=sub_vocab,
                   drafter_format=drafter_format, device=device,
                   dtype=None if dtype == "auto" else dtype)
-    guarded(lambda: Output("auto", provenance=False), lambda out: _run(out, target, out_dir, kwargs), debug)
+    guarded(lambda: Output("auto", provenance=False), lambda out: run_train(out, target, out_dir, kwargs), debug)
 
 
-def _run(out, target: str, out_dir: str, kwargs: dict) -> int:
+def run_train(out, target: str, out_dir: str, kwargs: dict) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 

@@ -1,15 +1,32 @@
-"""Option groups shared by commands, each declared once with its default and environment variable."""
+"""What the commands share: options, `guarded` (errors -> one line + exit code), printing, the registry.
+
+Every command lives in its own ui/*_cmd.py and imports from here; ui/cli.py assembles the group. Nothing
+heavy at import time (`dflash-cli --help` stays fast): torch, huggingface_hub and rich load inside the
+functions that need them.
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import click
 
 from dflash_cli import settings as S
 
+# -- options -------------------------------------------------------------------------------------------
 
-def _apply(options: list[Callable]) -> Callable:
+color_option = click.option("--color", type=click.Choice(["auto", "always", "never"]), default=S.DEFAULT_COLOR,
+                            envvar=S.ENV["color"], show_envvar=True, show_default=True,
+                            help="Colours on terminals.")
+debug_option = click.option("--debug", is_flag=True, envvar=S.DEBUG_ENV, help="Show tracebacks of unexpected errors.")
+endpoint_option = click.option("--endpoint", envvar="HF_ENDPOINT", hidden=True, default=None,
+                               help="Hub endpoint (tests, mirrors).")
+
+
+def apply_all(options: list[Callable]) -> Callable:
+    """One decorator for a group of click options, listed in --help in the order given."""
     def decorator(f: Callable) -> Callable:
         for option in reversed(options):
             f = option(f)
@@ -18,7 +35,7 @@ def _apply(options: list[Callable]) -> Callable:
     return decorator
 
 
-model_options = _apply([
+model_options = apply_all([
     click.option("-m", "--model", envvar=S.ENV["model"], show_envvar=True, metavar="MODEL",
                  help="Target model: a local folder with config.json and *.safetensors, or smollm2-135m "
                       "(built in, offline)."),
@@ -42,7 +59,7 @@ model_options = _apply([
                       "was measured not to pay). off also turns off the static-cache fast path."),
 ])
 
-sampling_options = _apply([
+sampling_options = apply_all([
     click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=S.DEFAULT_MAX_TOKENS,
                  envvar=S.ENV["max_tokens"], show_envvar=True, show_default=True, help="Most tokens to generate."),
     click.option("--temperature", type=click.FloatRange(min=0), default=S.DEFAULT_TEMPERATURE,
@@ -62,9 +79,8 @@ sampling_options = _apply([
     click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text, without the chat template."),
 ])
 
-output_options = _apply([
-    click.option("--color", type=click.Choice(["auto", "always", "never"]), default=S.DEFAULT_COLOR,
-                 envvar=S.ENV["color"], show_envvar=True, show_default=True, help="Colours on terminals."),
+output_options = apply_all([
+    color_option,
     click.option("--provenance/--no-provenance", default=True, show_default=True,
                  help="Colour drafted-and-accepted tokens apart from the target's own (terminals only)."),
     click.option("--hide-thinking/--show-thinking", default=False, envvar=S.ENV["hide_thinking"],
@@ -73,11 +89,15 @@ output_options = _apply([
                       "by default); --json keeps it under 'thinking' either way."),
     click.option("-v", "--verbose", is_flag=True, help="Print detailed statistics on stderr."),
     click.option("-q", "--quiet", is_flag=True, help="Print only the generated text (and errors)."),
-    click.option("--debug", is_flag=True, envvar=S.DEBUG_ENV, help="Show tracebacks of unexpected errors."),
+    debug_option,
 ])
 
 
+common_options = apply_all([color_option, debug_option])
+
+
 def generation_settings(kwargs: dict):
+    """The per-reply settings of generate's and chat's options."""
     from dflash_cli.session import GenerationSettings
 
     return GenerationSettings(max_tokens=kwargs["max_tokens"], temperature=kwargs["temperature"],
@@ -85,3 +105,79 @@ def generation_settings(kwargs: dict):
                               block_size=kwargs["block_size"], think=kwargs["think"],
                               chat_template=not kwargs["no_chat_template"],
                               max_context=kwargs.get("max_context"))
+
+
+# -- running a command body ----------------------------------------------------------------------------
+
+def guarded(out_factory: Callable, body: Callable[[Any], int], debug: bool) -> None:
+    """Runs a command body, turning known errors into one line + hint and the right exit code."""
+    from dflash_cli.ui import signals
+    from dflash_cli.ui.errors import EXIT_INTERRUPTED, describe
+
+    out = out_factory()
+    try:
+        code = body(out)
+    except (click.ClickException, click.exceptions.Exit, click.Abort):
+        raise
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (ui/signals.py)
+        out.close_status()
+        out.info("interrupted")
+        sys.exit(signals.exit_code())
+    except Exception as error:  # noqa: BLE001 - the one place that turns errors into messages
+        out.close_status()
+        if debug or S.debug_enabled():
+            raise
+        message, hint, code = describe(error)
+        out.error(message, hint)
+        sys.exit(code)
+    sys.exit(signals.exit_code() if code == EXIT_INTERRUPTED else code)
+
+
+def run_plain(color: str, debug: bool, body: Callable[[Any], int]) -> None:
+    """`guarded` with an Output that never colours provenance (the commands that generate nothing)."""
+    from dflash_cli.ui.render import Output
+
+    guarded(lambda: Output(color, provenance=False), body, debug)
+
+
+# -- printing ------------------------------------------------------------------------------------------
+
+def echo(lines: list[str] | str) -> None:
+    """Tables and JSON to stdout."""
+    click.echo("\n".join(lines) if isinstance(lines, list) else lines)
+
+
+def table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Left-aligned columns separated by three spaces (ollama's look); no trailing blanks."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    return ["   ".join(f"{str(c):<{w}}" for c, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
+
+
+def cell(value: Any) -> str:
+    """A table cell: - for nothing, on/off for booleans."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+# -- the registry and the config file ------------------------------------------------------------------
+
+def registry() -> dict[str, Any]:
+    """The known pairs; a broken config file is one error line (exit 1), as for every model command."""
+    from dflash_cli.engine.errors import DFlashError
+    from dflash_cli.models.resolve import known_pairs
+
+    try:
+        return known_pairs()
+    except S.ConfigError as error:
+        raise DFlashError(str(error), error.hint) from None
+
+
+def config_values() -> dict[str, Any]:
+    """The config file's values ({} when it cannot be read: the error is reported elsewhere)."""
+    try:
+        return dict(S.load_config().values)
+    except S.ConfigError:
+        return {}

@@ -1,0 +1,32 @@
+"""`dflash-cli chat`: a conversation in the terminal (the work is in ui/chat.py)."""
+
+from __future__ import annotations
+
+import click
+
+from dflash_cli import settings as S
+from dflash_cli.ui.common import guarded, model_options, output_options, sampling_options
+
+
+@click.command()
+@click.option("--no-history", is_flag=True, envvar=S.ENV["no_history"], show_envvar=True,
+              help="Do not read or write the chat input history file.")
+@model_options
+@sampling_options
+@output_options
+def chat(no_history, **opts):
+    """Chat with a model in the terminal (ollama's /commands: type /? for the list).
+
+    Replies stream to stdout, each followed by a one-line summary (-v: detailed statistics). Later
+    turns reuse the caches of earlier ones. Needs a terminal; for pipes use `dflash-cli generate`.
+
+    \b
+    Examples:
+      dflash-cli chat -m ./Qwen3-8B --draft ./Qwen3-8B-DFlash-b16
+      dflash-cli chat -m ./model --draft ./drafter -s "Answer briefly." --temperature 0.7
+    """
+    from dflash_cli.ui.chat import run_chat
+    from dflash_cli.ui.render import Output
+
+    guarded(lambda: Output(opts["color"], provenance=opts["provenance"]),
+            lambda out: run_chat(out, opts, history=not no_history), opts["debug"])

@@ -1,0 +1,124 @@
+"""`dflash-cli list` (and its alias `ls`): the models in the local Hugging Face cache, or the known pairs.
+
+Tables and JSON go to stdout; notes go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from dflash_cli.ui.common import cell, common_options, echo, registry, run_plain, table
+from dflash_cli.ui.errors import EXIT_OK
+
+
+def _roles(registry: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """lower-case repo id -> (alias, "target" | "drafter"); the first alias naming a repo wins."""
+    out: dict[str, tuple[str, str]] = {}
+    for alias, entry in registry.items():
+        out.setdefault(entry.target.lower(), (alias, "target"))
+        if entry.drafter:
+            out.setdefault(entry.drafter.lower(), (alias, "drafter"))
+    return out
+
+
+def _ago(ts: float, now: float | None = None) -> str:
+    s = max((now or time.time()) - ts, 0)
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if s >= size:
+            n = int(s // size)
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    return "just now"
+
+
+def local_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
+    from dflash_cli.models import hub
+
+    roles = _roles(registry)
+    rows = []
+    for repo in hub.list_local():
+        alias, role = roles.get(repo.repo_id.lower(), (None, None))
+        rows.append({"repo_id": repo.repo_id, "pair": alias, "role": role, "size_bytes": repo.size_on_disk,
+                     "revisions": list(repo.revisions), "refs": list(repo.refs),
+                     "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(repo.last_modified)),
+                     "last_modified_ts": repo.last_modified, "path": str(repo.path)})
+    return rows
+
+
+def known_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
+    from dflash_cli.models.registry import BUILTIN_MODELS
+
+    rows = [{"alias": alias, "target": e.target, "drafter": e.drafter, "block_size": e.block_size,
+             "thinking": e.thinking, "unsupported": e.unsupported, "notes": e.notes, "source": e.source}
+            for alias, e in sorted(registry.items())]
+    rows += [{"alias": name, "target": "(built in)", "drafter": None, "block_size": None, "thinking": None,
+              "unsupported": None, "notes": text, "source": "built-in"} for name, text in BUILTIN_MODELS.items()]
+    return rows
+
+
+def run_list(out: Any, quiet: bool, as_json: bool, known: bool) -> int:
+    from dflash_cli.units import fmt_bytes
+
+    pairs = registry()
+    if known:
+        rows = known_rows(pairs)
+        if as_json:
+            echo(json.dumps(rows, indent=2))
+        elif quiet:
+            echo([r["alias"] for r in rows])
+        else:
+            echo(table(["NAME", "TARGET", "DRAFTER", "BLOCK", "THINKING", "STATUS"],
+                         [[r["alias"], r["target"], cell(r["drafter"]), cell(r["block_size"]), cell(r["thinking"]),
+                           f"unsupported: {r['unsupported']}" if r["unsupported"] else "ok"] for r in rows]))
+        return EXIT_OK
+    rows = local_rows(pairs)
+    if as_json:
+        for r in rows:
+            r.pop("last_modified_ts")
+        echo(json.dumps(rows, indent=2))
+        return EXIT_OK
+    if quiet:
+        if rows:
+            echo([r["repo_id"] for r in rows])
+        return EXIT_OK
+    if not rows:
+        from dflash_cli.models import hub
+
+        out.info(f"no models in {hub.default_cache_dir()}; try: dflash-cli pull qwen3-8b "
+                 "(dflash-cli list --known shows the known pairs)")
+        return EXIT_OK
+    now = time.time()
+    echo(table(["REPO", "PAIR", "ROLE", "SIZE", "REFS", "REVISION", "MODIFIED"],
+                 [[r["repo_id"], cell(r["pair"]), cell(r["role"]), fmt_bytes(r["size_bytes"]),
+                   ",".join(r["refs"]) or "-",
+                   (r["revisions"][0][:12] if r["revisions"] else "-")
+                   + (f" (+{len(r['revisions']) - 1})" if len(r["revisions"]) > 1 else ""),
+                   _ago(r["last_modified_ts"], now)] for r in rows]))
+    return EXIT_OK
+
+
+def list_command(name: str, hidden: bool) -> click.Command:
+    @click.command(name=name, hidden=hidden)
+    @click.option("-q", "--quiet", is_flag=True, help="Print only repo ids (with --known: names).")
+    @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+    @click.option("--known", is_flag=True, help="List the known pairs (the registry) instead of local models.")
+    @common_options
+    def command(quiet, as_json, known, color, debug):
+        """List the models in the local Hugging Face cache (ls is an alias).
+
+        \b
+        Examples:
+          dflash-cli list
+          dflash-cli ls -q
+          dflash-cli list --known
+        """
+        run_plain(color, debug, lambda out: run_list(out, quiet, as_json, known))
+
+    return command
+
+
+list_cmd = list_command("list", hidden=False)
+ls_cmd = list_command("ls", hidden=True)
