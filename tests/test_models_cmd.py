@@ -332,3 +332,24 @@ def test_show_plans_against_the_device_generate_would_use(env, monkeypatch, repo
     assert shown.exit_code == generated.exit_code == 2
     assert shown.stderr.splitlines()[0] == generated.stderr.splitlines()[0]
     assert "cuda:7" in shown.stderr
+
+
+def test_show_and_list_the_built_in_model_before_and_after_its_first_run(env, tmp_path):
+    from dflash_cli.models.smollm2 import smollm2_dir
+
+    before = json.loads(invoke("show", "demo", "--json").stdout)
+    assert before["builtin"] and before["name"] == "demo" and before["memory"] is None
+    assert "not converted yet" in before["configs"]["target"]
+    assert before["summary"]["drafter"]["block_size"] == 16  # the shipped drafter's config is read
+    assert invoke("list", "-q").stdout == ""
+    # what the first run leaves behind: a converted checkpoint folder in dflash-cli's cache
+    folder = smollm2_dir()
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text((Path(__file__).parent / "data" / "hf-configs" /
+                                         "HuggingFaceTB__SmolLM2-135M-Instruct" / "config.json").read_text())
+    after = invoke("show", "demo")
+    assert after.exit_code == 0
+    assert "llama, hidden 576, 30 layers" in after.stdout and "memory plan (against" in after.stdout
+    assert "built in" in after.stdout
+    rows = invoke("list").stdout.splitlines()
+    assert rows[0].split()[:3] == ["REPO", "PAIR", "ROLE"] and rows[1].split()[:4] == ["smollm2-135m", "demo", "built", "in"]

@@ -45,7 +45,22 @@ def local_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
                      "revisions": list(repo.revisions), "refs": list(repo.refs),
                      "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(repo.last_modified)),
                      "last_modified_ts": repo.last_modified, "path": str(repo.path)})
-    return rows
+    return rows + builtin_rows()
+
+
+def builtin_rows() -> list[dict[str, Any]]:
+    """The built-in SmolLM2-135M once its first run has converted it (it lives outside the Hub cache)."""
+    from dflash_cli.models.smollm2 import smollm2_dir
+
+    folder = smollm2_dir()
+    if not (folder / "config.json").is_file():
+        return []
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    modified = max(f.stat().st_mtime for f in files)
+    return [{"repo_id": "smollm2-135m", "pair": "demo", "role": "built in", "size_bytes": sum(f.stat().st_size for f in files),
+             "revisions": [], "refs": [],
+             "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(modified)),
+             "last_modified_ts": modified, "path": str(folder)}]
 
 
 def known_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:

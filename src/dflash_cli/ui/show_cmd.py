@@ -88,14 +88,17 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
     from dflash_cli.models.resolve import resolve_spec
 
     spec = resolve_spec(value, registry(), allow_unsupported=True, store=True)
-    if spec.kind == "builtin":
-        name = spec.alias or spec.target
-        info = {"name": name, "builtin": True, "description": BUILTIN_MODELS[name]}
-        echo(json.dumps(info, indent=2) if as_json else [f"name      {name}", f"built in  {info['description']}"])
-        return EXIT_OK
     target, t_rev, drafter, d_rev, entry = (spec.target, spec.target_revision, spec.drafter, spec.drafter_revision,
                                             spec.entry)
-    t_cfg, t_note = read_configs(target, t_rev, endpoint)
+    builtin = BUILTIN_MODELS.get(spec.alias or "") if spec.kind == "builtin" else None
+    if builtin is not None:  # the converted SmolLM2 folder (made by the first run) and the shipped drafter
+        from dflash_cli.models.smollm2 import smollm2_dir
+
+        target = str(smollm2_dir())
+    if builtin is not None and not Path(target, "config.json").is_file():
+        t_cfg, t_note = None, f"not converted yet: the first run converts it into {target} (about 20 s, offline)"
+    else:
+        t_cfg, t_note = read_configs(target, t_rev, endpoint)
     d_cfg, d_note = read_configs(drafter, d_rev, endpoint)
     summary = config_summary(t_cfg, d_cfg)
     plan = None
@@ -104,11 +107,11 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         mem_bytes, mem_what = plan_budget(device, context)
         plan = plan_memory(t_cfg, d_cfg, quant=quant, context_tokens=context, available_bytes=mem_bytes)
     info = {
-        "name": entry.alias if entry else None, "target": target, "target_revision": t_rev,
+        "name": entry.alias if entry else spec.alias if builtin else None, "target": target, "target_revision": t_rev,
         "drafter": drafter, "drafter_revision": d_rev,
         "block_size": entry.block_size if entry else None, "thinking": entry.thinking if entry else None,
         "unsupported": entry.unsupported if entry else None, "notes": entry.notes if entry else "",
-        "source": entry.source if entry else None,
+        "source": entry.source if entry else "built-in" if builtin else None, "builtin": builtin is not None,
         "configs": {"target": t_note, "drafter": d_note}, "summary": summary,
         "settings": {"quant": {"value": quant, "from": ctx_sources["quant"]},
                      "context": {"value": context, "from": ctx_sources["context"]},
@@ -126,6 +129,8 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
     rows = [("name", info["name"] or "-"),
             ("target", target + (f" @ {t_rev}" if t_rev else "")),
             ("drafter", (drafter or "none (plain decoding)") + (f" @ {d_rev}" if d_rev else ""))]
+    if builtin is not None:
+        rows.append(("built in", builtin))
     if entry is not None:
         rows += [("block size", cell(entry.block_size)), ("thinking", cell(entry.thinking)),
                  ("from", entry.source)]
