@@ -49,7 +49,7 @@ def visible(q_pos, k_pos, kind, window, is_causal):
 
 
 def dense_reference(model: DFlashDrafter, context, block, theta):
-    """The forward pass of docs/dflash-format.md section 4, one query and one head at a time."""
+    """The forward pass of docs/format.md section 4, one query and one head at a time."""
     cfg = model.config
     T, B = context.shape[1], block.shape[1]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

@@ -1,8 +1,8 @@
 """Benchmark: plain decoding vs DFlash on prompt sets, interleaved per prompt, with the paper's metrics.
 
 No printing here: `run_bench` returns a BenchReport (pure data, `to_dict`/`to_json`), `format_table` turns
-it into aligned text lines, and the command in ui/cli.py does the output. Metrics follow
-docs/dflash-format.md section 6: tau (acceptance length, bonus token included) macro-averaged per response
+it into aligned text lines, and the command in ui/bench_cmd.py does the output. Metrics follow
+docs/format.md section 6: tau (acceptance length, bonus token included) macro-averaged per response
 as the paper does and pooled over the set; draft acceptance (accepted / drafted, pooled); per-position
 acceptance (pooled counts); decode-only tokens per second of both modes (prefill excluded, from the
 engine's own statistics); speedup = plain time per token / DFlash time per token, pooled over the set.

@@ -1,6 +1,7 @@
 """Every default, declared once, with the environment variable that overrides it.
 
-Only this module reads the environment; the engine receives plain values.
+dflash-cli's own variables (DFLASH_*) are read here, except DFLASH_CACHE_DIR (models/smollm2.py); other
+modules read only other tools' variables (HF_*, NO_COLOR, XDG_CACHE_HOME, ...). The engine receives plain values.
 """
 
 from __future__ import annotations

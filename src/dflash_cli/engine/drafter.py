@@ -1,7 +1,7 @@
 """The DFlash draft model: a few Qwen3-style layers that predict a whole block in one forward pass.
 
 Module attribute names match the checkpoint keys (`fc`, `hidden_norm`, `layers.{i}.self_attn.q_proj`, ...)
-so weights load by key with no renaming. See docs/dflash-format.md sections 2-4 for the reference.
+so weights load by key with no renaming. docs/format.md sections 2-4 specify it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selec
 
 
 def _fallback_taps(num_draft_layers: int, num_target_layers: int) -> list[int]:
-    """Layer ids the reference code taps when a config names none (docs/dflash-format.md section 2)."""
+    """Layer ids the reference code taps when a config names none (docs/format.md section 2)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
@@ -53,7 +53,7 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     architecture: str = "DFlashDraftModel"
-    # DFlash 2 only (docs/engine.md): conv kernel K, conv group G, selector rank R and top-k
+    # DFlash 2 only (docs/format.md section 7): conv kernel K, conv group G, selector rank R and top-k
     conv_kernel_size: int | None = None
     conv_group_size: int | None = None
     selector_rank: int | None = None
@@ -388,7 +388,7 @@ class DFlashDrafter(nn.Module):
         first drafts than drafting a shorter block: a block attends to itself bidirectionally.
 
         `sampler` (the target's): the draft at position p is the sampler's own choice from the draft logits
-        with the noise it will use for the target at p (coupled drafts, docs/engine.md); None = argmax.
+        with the noise it will use for the target at p (coupled drafts, docs/format.md section 5); None = argmax.
         """
         hidden, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
         if sampler is None:

@@ -1,6 +1,6 @@
 """Decoding state shared by the speculative and plain loops: committed tokens and both caches.
 
-Invariant between steps (docs/dflash-format.md section 5):
+Invariant between steps (docs/format.md section 5):
     target cache length == draft cache length + pending context rows == start == len(tokens) - 1
 The last committed token is the anchor: its K/V are not in any cache yet.
 """

@@ -237,7 +237,7 @@ def count_target(config: dict[str, Any]) -> _Counts:
 
 
 def count_drafter(drafter_config: dict[str, Any]) -> _Counts:
-    """Parameter counts of a DFlash drafter (docs/dflash-format.md section 2): fc, layers, norms."""
+    """Parameter counts of a DFlash drafter (docs/format.md sections 2-3): fc, layers, norms."""
     cfg = drafter_config
     h = int(cfg["hidden_size"])
     n = int(cfg["num_hidden_layers"])

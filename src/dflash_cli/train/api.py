@@ -30,7 +30,7 @@ CHECKPOINT = Path("checkpoint") / "latest.safetensors"
 
 
 def default_taps(num_target_layers: int, layers: int) -> list[int]:
-    """The reference fallback spread (docs/dflash-format.md section 2) for max(layers, 5) taps, deduplicated:
+    """The reference fallback spread (docs/format.md section 2) for max(layers, 5) taps, deduplicated:
     published drafters tap 5 layers, and more taps help a shallow drafter (prototype: 2 layers, 5 taps)."""
     n = min(max(layers, 5), num_target_layers)
     return sorted(set(_fallback_taps(n, num_target_layers)))

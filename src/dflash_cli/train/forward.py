@@ -2,7 +2,7 @@
 
 It reuses the engine's modules (fc, hidden_norm, each layer's projections, norms and MLP, the drafter's
 RoPE) and only re-does the attention wiring: instead of one block against a cache, every block of every
-anchor attends to the sequence's context rows before its anchor plus its own slots (docs/dflash-format.md
+anchor attends to the sequence's context rows before its anchor plus its own slots (docs/format.md
 section 4). At inference the anchor x_p is the last committed token and the cache holds the tapped states
 of positions 0..p-1, so block a sees context rows j < p_a and nothing of the other blocks.
 """
