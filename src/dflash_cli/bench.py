@@ -16,9 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_cli.engine.errors import DFlashError
+
+if TYPE_CHECKING:  # the engine imports torch: only for annotations here
+    from dflash_cli.engine.drafter import Drafter
+    from dflash_cli.engine.target import Target
 
 BUILTIN_SETS = ("math", "code", "chat")
 
@@ -224,7 +228,8 @@ def _hf_generate(target: Any, assistant: Any, prompt: list[int], max_new_tokens:
                              len(tokens) / seconds if seconds > 0 else 0.0, finish)
 
 
-def run_bench(target: Any, drafter: Any, tokenizer: Any, prompt_sets: Mapping[str, Sequence[str | Prompt]], *,
+def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
+              prompt_sets: Mapping[str, Sequence[str | Prompt]], *,
               max_new_tokens: int, block_size: int | None = None, warmup: int = 2, per_set: int | None = None,
               on_progress: Callable[[int, int, str], None] | None = None, hf_baseline: bool | Any = False,
               enable_thinking: bool | None = None, adaptive: bool = False,

@@ -7,7 +7,7 @@ so weights load by key with no renaming. docs/format.md sections 2-4 specify it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +157,27 @@ class DrafterConfig:
         if depth is None:
             raise CheckpointError("drafter config names no target_layer_ids and no num_target_layers")
         return _fallback_taps(self.num_hidden_layers, int(depth))
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the decoding loop needs from a drafter: `DFlashDrafter`, `DFlash2Drafter` and `OracleDrafter`."""
+
+    config: DrafterConfig
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def mask_token_id(self) -> int: ...
+
+    def new_cache(self, capacity: int = 256) -> DraftCache: ...
+
+    def draft(self, context: torch.Tensor | None, anchor: torch.Tensor, start: int, block_len: int,
+              cache: DraftCache, embed_weight: torch.Tensor, lm_head: nn.Module, *,
+              keep: int | None = None, sampler: Sampler | None = None) -> torch.Tensor:
+        """The first `keep` drafts after `anchor` (a (1,) tensor), as a (keep,) tensor; commits `context`."""
+        ...
 
 
 class RMSNorm(nn.Module):

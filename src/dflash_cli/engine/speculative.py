@@ -19,7 +19,7 @@ import torch
 
 from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.device import Stopwatch
-from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.engine.drafter import Drafter
 from dflash_cli.engine.sampling import Sampler
 from dflash_cli.engine.state import DecodeState
 
@@ -36,7 +36,7 @@ class Round:
     wall_seconds: float
 
 
-def speculative_rounds(state: DecodeState, drafter: DFlashDrafter, sample: Sampler, *, block_size: int,
+def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *, block_size: int,
                        limit: int, controller: BlockSizeController | None = None) -> Iterator[Round]:
     """Yields one Round per target verify step until len(state.tokens) reaches `limit`.
 
