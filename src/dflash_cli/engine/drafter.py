@@ -110,8 +110,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin, cache: DraftCache, layer: int, mask):
-        # x: (1, B, H) block; ctx: (1, P, H) new context rows or None; cos/sin: (1, P+B, hd)
+    def forward(self, x, ctx, cos, sin, cache: DraftCache | None, layer: int, mask):
+        # x: (N, B, H) blocks; ctx: (N, P, H) new context rows or None; cos/sin: (N, P+B, hd).
+        # Without a cache (training) the keys are the context rows and the blocks themselves.
         b, n_block, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n_block, self.num_heads, self.head_dim)).transpose(1, 2)
         kv_in = x if ctx is None else torch.cat([ctx, x], dim=1)  # context first, then the block
@@ -120,7 +121,7 @@ class Attention(nn.Module):
         v = self.v_proj(kv_in).view(b, n_kv, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos[:, None, -n_block:], sin[:, None, -n_block:])
         k = apply_rope(k, cos[:, None], sin[:, None])
-        keys, values = cache.write(layer, k, v)  # (1, nkv, committed + P + B, hd)
+        keys, values = (k, v) if cache is None else cache.write(layer, k, v)  # (N, nkv, committed + P + B, hd)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, n_block, -1))
@@ -240,19 +241,31 @@ class DFlashDrafter(nn.Module):
         n_ctx = 0 if context is None else context.shape[1]
         assert cache.length + n_ctx == start, (cache.length, n_ctx, start)
         n_block = block.shape[1]
+        ctx = None if context is None else self.project_context(context)
+        positions = torch.arange(start - n_ctx, start + n_block, device=block.device)[None]
+        h = self.run_layers(block, ctx, positions, cache, lambda causal, window: block_mask(
+            start, n_block, start + n_block, causal=causal, window=window, device=block.device))
+        cache.advance(n_ctx)
+        return h
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """hidden_norm(fc(.)) of tapped target states (N, P, n_taps*H): the context rows, (N, P, H)."""
         dtype = self.hidden_norm.weight.dtype  # (fc may be a packed linear without a .weight)
-        ctx = None if context is None else self.hidden_norm(self.fc(context[0].to(dtype)))[None]
-        h = block
-        positions = torch.arange(start - n_ctx, start + n_block, device=h.device)[None]
+        flat = features.reshape(-1, features.shape[-1]).to(dtype)  # 2-D, as a packed CPU linear takes it
+        return self.hidden_norm(self.fc(flat)).view(*features.shape[:-1], -1)
+
+    def run_layers(self, h: torch.Tensor, ctx: torch.Tensor | None, positions: torch.Tensor,
+                   cache: DraftCache | None, mask_for) -> torch.Tensor:
+        """The draft layers and the final norm over blocks `h` (N, Q, H) at `positions` (N, P+Q) (context
+        rows first), attending to `ctx` (N, P, H); `mask_for(causal, window)` gives each kind of layer's
+        attention mask. Decoding passes one block and its cache; training many blocks and no cache."""
         cos, sin = self.rotary(h, positions)
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         for layer in self.layers:
             key = (layer.causal, layer.window)
             if key not in masks:
-                masks[key] = block_mask(start, n_block, start + n_block, causal=layer.causal,
-                                        window=layer.window, device=h.device)
+                masks[key] = mask_for(*key)
             h = layer(h, ctx, cos, sin, cache, masks[key])
-        cache.advance(n_ctx)
         return self.norm(h)
 
     @torch.inference_mode()
