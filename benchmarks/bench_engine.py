@@ -97,7 +97,7 @@ def target_config(args) -> dict:
 def drafter_config(tcfg: dict, block_size: int) -> dict:
     """The z-lab Qwen3-8B-DFlash-b16 shape for this target: 5 layers, 32/8 heads of 128, intermediate 3H."""
     depth, hidden = tcfg["num_hidden_layers"], tcfg["hidden_size"]
-    # The reference fallback round(1 + i*(L-4)/(n-1)) for n=5 (docs/dflash-format.md section 2), clamped for L < 5.
+    # The reference fallback round(1 + i*(L-4)/(n-1)) for n=5 (docs/format.md section 2), clamped for L < 5.
     taps = Z_LAB_TAPS if depth == Z_LAB_DEPTH else [min(max(round(1 + i * (depth - 4) / 4), 0), depth - 1)
                                                     for i in range(5)]
     vocab = tcfg["vocab_size"]

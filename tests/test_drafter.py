@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import drafter_config, target_config
-from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, _fallback_taps, block_mask
+from dflash_cli.engine.config import DrafterConfig, fallback_taps
+from dflash_cli.engine.drafter import DFlashDrafter, block_mask
 
 
 def make_drafter(**overrides) -> DFlashDrafter:
@@ -49,7 +50,7 @@ def visible(q_pos, k_pos, kind, window, is_causal):
 
 
 def dense_reference(model: DFlashDrafter, context, block, theta):
-    """The forward pass of docs/dflash-format.md section 4, one query and one head at a time."""
+    """The forward pass of docs/format.md section 4, one query and one head at a time."""
     cfg = model.config
     T, B = context.shape[1], block.shape[1]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -144,14 +145,14 @@ def test_rope_parameters_and_rope_theta_spellings_agree():
 
 
 def test_fallback_tap_layers():
-    assert _fallback_taps(5, 36) == [1, 9, 17, 25, 33]
-    assert _fallback_taps(1, 36) == [18]
+    assert fallback_taps(5, 36) == [1, 9, 17, 25, 33]
+    assert fallback_taps(1, 36) == [18]
     cfg = drafter_config(target_config(), layers=5)
     del cfg["dflash_config"]["target_layer_ids"]
     cfg["num_target_layers"] = 36
     assert DrafterConfig.from_dict(cfg).tap_layers() == [1, 9, 17, 25, 33]
     del cfg["num_target_layers"]
-    assert DrafterConfig.from_dict(cfg).tap_layers(32) == _fallback_taps(5, 32)
+    assert DrafterConfig.from_dict(cfg).tap_layers(32) == fallback_taps(5, 32)
 
 
 def test_block_size_top_level_or_nested():

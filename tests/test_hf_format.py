@@ -22,7 +22,7 @@ CASES = {
     "full attention": dict(),
     # a window wider than the test's sequences: transformers' bidirectional window admits |q - k| <= window
     # where the z-lab rule (ours) admits < window, and its mask is not offset by the context in a cache-less
-    # call (docs/engine.md)
+    # call (docs/format.md section 8)
     "sliding, bidirectional": dict(layer_types=["sliding_attention"] * 2, sliding_window=64, use_sliding_window=True,
                                    is_causal=False),
 }

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_cli.engine.config import drafter_block_size
 from dflash_cli.models import plan as P
 from dflash_cli.models import sizes as S
 from dflash_cli.models.plan import GIB, choose_quant, format_plan, plan_memory
@@ -66,8 +67,8 @@ def test_qwen3_8b_drafter_is_accepted_by_the_engine_parser():
 
     parsed = DrafterConfig.from_dict(QWEN3_8B_DRAFTER)
     assert parsed.block_size == 16 and parsed.tap_layers() == [1, 9, 17, 25, 33]
-    assert S.drafter_block_size(QWEN3_8B_DRAFTER) == parsed.block_size
-    assert S.drafter_block_size(cfg("z-lab__Qwen3.5-4B-DFlash")) == 16  # nested dflash_config.block_size
+    assert drafter_block_size(QWEN3_8B_DRAFTER) == parsed.block_size
+    assert drafter_block_size(cfg("z-lab__Qwen3.5-4B-DFlash")) == 16  # nested dflash_config.block_size
 
 
 def test_drafter_components():

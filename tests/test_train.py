@@ -218,3 +218,24 @@ def test_prompts_spec_file_set_and_error(tmp_path):
     for bad in ("nope", "demo:x", "demo:0", "demo:²", str(tmp_path / "missing.txt")):
         with pytest.raises(InvalidSettingError, match="no prompt file or built-in prompt set"):
             resolve_prompts(bad)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_training_features_are_the_taps_decoding_reads(tiny_target_dir, fast):
+    """The tapped states stored as training data equal what Target.forward(..., taps=True) gives the drafter
+    on the same tokens, the last layer's (after the final norm) included, padded prompts too."""
+    from dflash_cli.train.data import generate_batch
+
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    taps = [4, 1, target.num_layers - 1]  # not sorted: the drafter's concatenation order counts
+    examples = generate_batch(target, [[5, 9, 14, 3, 22, 7], [11, 4, 30]], taps, max_new_tokens=6, stop_ids=[],
+                              pad_id=0)
+    target.set_taps(taps)
+    if fast:
+        assert target.enable_fast_path(64) is None
+    for ex in examples:
+        ids = ex.ids[:-1][None].to(DEVICE)
+        _, hidden = target.forward(ids, target.new_cache(), 0, taps=True)
+        assert ex.features.shape == hidden[0].shape
+        torch.testing.assert_close(ex.features.float(), hidden[0].to(torch.bfloat16).float().cpu(), atol=2e-2,
+                                   rtol=2e-2)

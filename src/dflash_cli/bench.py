@@ -2,7 +2,7 @@
 
 No printing here: `run_bench` returns a BenchReport (pure data, `to_dict`/`to_json`), `format_table` turns
 it into aligned text lines, and the command in ui/bench_cmd.py does the output. Metrics follow
-docs/dflash-format.md section 6: tau (acceptance length, bonus token included) macro-averaged per response
+docs/format.md section 6: tau (acceptance length, bonus token included) macro-averaged per response
 as the paper does and pooled over the set; draft acceptance (accepted / drafted, pooled); per-position
 acceptance (pooled counts); decode-only tokens per second of both modes (prefill excluded, from the
 engine's own statistics); speedup = plain time per token / DFlash time per token, pooled over the set.
@@ -16,9 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_cli.engine.errors import DFlashError
+
+if TYPE_CHECKING:  # the engine imports torch: only for annotations here
+    from dflash_cli.engine.drafter import Drafter
+    from dflash_cli.engine.target import Target
 
 BUILTIN_SETS = ("math", "code", "chat")
 
@@ -224,7 +228,8 @@ def _hf_generate(target: Any, assistant: Any, prompt: list[int], max_new_tokens:
                              len(tokens) / seconds if seconds > 0 else 0.0, finish)
 
 
-def run_bench(target: Any, drafter: Any, tokenizer: Any, prompt_sets: Mapping[str, Sequence[str | Prompt]], *,
+def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
+              prompt_sets: Mapping[str, Sequence[str | Prompt]], *,
               max_new_tokens: int, block_size: int | None = None, warmup: int = 2, per_set: int | None = None,
               on_progress: Callable[[int, int, str], None] | None = None, hf_baseline: bool | Any = False,
               enable_thinking: bool | None = None, adaptive: bool = False,

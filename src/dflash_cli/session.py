@@ -11,10 +11,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_cli import settings as S
 from dflash_cli.engine.errors import CheckpointError, DFlashError
+
+if TYPE_CHECKING:  # the engine imports torch: only for annotations here
+    from dflash_cli.engine.drafter import Drafter
+    from dflash_cli.engine.target import Target
 
 
 class TranscriptError(DFlashError):
@@ -44,8 +48,8 @@ class GenerationSettings:
 class Runtime:
     """A target, its drafter (or None) and its tokenizer, loaded once per process."""
 
-    target: Any
-    drafter: Any
+    target: Target
+    drafter: Drafter | None
     tokenizer: Any
     target_dir: Path
     drafter_dir: Path | None

@@ -2,7 +2,7 @@
 each sublayer and a candidate selector that replaces the per-slot argmax by a left-to-right walk.
 
 Attention, MLP, norms, masks and the context cache are the v1 modules (engine/drafter.py); module names
-match the checkpoint keys. The equations are in docs/engine.md ("DFlash 2").
+match the checkpoint keys. The equations are in docs/format.md section 7.
 """
 
 from __future__ import annotations

@@ -1,162 +1,40 @@
 """The DFlash draft model: a few Qwen3-style layers that predict a whole block in one forward pass.
 
 Module attribute names match the checkpoint keys (`fc`, `hidden_norm`, `layers.{i}.self_attn.q_proj`, ...)
-so weights load by key with no renaming. See docs/dflash-format.md sections 2-4 for the reference.
+so weights load by key with no renaming. docs/format.md sections 2-4 specify it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_cli.engine.errors import CheckpointError, UnsupportedModelError
+from dflash_cli.engine.config import DrafterConfig
 from dflash_cli.engine.sampling import Sampler
 
-DEFAULT_BLOCK_SIZE = 16
-ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
+@runtime_checkable
+class Drafter(Protocol):
+    """What the decoding loop needs from a drafter: `DFlashDrafter`, `DFlash2Drafter` and `OracleDrafter`."""
 
-def _fallback_taps(num_draft_layers: int, num_target_layers: int) -> list[int]:
-    """Layer ids the reference code taps when a config names none (docs/dflash-format.md section 2)."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    """The fields of a drafter's config.json that the engine uses, read strictly."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    hidden_act: str
-    attention_bias: bool
-    block_size: int
-    mask_token_id: int
-    layer_types: tuple[str, ...]
-    sliding_window: int | None
-    is_causal: bool | None
-    num_target_layers: int | None
-    target_layer_ids: tuple[int, ...] | None
-    input_embedding_scale: float = 1.0
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None
-    architecture: str = "DFlashDraftModel"
-    # DFlash 2 only (docs/engine.md): conv kernel K, conv group G, selector rank R and top-k
-    conv_kernel_size: int | None = None
-    conv_group_size: int | None = None
-    selector_rank: int | None = None
-    selector_top_k: int | None = None
-    source_format: str = "dflash"  # "dflash" (z-lab) or "transformers" (muse_glimmer_assistant)
-    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    config: DrafterConfig
 
     @property
-    def is_dflash2(self) -> bool:
-        return self.architecture == "DFlash2DraftModel"
+    def block_size(self) -> int: ...
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
-        from dflash_cli.engine.hf_format import from_transformers_config, is_transformers_config
+    @property
+    def mask_token_id(self) -> int: ...
 
-        source_format = "dflash"
-        if is_transformers_config(raw):
-            raw, source_format = from_transformers_config(raw), "transformers"
-        architectures = raw.get("architectures") or ["DFlashDraftModel"]
-        if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"{source}: architecture {architectures} is not a DFlash drafter this version can run",
-                hint="supported: DFlashDraftModel and DFlash2DraftModel (z-lab DFlash checkpoints) and "
-                     "muse_glimmer_assistant (transformers' DFlash format)",
-            )
-        dflash = raw.get("dflash_config") or {}
-        dflash2 = {}
-        if architectures[0] == "DFlash2DraftModel":
-            absent = [k for k in DFLASH2_FIELDS if dflash.get(k) is None]
-            if absent:
-                raise CheckpointError(f"{source}: a DFlash 2 drafter needs dflash_config.{absent[0]}")
-            dflash2 = {k: int(dflash[k]) for k in DFLASH2_FIELDS}
-            if raw.get("vocab_size") is None:
-                raise CheckpointError(f"{source}: a DFlash 2 drafter needs vocab_size (its selector's codebooks)")
-            if int(raw.get("hidden_size") or 0) % dflash2["conv_group_size"]:
-                raise CheckpointError(f"{source}: hidden_size {raw.get('hidden_size')} is not a multiple of "
-                                      f"conv_group_size {dflash2['conv_group_size']}")
+    def new_cache(self, capacity: int = 256) -> DraftCache: ...
 
-        def need(key: str) -> int:
-            value = raw.get(key)
-            if value is None:
-                raise CheckpointError(f"{source}: required field {key!r} is missing")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CheckpointError(f"{source}: field {key!r} must be a positive integer, not {value!r}")
-            return value
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        n_layers = int(need("num_hidden_layers"))
-        mask_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
-        if mask_id is None:
-            raise CheckpointError(f"{source}: dflash_config.mask_token_id is missing")
-        block = dflash.get("block_size", raw.get("block_size", DEFAULT_BLOCK_SIZE))
-        window = raw.get("sliding_window")
-        layer_types = raw.get("layer_types")
-        if layer_types is None:
-            sliding = bool(raw.get("use_sliding_window")) and window is not None
-            first_sliding = raw.get("max_window_layers", n_layers)
-            layer_types = ["sliding_attention" if sliding and i >= first_sliding else "full_attention"
-                           for i in range(n_layers)]
-        if len(layer_types) != n_layers:
-            raise CheckpointError(f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers")
-        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise UnsupportedModelError(f"{source}: unsupported drafter layer types {sorted(unknown)}")
-        if "sliding_attention" in layer_types and window is None:
-            raise CheckpointError(f"{source}: sliding_attention layers need a sliding_window")
-        taps = dflash.get("target_layer_ids")
-        softcap = dflash.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
-        return cls(
-            hidden_size=hidden,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            intermediate_size=int(need("intermediate_size")),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            hidden_act=str(raw.get("hidden_act", "silu")),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            block_size=int(block),
-            mask_token_id=int(mask_id),
-            layer_types=tuple(layer_types),
-            sliding_window=int(window) if window is not None else None,
-            is_causal=raw.get("is_causal"),
-            num_target_layers=raw.get("num_target_layers"),
-            target_layer_ids=tuple(int(t) for t in taps) if taps is not None else None,
-            input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
-            output_multiplier=float(dflash.get("output_multiplier", 1.0)),
-            final_logit_softcapping=float(softcap) if softcap else None,
-            architecture=architectures[0],
-            source_format=source_format,
-            raw=dict(raw),
-            **dflash2,
-        )
-
-    def tap_layers(self, num_target_layers: int | None = None) -> list[int]:
-        """The target layers to tap: the config's list, else the reference fallback for the target's depth."""
-        if self.target_layer_ids is not None:
-            return list(self.target_layer_ids)
-        depth = self.num_target_layers or num_target_layers
-        if depth is None:
-            raise CheckpointError("drafter config names no target_layer_ids and no num_target_layers")
-        return _fallback_taps(self.num_hidden_layers, int(depth))
+    def draft(self, context: torch.Tensor | None, anchor: torch.Tensor, start: int, block_len: int,
+              cache: DraftCache, embed_weight: torch.Tensor, lm_head: nn.Module, *,
+              keep: int | None = None, sampler: Sampler | None = None) -> torch.Tensor:
+        """The first `keep` drafts after `anchor` (a (1,) tensor), as a (keep,) tensor; commits `context`."""
+        ...
 
 
 class RMSNorm(nn.Module):
@@ -232,8 +110,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin, cache: DraftCache, layer: int, mask):
-        # x: (1, B, H) block; ctx: (1, P, H) new context rows or None; cos/sin: (1, P+B, hd)
+    def forward(self, x, ctx, cos, sin, cache: DraftCache | None, layer: int, mask):
+        # x: (N, B, H) blocks; ctx: (N, P, H) new context rows or None; cos/sin: (N, P+B, hd).
+        # Without a cache (training) the keys are the context rows and the blocks themselves.
         b, n_block, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n_block, self.num_heads, self.head_dim)).transpose(1, 2)
         kv_in = x if ctx is None else torch.cat([ctx, x], dim=1)  # context first, then the block
@@ -242,7 +121,7 @@ class Attention(nn.Module):
         v = self.v_proj(kv_in).view(b, n_kv, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos[:, None, -n_block:], sin[:, None, -n_block:])
         k = apply_rope(k, cos[:, None], sin[:, None])
-        keys, values = cache.write(layer, k, v)  # (1, nkv, committed + P + B, hd)
+        keys, values = (k, v) if cache is None else cache.write(layer, k, v)  # (N, nkv, committed + P + B, hd)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, n_block, -1))
@@ -362,19 +241,31 @@ class DFlashDrafter(nn.Module):
         n_ctx = 0 if context is None else context.shape[1]
         assert cache.length + n_ctx == start, (cache.length, n_ctx, start)
         n_block = block.shape[1]
+        ctx = None if context is None else self.project_context(context)
+        positions = torch.arange(start - n_ctx, start + n_block, device=block.device)[None]
+        h = self.run_layers(block, ctx, positions, cache, lambda causal, window: block_mask(
+            start, n_block, start + n_block, causal=causal, window=window, device=block.device))
+        cache.advance(n_ctx)
+        return h
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """hidden_norm(fc(.)) of tapped target states (N, P, n_taps*H): the context rows, (N, P, H)."""
         dtype = self.hidden_norm.weight.dtype  # (fc may be a packed linear without a .weight)
-        ctx = None if context is None else self.hidden_norm(self.fc(context[0].to(dtype)))[None]
-        h = block
-        positions = torch.arange(start - n_ctx, start + n_block, device=h.device)[None]
+        flat = features.reshape(-1, features.shape[-1]).to(dtype)  # 2-D, as a packed CPU linear takes it
+        return self.hidden_norm(self.fc(flat)).view(*features.shape[:-1], -1)
+
+    def run_layers(self, h: torch.Tensor, ctx: torch.Tensor | None, positions: torch.Tensor,
+                   cache: DraftCache | None, mask_for) -> torch.Tensor:
+        """The draft layers and the final norm over blocks `h` (N, Q, H) at `positions` (N, P+Q) (context
+        rows first), attending to `ctx` (N, P, H); `mask_for(causal, window)` gives each kind of layer's
+        attention mask. Decoding passes one block and its cache; training many blocks and no cache."""
         cos, sin = self.rotary(h, positions)
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         for layer in self.layers:
             key = (layer.causal, layer.window)
             if key not in masks:
-                masks[key] = block_mask(start, n_block, start + n_block, causal=layer.causal,
-                                        window=layer.window, device=h.device)
+                masks[key] = mask_for(*key)
             h = layer(h, ctx, cos, sin, cache, masks[key])
-        cache.advance(n_ctx)
         return self.norm(h)
 
     @torch.inference_mode()
@@ -388,7 +279,7 @@ class DFlashDrafter(nn.Module):
         first drafts than drafting a shorter block: a block attends to itself bidirectionally.
 
         `sampler` (the target's): the draft at position p is the sampler's own choice from the draft logits
-        with the noise it will use for the target at p (coupled drafts, docs/engine.md); None = argmax.
+        with the noise it will use for the target at p (coupled drafts, docs/format.md section 5); None = argmax.
         """
         hidden, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
         if sampler is None:

@@ -11,7 +11,7 @@ import torch
 from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.baseline import baseline_rounds
 from dflash_cli.engine.device import peak_memory, reset_peak_memory
-from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.engine.drafter import Drafter
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.response import (FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, GenerationResult, GenerationStats,
                                         Step)
@@ -35,7 +35,7 @@ def default_stop_ids(target: Target, tokenizer: Any = None) -> list[int]:
     return [int(i) for i in ids]
 
 
-def resolve_block_size(drafter: DFlashDrafter | None, block_size: int | None) -> int:
+def resolve_block_size(drafter: Drafter | None, block_size: int | None) -> int:
     """The block length to use: the drafter's trained size unless overridden with 1..trained (1 = no drafting)."""
     if drafter is None:
         if block_size not in (None, 1):
@@ -95,7 +95,7 @@ class _Tally:
             finish_reason=finish_reason)
 
 
-def stream_generate(target: Target, drafter: DFlashDrafter | None, prompt: Sequence[int], *,
+def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[int], *,
                     tokenizer: Any = None, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, block_size: int | None = None,
                     stop_ids: Sequence[int] | None = None, state: DecodeState | None = None,
@@ -212,7 +212,7 @@ def _finish_reason(tokens: Sequence[int], stops: set[int], length: int, limit: i
     return None
 
 
-def generate(target: Target, drafter: DFlashDrafter | None, prompt: Sequence[int], **kwargs: Any) -> GenerationResult:
+def generate(target: Target, drafter: Drafter | None, prompt: Sequence[int], **kwargs: Any) -> GenerationResult:
     """Runs stream_generate to the end and returns the generated tokens, text and final statistics."""
     tokens: list[int] = []
     text: list[str] = []
@@ -224,7 +224,7 @@ def generate(target: Target, drafter: DFlashDrafter | None, prompt: Sequence[int
     return GenerationResult(tokens, "".join(text), last.stats)
 
 
-def warm_up(target: Target, drafter: DFlashDrafter | None) -> None:
+def warm_up(target: Target, drafter: Drafter | None) -> None:
     """Runs both loops briefly, so one-time kernel selection and allocation do not slow the first reply."""
     prompt = list(range(1, 17))
     block = drafter.block_size if drafter is not None else 1

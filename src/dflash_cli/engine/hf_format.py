@@ -4,7 +4,8 @@ The layers are the same as a v1 drafter's. The differences, read from transforme
 `MuseGlimmerAssistantModel` (5.24): `block_size`, `mask_token_id` and `target_layer_ids` sit at the top
 level of config.json; the context projection lives under `encoder` (`encoder.fc`, and the norm we call
 `hidden_norm` is `encoder.output_norm_enc`); every layer is bidirectional inside the block (sliding
-layers too); RoPE theta defaults to 500000. Tensors are matched by name from the checkpoint's own
+layers too); RoPE theta defaults to 500000. engine/config.py reads such a config; this module writes one
+and maps tensor names. Tensors are matched by name from the checkpoint's own
 safetensors header, after dropping a `model.` prefix that every name carries (a wrapped save).
 """
 
@@ -12,33 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_cli.engine.config import HF_ARCHITECTURE, HF_MODEL_TYPE
 from dflash_cli.engine.errors import InvalidSettingError
 
-MODEL_TYPE = "muse_glimmer_assistant"
-ARCHITECTURE = "MuseGlimmerAssistantModel"
 # our name -> transformers' name; every other tensor has the same name in both formats
 RENAMED = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
 _OURS = {theirs: ours for ours, theirs in RENAMED.items()}
-_TOP_LEVEL = ("block_size", "mask_token_id", "target_layer_ids")
-_DEFAULT_THETA = 500000.0  # MuseGlimmerAssistantConfig.default_theta
-_DEFAULT_TAPS = [1, 13, 25, 37, 49]  # what MuseGlimmerAssistantConfig fills in when the field is absent
-
-
-def is_transformers_config(raw: dict[str, Any]) -> bool:
-    return raw.get("model_type") == MODEL_TYPE or ARCHITECTURE in (raw.get("architectures") or [])
-
-
-def from_transformers_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """A muse_glimmer_assistant config.json as the equivalent config in our (z-lab) format."""
-    ours = {k: v for k, v in raw.items() if k not in _TOP_LEVEL}
-    ours.update(architectures=["DFlashDraftModel"], model_type="qwen3", is_causal=False, attention_bias=False)
-    ours["dflash_config"] = {"mask_token_id": raw.get("mask_token_id", 201818),
-                             "target_layer_ids": list(raw.get("target_layer_ids") or _DEFAULT_TAPS),
-                             "block_size": raw.get("block_size", 16)}
-    if not raw.get("rope_parameters") and raw.get("rope_theta") is None:
-        ours["rope_parameters"] = {"rope_type": "default", "rope_theta": _DEFAULT_THETA}
-    ours.setdefault("layer_types", ["sliding_attention"] * int(raw.get("num_hidden_layers", 5)))
-    return ours
 
 
 def to_transformers_config(cfg) -> dict[str, Any]:
@@ -55,7 +35,7 @@ def to_transformers_config(cfg) -> dict[str, Any]:
     drop = {"architectures", "model_type", "auto_map", "dflash_config", "is_causal", "attention_bias",
             "use_sliding_window", "max_window_layers", "num_target_layers", "block_size"}
     out = {k: v for k, v in cfg.raw.items() if k not in drop}
-    out.update(architectures=[ARCHITECTURE], model_type=MODEL_TYPE, block_size=cfg.block_size,
+    out.update(architectures=[HF_ARCHITECTURE], model_type=HF_MODEL_TYPE, block_size=cfg.block_size,
                mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.tap_layers(),
                layer_types=list(cfg.layer_types), head_dim=cfg.head_dim,
                num_key_value_heads=cfg.num_key_value_heads)

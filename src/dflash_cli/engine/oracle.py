@@ -22,7 +22,8 @@ def acceptance_for_tau(tau: float, block_size: int) -> float:
 
 
 class OracleDrafter:
-    """Proposes `reference[start+1 : start+B]`, each token replaced by a wrong one with probability `1 - q`."""
+    """A `Drafter` proposing `reference[start+1 : start+B]`, each token replaced by a wrong one with probability
+    `1 - q`."""
 
     def __init__(self, drafter: DFlashDrafter, reference: list[int], acceptance: float = 1.0, seed: int = 0,
                  vocab_size: int | None = None):

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.engine.drafter import DrafterConfig
+from dflash_cli.engine.config import DrafterConfig, text_config
 from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError, UnsupportedModelError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -51,11 +51,6 @@ def safetensors_files(folder: Path, what: str) -> list[Path]:
                  "use a repository that publishes model.safetensors",
         )
     raise CheckpointError(f"{what} folder {folder} has no weights (no *.safetensors file)")
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language-model part of a config (multimodal configs nest it under text_config)."""
-    return config.get("text_config") or config
 
 
 # hybrids whose linear-attention state the fast path rolls back exactly (engine/linear_attention.py)

@@ -11,7 +11,7 @@ FINISH_CONTEXT = "context"  # the context (max_context, or the target's own limi
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """Counters and timings of one generation so far (docs/dflash-format.md section 6 defines them)."""
+    """Counters and timings of one generation so far (docs/format.md section 6 defines them)."""
 
     prompt_tokens: int
     prefilled_tokens: int  # prompt tokens actually run through the target (fewer when a cache was reused)

@@ -60,7 +60,7 @@ class Sampler:
         """(rows, size) Gumbel noise of positions position..position+rows-1: what __call__ adds to log p there.
 
         A drafter that adds the same noise to its own log q proposes an exact sample of q that is coupled to
-        the target's draw (docs/engine.md, "Sampled drafts").
+        the target's draw (docs/engine.md, "Sampling: why coupled drafts").
         """
         uniform = torch.stack([self.uniform(position + i, size, device) for i in range(rows)])
         return -torch.log(-torch.log(uniform))

@@ -6,7 +6,7 @@ a sample from its filtered distribution at T>0). Accept the longest prefix with 
 then commit d_1..d_a plus the target's own t_a: every committed token is exactly what the target alone
 would have chosen at that position, so the output is lossless (in distribution when sampling: one-hot
 rejection sampling). At T>0 the drafter proposes with the sampler's own position-keyed noise, so its
-drafts are samples of its distribution coupled to the target's (docs/engine.md, "Sampled drafts").
+drafts are samples of its distribution coupled to the target's (docs/engine.md, "Sampling: why coupled drafts").
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.device import Stopwatch
-from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.engine.drafter import Drafter
 from dflash_cli.engine.sampling import Sampler
 from dflash_cli.engine.state import DecodeState
 
@@ -36,7 +36,7 @@ class Round:
     wall_seconds: float
 
 
-def speculative_rounds(state: DecodeState, drafter: DFlashDrafter, sample: Sampler, *, block_size: int,
+def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *, block_size: int,
                        limit: int, controller: BlockSizeController | None = None) -> Iterator[Round]:
     """Yields one Round per target verify step until len(state.tokens) reaches `limit`.
 

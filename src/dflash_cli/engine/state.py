@@ -1,6 +1,6 @@
 """Decoding state shared by the speculative and plain loops: committed tokens and both caches.
 
-Invariant between steps (docs/dflash-format.md section 5):
+Invariant between steps (docs/format.md section 5):
     target cache length == draft cache length + pending context rows == start == len(tokens) - 1
 The last committed token is the anchor: its K/V are not in any cache yet.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
+from dflash_cli.engine.drafter import DraftCache, Drafter
 from dflash_cli.engine.target import Target, cache_length, crop_cache
 
 
@@ -24,7 +24,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class DecodeState:
     """Caches and committed tokens of one sequence; reusable across turns of a conversation."""
 
-    def __init__(self, target: Target, drafter: DFlashDrafter | None):
+    def __init__(self, target: Target, drafter: Drafter | None):
         self.target, self.drafter = target, drafter
         self.tokens: list[int] = []
         self.target_cache = target.new_cache()

@@ -133,16 +133,19 @@ class Target:
         for layer_id in sorted(set(layer_ids)):
             self._hooks.append(self.layers[layer_id].register_forward_hook(self._make_hook(layer_id)))
 
-    def _make_hook(self, layer_id: int):
-        last = layer_id == self.num_layers - 1
+    def tapped(self, layer_id: int, output: Any) -> torch.Tensor:
+        """The tap of decoder layer `layer_id` from its module output: the layer's hidden states, after the
+        final norm for the last layer (transformers' hidden_states[-1] is). Decoding and training data
+        both tap through here (the fast path applies the same rule in its own forward)."""
+        hidden = output[0] if isinstance(output, tuple) else output
+        if layer_id == self.num_layers - 1 and self._final_norm is not None:
+            hidden = self._final_norm(hidden)
+        return hidden
 
+    def _make_hook(self, layer_id: int):
         def hook(_module, _inputs, output):
             if self._capturing:
-                hidden = output[0] if isinstance(output, tuple) else output
-                # transformers' hidden_states[-1] is after the final norm: tap the same thing.
-                if last and self._final_norm is not None:
-                    hidden = self._final_norm(hidden)
-                self._captured[layer_id] = hidden
+                self._captured[layer_id] = self.tapped(layer_id, output)
 
         return hook
 

@@ -1,1 +1,2 @@
-"""Small helper models (the real SmolLM2-135M-Instruct used by tests and demos)."""
+"""Model management without torch: names and the registry, the Hugging Face hub, memory plans and sizes,
+and the built-in SmolLM2-135M-Instruct."""

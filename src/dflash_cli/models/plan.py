@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dflash_cli.engine.config import drafter_block_size
 from dflash_cli.models.sizes import (
     AUTO_ORDER,
     GIB,
     WeightEstimate,
     activation_bytes,
-    drafter_block_size,
     drafter_kv_cache_bytes,
     drafter_weight_bytes,
     gib,

@@ -54,6 +54,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_cli.engine.config import drafter_tap_count, is_dflash2, layer_types, text_config
+
 GIB = 1024**3
 CUDA_CONTEXT_BYTES = GIB // 2
 WEIGHT_MARGIN = 0.10
@@ -77,11 +79,6 @@ def normalize_quant(quant: str | None) -> str:
     if key not in QUANT_ALIASES:
         raise ValueError(f"unknown quantization {quant!r}: use bf16, fp16, fp32, int8 or nf4")
     return QUANT_ALIASES[key]
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language-model part of a config (same rule as `engine.pairing.text_config`, without its torch import)."""
-    return config.get("text_config") or config
 
 
 def gib(n: int | float) -> str:
@@ -128,21 +125,6 @@ class _Counts:
 
 def _head_dim(cfg: dict[str, Any]) -> int:
     return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-
-
-def layer_types(cfg: dict[str, Any]) -> list[str]:
-    """Per-layer attention kind; derived like transformers' Qwen2/Qwen3 configs when the config has none."""
-    n = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types")
-    if types:
-        return list(types)
-    window = cfg.get("sliding_window")
-    sliding = window is not None and cfg.get("use_sliding_window", True)
-    first = cfg.get("max_window_layers", n)
-    if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
-        return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
-    return ["sliding_attention" if window is not None and cfg.get("use_sliding_window", True) else
-            "full_attention" for _ in range(n)]
 
 
 def _attention(c: _Counts, cfg: dict[str, Any], *, gated_q: bool = False) -> None:
@@ -237,16 +219,13 @@ def count_target(config: dict[str, Any]) -> _Counts:
 
 
 def count_drafter(drafter_config: dict[str, Any]) -> _Counts:
-    """Parameter counts of a DFlash drafter (docs/dflash-format.md section 2): fc, layers, norms."""
+    """Parameter counts of a DFlash drafter (docs/format.md sections 2-3): fc, layers, norms."""
     cfg = drafter_config
     h = int(cfg["hidden_size"])
     n = int(cfg["num_hidden_layers"])
-    # z-lab format: under dflash_config; transformers' format (muse_glimmer_assistant): top level
-    taps = (cfg.get("dflash_config") or {}).get("target_layer_ids", cfg.get("target_layer_ids"))
-    n_taps = len(taps) if taps is not None else n  # the engine's rule (DFlashDrafter.__init__)
-    c = _Counts(fc=n_taps * h * h)
+    c = _Counts(fc=drafter_tap_count(cfg) * h * h)
     q3 = dict(cfg, model_type="qwen3")  # DFlash draft layers are Qwen3 layers (q_norm/k_norm)
-    dflash2 = "DFlash2DraftModel" in (cfg.get("architectures") or [])
+    dflash2 = is_dflash2(cfg)
     extra = cfg.get("dflash_config") or {}
     for _ in range(n):
         _attention(c, q3)
@@ -428,21 +407,13 @@ def drafter_kv_cache_bytes(drafter_config: dict[str, Any], context_tokens: int, 
 # plans
 
 
-def drafter_block_size(drafter_config: dict[str, Any]) -> int:
-    dflash = drafter_config.get("dflash_config") or {}
-    return int(dflash.get("block_size", drafter_config.get("block_size", 16)))
-
-
 def activation_bytes(target_config: dict[str, Any], drafter_config: dict[str, Any] | None, *,
                      context_tokens: int, block_size: int, weight_bytes: int) -> dict[str, int]:
     """The working-memory rule documented in the module docstring, by part."""
     cfg = text_config(target_config)
     h, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     inter = int(cfg.get("intermediate_size") or 4 * h)
-    n_taps = 0
-    if drafter_config is not None:
-        taps = (drafter_config.get("dflash_config") or {}).get("target_layer_ids")
-        n_taps = len(taps) if taps is not None else int(drafter_config["num_hidden_layers"])
+    n_taps = drafter_tap_count(drafter_config) if drafter_config is not None else 0
     return {
         "logits": 2 * block_size * vocab * 4,
         "prefill": context_tokens * (3 * inter + (n_taps + 4) * h) * 2,

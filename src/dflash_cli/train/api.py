@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from dflash_cli.engine.device import pick_device, pick_dtype
-from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, _fallback_taps
+from dflash_cli.engine.config import DrafterConfig, fallback_taps
+from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import default_stop_ids
 from dflash_cli.engine.load import load_target, save_drafter
@@ -30,10 +31,10 @@ CHECKPOINT = Path("checkpoint") / "latest.safetensors"
 
 
 def default_taps(num_target_layers: int, layers: int) -> list[int]:
-    """The reference fallback spread (docs/dflash-format.md section 2) for max(layers, 5) taps, deduplicated:
+    """The reference fallback spread (docs/format.md section 2) for max(layers, 5) taps, deduplicated:
     published drafters tap 5 layers, and more taps help a shallow drafter (prototype: 2 layers, 5 taps)."""
     n = min(max(layers, 5), num_target_layers)
-    return sorted(set(_fallback_taps(n, num_target_layers)))
+    return sorted(set(fallback_taps(n, num_target_layers)))
 
 
 def pick_mask_token(tokenizer, embed: torch.Tensor, seen: set[int]) -> tuple[int, str]:

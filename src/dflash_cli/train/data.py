@@ -52,14 +52,10 @@ class _TapRecorder:
     def __init__(self, target: Target, taps: Sequence[int]):
         self.taps = list(taps)
         self.chunks: dict[int, list[torch.Tensor]] = {t: [] for t in set(taps)}
-        last = target.num_layers - 1
         self.handles = []
         for t in set(taps):
             def hook(_m, _i, output, t=t):
-                hidden = output[0] if isinstance(output, tuple) else output
-                if t == last and target._final_norm is not None:  # hidden_states[-1] is after the final norm
-                    hidden = target._final_norm(hidden)
-                self.chunks[t].append(hidden.to(torch.bfloat16))
+                self.chunks[t].append(target.tapped(t, output).to(torch.bfloat16))
             self.handles.append(target.layers[t].register_forward_hook(hook))
 
     def features(self) -> torch.Tensor:

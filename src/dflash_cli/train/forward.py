@@ -1,8 +1,8 @@
 """The drafter's training forward: many anchor blocks per sequence in one pass, isolated by a block mask.
 
-It reuses the engine's modules (fc, hidden_norm, each layer's projections, norms and MLP, the drafter's
-RoPE) and only re-does the attention wiring: instead of one block against a cache, every block of every
-anchor attends to the sequence's context rows before its anchor plus its own slots (docs/dflash-format.md
+It runs the inference code (`DFlashDrafter.project_context` and `run_layers`, the same layers and
+attention) with another mask and no cache: instead of one block against a cache, every block of every
+anchor attends to the sequence's context rows before its anchor plus its own slots (docs/format.md
 section 4). At inference the anchor x_p is the last committed token and the cache holds the tapped states
 of positions 0..p-1, so block a sees context rows j < p_a and nothing of the other blocks.
 """
@@ -10,9 +10,8 @@ of positions 0..p-1, so block a sees context rows j < p_a and nothing of the oth
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dflash_cli.engine.drafter import DFlashDrafter, apply_rope, visibility
+from dflash_cli.engine.drafter import DFlashDrafter, visibility
 
 
 def block_ids(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id: int) -> torch.Tensor:
@@ -57,7 +56,7 @@ def training_mask(anchors: torch.Tensor, n_ctx: int, block_size: int, *, causal:
 
 def training_forward(drafter: DFlashDrafter, features: torch.Tensor, block_embeds: torch.Tensor,
                      anchors: torch.Tensor) -> torch.Tensor:
-    """Normed hidden states (N, A*B, H) of all anchor blocks.
+    """Normed hidden states (N, A*B, H) of all anchor blocks, through the inference layers.
 
     Args:
         features: (N, L, n_taps*H) tapped target states of the (padded) sequences, positions 0..L-1.
@@ -67,27 +66,8 @@ def training_forward(drafter: DFlashDrafter, features: torch.Tensor, block_embed
     n, n_ctx, _ = features.shape
     n_q = block_embeds.shape[1]
     bsz = n_q // anchors.shape[1]
-    ctx = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.dtype)))
+    ctx = drafter.project_context(features)
     ctx_pos = torch.arange(n_ctx, device=ctx.device)[None].expand(n, -1)
     q_pos = (anchors[:, :, None] + torch.arange(bsz, device=ctx.device)).view(n, n_q)
-    cos, sin = drafter.rotary(block_embeds, torch.cat([ctx_pos, q_pos], dim=1))  # (N, n_ctx+Q, hd)
-    cos, sin = cos[:, None], sin[:, None]
-    masks: dict = {}
-    h = block_embeds
-    for layer in drafter.layers:
-        key = (layer.causal, layer.window)
-        if key not in masks:
-            masks[key] = training_mask(anchors, n_ctx, bsz, causal=layer.causal, window=layer.window)
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_norm(attn.q_proj(x).view(n, n_q, attn.num_heads, attn.head_dim)).transpose(1, 2)
-        kv_in = torch.cat([ctx, x], dim=1)
-        k = attn.k_norm(attn.k_proj(kv_in).view(n, -1, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(kv_in).view(n, -1, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos[:, :, n_ctx:], sin[:, :, n_ctx:])
-        k = apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[key], scale=attn.head_dim**-0.5,
-                                             enable_gqa=attn.num_kv_heads != attn.num_heads)
-        h = h + attn.o_proj(out.transpose(1, 2).reshape(n, n_q, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return drafter.norm(h)
+    return drafter.run_layers(block_embeds, ctx, torch.cat([ctx_pos, q_pos], dim=1), None,
+                              lambda causal, window: training_mask(anchors, n_ctx, bsz, causal=causal, window=window))

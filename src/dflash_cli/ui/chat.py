@@ -2,7 +2,7 @@
 
 Replies stream as plain text to stdout through `Output` (which colours provenance); everything else
 goes to stderr. `Conversation` keeps the engine caches between turns, so a turn only prefills its new
-tokens. Prompt, then stream, then prompt again: no patch_stdout (docs/platform-notes.md).
+tokens. Prompt, then stream, then prompt again: no patch_stdout (it breaks rich's colours).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def read_configs(where: str | None, revision: str | None, endpoint: str | None) 
 
 
 def config_summary(target: dict | None, drafter: dict | None) -> dict[str, Any]:
-    from dflash_cli.models.sizes import drafter_block_size, text_config
+    from dflash_cli.engine.config import drafter_block_size, drafter_mask_token_id, drafter_taps, text_config
 
     out: dict[str, Any] = {}
     if target is not None:
@@ -58,13 +58,11 @@ def config_summary(target: dict | None, drafter: dict | None) -> dict[str, Any]:
                                                "max_position_embeddings")}
         out["target"]["architectures"] = target.get("architectures")
     if drafter is not None:
-        dflash = drafter.get("dflash_config") or {}
         out["drafter"] = {"hidden_size": drafter.get("hidden_size"),
                           "num_hidden_layers": drafter.get("num_hidden_layers"),
                           "vocab_size": drafter.get("vocab_size"),
                           "block_size": drafter_block_size(drafter),
-                          "target_layer_ids": dflash.get("target_layer_ids", drafter.get("target_layer_ids")),
-                          "mask_token_id": dflash.get("mask_token_id", drafter.get("mask_token_id"))}
+                          "target_layer_ids": drafter_taps(drafter), "mask_token_id": drafter_mask_token_id(drafter)}
     return out
 
 

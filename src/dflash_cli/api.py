@@ -1,0 +1,63 @@
+"""The Python API (re-exported by `dflash_cli`): load a model pair once, then generate from text or ids.
+
+`load` is what the CLI does before a reply (resolve the names, check the pair, load, pick the forward);
+`stream_generate` and `generate` take a prompt as text (chat-templated with the runtime's tokenizer) or as
+token ids, and pass the other keywords to the engine (`engine.generate.stream_generate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from dflash_cli import settings as S
+from dflash_cli.engine.response import GenerationResult, Step
+from dflash_cli.session import Runtime, load_runtime
+
+
+def load(model: str, draft: str | None = None, *, quant: str | None = None, dtype: str | None = None,
+         device: str | None = None, compile: str = S.DEFAULT_COMPILE, max_context: int | None = None) -> Runtime:
+    """A target (a local folder or a built-in model name), its drafter (or None) and its tokenizer.
+
+    quant: None, "int8" or "nf4" (bitsandbytes, CUDA); dtype: "float32", "bfloat16" or "float16";
+    device: "cpu", "cuda", ... (default: the best available); compile: "auto", "on" or "off";
+    max_context: positions of the static cache (default settings.DEFAULT_MAX_CONTEXT, at most the model's).
+    """
+    return load_runtime(model, draft, quant=quant, dtype=dtype, device=device, compile=compile,
+                        max_context=max_context)
+
+
+def prompt_ids(runtime: Runtime, prompt: str | Sequence[int], *, chat_template: bool = True,
+               think: bool | None = None, system: str | None = None) -> list[int]:
+    """Token ids of `prompt`: text goes through the target's chat template (think: None = the template's
+    default); ids are taken as they are."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    from dflash_cli.engine.text import encode_prompt
+
+    return encode_prompt(runtime.tokenizer, prompt, chat_template=chat_template, enable_thinking=think, system=system)
+
+
+def stream_generate(runtime: Runtime, prompt: str | Sequence[int], *, chat_template: bool = True,
+                    think: bool | None = None, system: str | None = None, **kwargs: Any) -> Iterator[Step]:
+    """Yields one `Step` per target forward; the last one's `stats` are the final statistics.
+
+    kwargs: max_new_tokens, temperature, top_p, top_k, seed, block_size, stop_ids, max_context, adaptive,
+    state (see `dflash_cli.engine.generate.stream_generate`).
+    """
+    from dflash_cli.engine.generate import stream_generate as engine_stream
+
+    ids = prompt_ids(runtime, prompt, chat_template=chat_template, think=think, system=system)
+    return engine_stream(runtime.target, runtime.drafter, ids, tokenizer=runtime.tokenizer, **kwargs)
+
+
+def generate(runtime: Runtime, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+    """Runs `stream_generate` to the end: the generated token ids, their text and the final statistics."""
+    tokens: list[int] = []
+    text: list[str] = []
+    last: Step | None = None
+    for last in stream_generate(runtime, prompt, **kwargs):
+        tokens.extend(last.tokens)
+        text.append(last.text)
+    assert last is not None
+    return GenerationResult(tokens, "".join(text), last.stats)
