@@ -335,7 +335,9 @@ def fmt(x, spec: str) -> str:
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     print(line(headers))
     print("  ".join("-" * w for w in widths))
     for r in rows:
@@ -352,7 +354,9 @@ def print_header(meta: dict) -> None:
 
 
 def print_units(units: dict) -> None:
-    ms = lambda k: fmt(1e3 * units[k], ".2f")
+    def ms(k):
+        return fmt(1e3 * units[k], ".2f")
+
     d1 = units["decode_1"]
     print(f"## Unit costs (median ms, KV cache of {units['context']} tokens; "
           f"draft adds {units['draft_context_rows']} context rows)")
@@ -382,7 +386,8 @@ def print_engine(rows: list[dict], block: int, gpu: bool) -> None:
     print_table(["config", "tau goal", "tau", "tok/s", "speedup", "ideal", "draft ms", "verify ms", "other ms",
                  "step ms", "same", "peak GiB"], table)
     print(f"speedup: vs plain. ideal = tau * t(decode 1) / (t(verify {block}) + t(draft {block})) from the unit costs.")
-    print("draft/verify/other/step ms: per verify step; other = decode time - draft - verify (the loop's own overhead).")
+    print("draft/verify/other/step ms: per verify step; "
+          "other = decode time - draft - verify (the loop's own overhead).")
     print("same: share of tokens before the first difference from plain greedy output (1.00 = identical).")
     print(flush=True)
 
@@ -409,7 +414,8 @@ def parse_args(argv=None):
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small",
                    help="target shape (default cpu-small: Qwen3, hidden 512, 8 layers, vocab 32k)")
-    p.add_argument("--target-config", metavar="PATH", help="a transformers config.json for the target (overrides --preset)")
+    p.add_argument("--target-config", metavar="PATH",
+                   help="a transformers config.json for the target (overrides --preset)")
     p.add_argument("--layers", type=int, help="override the target's depth (quick runs of a big shape)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU / bf16 CPUs)")
@@ -420,7 +426,8 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int,
                    help="tokens to generate per prompt (default 128 on CPU and for quantized GPU targets, 256 on GPU)")
     p.add_argument("--block-size", type=int, default=16, help="drafter block size B (default 16)")
-    p.add_argument("--taus", type=float, nargs="*", default=list(TAUS), help="oracle target tau values (default 2 4 6.5)")
+    p.add_argument("--taus", type=float, nargs="*", default=list(TAUS),
+                   help="oracle target tau values (default 2 4 6.5)")
     p.add_argument("--repeats", type=int, help="timed calls per unit cost (default 10 CPU, 30 GPU)")
     p.add_argument("--init", choices=["successor", "random"], default="successor",
                    help="successor (default): plant a successor permutation so greedy output is stable; "
@@ -467,7 +474,8 @@ def device_name(device: torch.device) -> str:
         return f"{torch.cuda.get_device_name(device)} ({device})"
     model = platform.processor() or "cpu"
     try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                     if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return f"{model}, {torch.get_num_threads()} threads"
@@ -581,7 +589,8 @@ def main(argv=None) -> int:
     synchronize(device)
     n_target = sum(p.numel() for p in target.model.parameters())
     n_drafter = sum(p.numel() for p in drafter.parameters())
-    log(f"built in {time.perf_counter() - t0:.1f}s: target {n_target / 1e6:.0f}M, drafter {n_drafter / 1e6:.0f}M params")
+    log(f"built in {time.perf_counter() - t0:.1f}s: target {n_target / 1e6:.0f}M, "
+        f"drafter {n_drafter / 1e6:.0f}M params")
 
     if not gpu and hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         log(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: other processes compete "
@@ -591,7 +600,8 @@ def main(argv=None) -> int:
                        f"{tcfg['hidden_size']}, vocab {tcfg['vocab_size']}, {n_target / 1e6:.0f}M params",
                 drafter=f"5 layers, taps {dcfg['dflash_config']['target_layer_ids']}, B={args.block_size}, "
                         f"{n_drafter / 1e6:.0f}M params",
-                prompts=n_prompts, hf_prompts=min(args.hf_prompts, n_prompts), prompt_len=args.prompt_len, new_tokens=new_tokens, init=args.init,
+                prompts=n_prompts, hf_prompts=min(args.hf_prompts, n_prompts), prompt_len=args.prompt_len,
+                new_tokens=new_tokens, init=args.init,
                 build_seconds=time.perf_counter() - t0)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, tcfg["vocab_size"], (args.prompt_len,), generator=gen).tolist()
@@ -620,7 +630,8 @@ def main(argv=None) -> int:
     if not args.no_hf and not args.units_only:
         log("transformers generate() baselines")
         variants = {"hf generate": {},
-                    "hf assisted (random LM)": dict(assistant_model=build_assistant(tcfg, device, dtype, args.seed + 2))}
+                    "hf assisted (random LM)": dict(
+                        assistant_model=build_assistant(tcfg, device, dtype, args.seed + 2))}
         hf_dflash = build_hf_dflash_assistant(drafter, device, dtype)
         if hf_dflash is not None:
             variants["hf dflash (same drafter)"] = dict(assistant_model=hf_dflash, speculation_type="dflash")
@@ -635,7 +646,8 @@ def main(argv=None) -> int:
 
     if not gpu:
         meta["peak_rss_gib"] = round(peak_memory(device).peak_bytes / 2**30, 2)
-        print(f"peak memory: process RSS {meta['peak_rss_gib']} GiB for the whole run (per-configuration peaks: GPU only)")
+        print(f"peak memory: process RSS {meta['peak_rss_gib']} GiB for the whole run "
+              "(per-configuration peaks: GPU only)")
     meta["total_seconds"] = time.perf_counter() - t0
     save()
     log(f"done in {meta['total_seconds']:.0f}s")

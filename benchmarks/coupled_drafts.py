@@ -33,8 +33,8 @@ target = Path.home() / ".cache/dflash-cli/models/smollm2-135m-instruct"
 drafter = Path(dflash_cli.__file__).parent / "demo" / "smollm2-135m-dflash"
 pair = load_pair(target, drafter, device="cpu", dtype="float32")
 tok = AutoTokenizer.from_pretrained(str(target))
-prompts = [json.loads(l)["prompt"] for name in ("math", "code", "chat")
-           for l in (Path(dflash_cli.__file__).parent / "prompts" / f"{name}.jsonl").read_text().splitlines()[:3]]
+prompts = [json.loads(line)["prompt"] for name in ("math", "code", "chat")
+           for line in (Path(dflash_cli.__file__).parent / "prompts" / f"{name}.jsonl").read_text().splitlines()[:3]]
 for T in (0.0, 0.7, 1.0):
     for name, d in (("coupled", pair.drafter), ("argmax", ArgmaxDrafts(pair.drafter))):
         if T == 0 and name == "argmax":
@@ -43,5 +43,6 @@ for T in (0.0, 0.7, 1.0):
         for i, p in enumerate(prompts):
             ids = encode_prompt(tok, p)
             out = generate(pair.target, d, ids, max_new_tokens=64, temperature=T, seed=i, adaptive=False)
-            acc += out.stats.accepted; dr += out.stats.drafted; steps += out.stats.steps; toks += len(out.tokens)
+            acc, dr = acc + out.stats.accepted, dr + out.stats.drafted
+            steps, toks = steps + out.stats.steps, toks + len(out.tokens)
         print(f"T={T} {name:8s} draft acceptance {acc}/{dr} = {acc/dr:.3f}  tau = {toks/steps:.2f}", flush=True)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up .venv if needed, then runs the whole test suite (CPU only, no network).
+# Sets up .venv if needed, then lints (ruff) and runs the whole test suite (CPU only, no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/ruff check src tests benchmarks
 exec .venv/bin/python -m pytest -q "$@"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import DEVICE
+
 from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import dflash2_config, drafter_config, random_drafter, save_tiny_pair, target_config
 
 import dflash_cli
-from conftest import dflash2_config, drafter_config, random_drafter, save_tiny_pair, target_config
 from dflash_cli.engine.dflash2 import DFlash2Drafter
 from dflash_cli.engine.drafter import DFlashDrafter, Drafter
 from dflash_cli.engine.generate import generate as engine_generate

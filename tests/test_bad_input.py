@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-from io import StringIO
 import signal
 import subprocess
 import sys
 import time
+from io import StringIO
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import save_tiny_pair
+
 from dflash_cli.ui.chat import SafeFileHistory, open_history
 from dflash_cli.ui.cli import cli
 from dflash_cli.ui.render import Output

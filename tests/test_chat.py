@@ -11,12 +11,12 @@ from io import StringIO
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import TargetForwardLog, save_tiny_pair
 from prompt_toolkit import PromptSession
 from prompt_toolkit.history import InMemoryHistory
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from conftest import TargetForwardLog, save_tiny_pair
 from dflash_cli.session import Conversation, GenerationSettings, load_runtime
 from dflash_cli.ui import chat as chat_mod
 from dflash_cli.ui.chat import EXIT_HINT, INTERRUPTED, ChatSession, SafeFileHistory, open_history

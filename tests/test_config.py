@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import save_target, save_tiny_tokenizer, target_config
+
 from dflash_cli import settings as S
 
 

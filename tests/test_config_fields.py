@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import drafter_config, target_config
+
 from dflash_cli.engine.config import DrafterConfig, layer_types
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.hf_format import to_transformers_config

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import dflash2_config, random_drafter, save_random_drafter, save_target, target_config
 from safetensors.torch import load_file, save_file
 
-from conftest import dflash2_config, random_drafter, save_random_drafter, save_target, target_config
 from dflash_cli.engine.dflash2 import CandidateSelector, DFlash2Drafter, DynamicConv
 from dflash_cli.engine.drafter import DrafterConfig, block_mask
 from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError
@@ -211,7 +210,8 @@ def test_loads_strictly_and_round_trips(saved):
      r"unexpected tensor 'candidate_selector\.predecessor_codebook\.weight'"),
     (lambda t: t.__setitem__("layers.1.mlp_conv.kernel_projection.weight", torch.zeros(8, 64)),
      r"'layers\.1\.mlp_conv\.kernel_projection\.weight' has shape \[8, 64\], the config implies \[16, 64\]"),
-    (lambda t: t.pop("layers.0.attention_conv.base_kernel"), r"missing tensor 'layers\.0\.attention_conv\.base_kernel'"),
+    (lambda t: t.pop("layers.0.attention_conv.base_kernel"),
+     r"missing tensor 'layers\.0\.attention_conv\.base_kernel'"),
     (lambda t: t.__setitem__("lm_head.weight", torch.zeros(2, 2)), r"unexpected tensor 'lm_head\.weight'"),
 ])
 def test_bad_tensors_are_named(saved, tmp_path, edit, message):

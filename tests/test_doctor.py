@@ -88,7 +88,8 @@ def test_human_output_has_aligned_key_names_and_no_escape_codes():
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     for key in ("dflash-cli:", "python:", "python executable:", "platform:", "torch:", "torch build:",
-                "cuda available:", "gpu 0:" if torch.cuda.is_available() else "gpu:", "cpu cores:", "system memory:", "available memory:", "cpu bf16:",
+                "cuda available:", "gpu 0:" if torch.cuda.is_available() else "gpu:", "cpu cores:",
+                "system memory:", "available memory:", "cpu bf16:",
                 "bitsandbytes:", "bitsandbytes backend:", "transformers:", "huggingface_hub:", "accelerate:",
                 "safetensors:", "tokenizers:", "prompt_toolkit:", "rich:", "click:", "hf cache:",
                 "hf cache size:", "hf offline:", "hf token:", "data dir:", "cache dir:", "smollm2:"):

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import drafter_config, target_config
+
 from dflash_cli.engine.config import DrafterConfig, fallback_taps
 from dflash_cli.engine.drafter import DFlashDrafter, block_mask
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import DEVICE
+from test_speculative import hf_greedy, oracle_for, random_prompts
+
 from dflash_cli.engine.compile import compiler_for, resolve_compile
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import generate, stream_generate
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.state import DecodeState
-from test_speculative import hf_greedy, oracle_for, random_prompts
 
 
 def fast_pair(tiny_models, family="qwen3", compile_step=None, on_fallback=None, context=400):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import dflash2_config, drafter_config, random_drafter, save_target, target_config
 from safetensors.torch import load_file, save_file
 
-from conftest import dflash2_config, drafter_config, random_drafter, save_target, target_config
 from dflash_cli.engine.drafter import DrafterConfig
 from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
 from dflash_cli.engine.generate import generate
@@ -87,8 +87,10 @@ def test_both_formats_draft_identical_tokens(both, tmp_path):
 
 def test_published_assistant_config_reads_like_the_dflash_fixture():
     """The fixture pair (same drafter, both formats): same fields wherever the formats overlap."""
-    theirs = DrafterConfig.from_dict(json.loads((DATA / "muse-glimmer-assistant-fixture" / "config.json").read_text()))
-    ours = DrafterConfig.from_dict(json.loads((DATA / "z-lab__dflash2-muse-glimmer-fixture" / "config.json").read_text()))
+    def read(name):
+        return DrafterConfig.from_dict(json.loads((DATA / name / "config.json").read_text()))
+
+    theirs, ours = read("muse-glimmer-assistant-fixture"), read("z-lab__dflash2-muse-glimmer-fixture")
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "intermediate_size", "block_size", "mask_token_id", "target_layer_ids", "layer_types",
                   "sliding_window", "is_causal"):
@@ -124,7 +126,8 @@ def test_bad_tensors_are_named_as_the_checkpoint_names_them(theirs_folder, edit,
 
 def test_a_model_prefix_on_every_name_is_read(both, theirs_folder):
     rewrite(theirs_folder, lambda t: [t.__setitem__("model." + k, t.pop(k)) for k in list(t)])
-    a, b = load_drafter(both[0], device="cpu", dtype="float32"), load_drafter(theirs_folder, device="cpu", dtype="float32")
+    a = load_drafter(both[0], device="cpu", dtype="float32")
+    b = load_drafter(theirs_folder, device="cpu", dtype="float32")
     for name, tensor in a.state_dict().items():
         assert torch.equal(b.state_dict()[name], tensor), name
     rewrite(theirs_folder, lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))

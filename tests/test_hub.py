@@ -8,10 +8,10 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from conftest import save_tiny_pair
-from dflash_cli.models import hub
 from hub_server import FakeHub
+
+from dflash_cli.models import hub
 
 TARGET = "tiny-org/qwen3-tiny"
 DRAFTER = "tiny-org/qwen3-tiny-dflash"

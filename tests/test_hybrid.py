@@ -11,9 +11,9 @@ import random
 
 import pytest
 import torch
+from conftest import TargetForwardLog, drafter_config, save_hybrid_target, save_random_drafter
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from conftest import TargetForwardLog, drafter_config, save_hybrid_target, save_random_drafter
 from dflash_cli.engine.errors import UnsupportedModelError
 from dflash_cli.engine.generate import generate, stream_generate
 from dflash_cli.engine.linear_attention import BlockRecord, delta_rule_chunk, l2norm, state_after
@@ -194,6 +194,7 @@ def test_memory_planner_counts_the_states_the_engine_allocates(pair):
 
 def test_the_published_qwen3_5_pair_checks_and_plans_from_configs_only():
     from conftest import HF_CONFIGS, read_json
+
     from dflash_cli.engine.drafter import DrafterConfig
     from dflash_cli.engine.pairing import check_pair, check_target_config
     from dflash_cli.models.plan import plan_memory
@@ -210,8 +211,8 @@ def test_cli_runs_a_hybrid_pair_even_with_compile_off(tmp_path):
     import json
 
     from click.testing import CliRunner
-
     from conftest import save_tiny_tokenizer
+
     from dflash_cli.ui.cli import cli
 
     target = save_hybrid_target(tmp_path / "target", seed=3)

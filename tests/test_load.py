@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import drafter_config, save_random_drafter, save_target, target_config
 from safetensors.torch import load_file, save_file
 
-from conftest import drafter_config, save_random_drafter, save_target, target_config
 from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError, UnsupportedModelError
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_drafter, load_pair, load_target
@@ -120,7 +120,8 @@ def test_mask_id_outside_target_vocabulary(tiny_models, tmp_path):
     cfg = drafter_config(target_config())
     cfg["dflash_config"]["mask_token_id"] = 151669
     folder = save_random_drafter(tmp_path / "mask", cfg)
-    with pytest.raises(IncompatiblePairError, match=r"mask token id 151669 is outside the target's embedding matrix \(160 rows\)"):
+    with pytest.raises(IncompatiblePairError,
+                       match=r"mask token id 151669 is outside the target's embedding matrix \(160 rows\)"):
         load_pair(tiny_models["qwen3"], folder, device="cpu")
 
 

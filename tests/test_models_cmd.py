@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import save_tiny_pair
-from dflash_cli.ui.cli import cli
 from test_hub import DRAFTER, JUNK, TARGET, _read_folder, fake, online, server  # noqa: F401 (shared fixtures)
+
+from dflash_cli.ui.cli import cli
 
 OTHER_T, OTHER_D = "other-org/qwen3-tiny", "other-org/qwen3-tiny-dflash"
 
@@ -352,4 +352,5 @@ def test_show_and_list_the_built_in_model_before_and_after_its_first_run(env, tm
     assert "llama, hidden 576, 30 layers" in after.stdout and "memory plan (against" in after.stdout
     assert "built in" in after.stdout
     rows = invoke("list").stdout.splitlines()
-    assert rows[0].split()[:3] == ["REPO", "PAIR", "ROLE"] and rows[1].split()[:4] == ["smollm2-135m", "demo", "built", "in"]
+    assert rows[0].split()[:3] == ["REPO", "PAIR", "ROLE"]
+    assert rows[1].split()[:4] == ["smollm2-135m", "demo", "built", "in"]

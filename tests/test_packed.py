@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
 from torch import nn
 
-from conftest import DEVICE
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.packed import PackedLinear, pack_linears
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import drafter_config, save_random_drafter, save_target, target_config
+
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_drafter, load_pair

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import drafter_config, save_random_drafter, target_config
+from test_hub import DRAFTER, TARGET, _read_folder, cache, fake, online, repo_files, server  # noqa: F401
+
 from dflash_cli.engine.errors import IncompatiblePairError, UnsupportedModelError
 from dflash_cli.models import hub
 from dflash_cli.models.resolve import resolve_pair
-from test_hub import DRAFTER, TARGET, _read_folder, cache, fake, online, repo_files, server  # noqa: F401
 
 WIDE = "tiny-org/wide-dflash"
 
@@ -92,8 +92,8 @@ def test_quant_auto_from_the_command_line(tiny_models, tmp_path):
     import shutil
 
     from click.testing import CliRunner
-
     from conftest import save_tiny_tokenizer
+
     from dflash_cli.ui.cli import cli
 
     target = tmp_path / "target"

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import dflash2_config, drafter_config, random_drafter, save_random_drafter, save_target, target_config
+
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair, save_drafter

@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import DEVICE, MASK_ID, TargetForwardLog
+
 from dflash_cli.engine.generate import generate, stream_generate
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.oracle import OracleDrafter
@@ -156,7 +156,8 @@ def test_interrupt_mid_forward_leaves_caches_consistent(pair):
         if calls["n"] == 5:
             raise KeyboardInterrupt
 
-    handle = pair.target.layers[2].post_attention_layernorm.register_forward_hook(interrupt)  # mid-forward, on either path
+    # mid-forward, on either path
+    handle = pair.target.layers[2].post_attention_layernorm.register_forward_hook(interrupt)
     got = []
     try:
         with pytest.raises(KeyboardInterrupt):

@@ -15,15 +15,15 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import VOCAB, drafter_config, save_random_drafter, target_config
+from test_chat import drive
+
 from dflash_cli import settings as S
 from dflash_cli.models.registry import PairEntry
 from dflash_cli.session import GenerationSettings, load_runtime
 from dflash_cli.ui.cli import cli
 from dflash_cli.ui.render import DIM
 from dflash_cli.ui.thinking import ThinkingSplitter, split_reply
-from test_chat import drive
 
 OPENS = "{% else %}<think>"  # Qwen3.5: thinking on opens <think> in the prompt
 THINKING_TEMPLATE = (

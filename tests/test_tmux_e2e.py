@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import MASK_ID, drafter_config, save_target, save_tiny_tokenizer, target_config
+
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.load import save_drafter
 from dflash_cli.session import Conversation, GenerationSettings, load_runtime

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE, drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
 
-from conftest import DEVICE, drafter_config, save_random_drafter, save_tiny_tokenizer, save_target, target_config
 from dflash_cli.engine.load import attach_drafter, load_drafter, load_target
 from dflash_cli.train.forward import block_ids, block_labels, training_forward
 

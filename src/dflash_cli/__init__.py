@@ -21,7 +21,8 @@ _EXPORTS = {
     "GenerationStats": "dflash_cli.engine.response",
     "DFlashError": "dflash_cli.engine.errors",
 }
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = ["load", "stream_generate", "generate", "Runtime", "Step", "GenerationResult", "GenerationStats",
+           "DFlashError", "__version__"]
 
 if TYPE_CHECKING:
     from dflash_cli.api import generate, load, stream_generate

@@ -411,7 +411,8 @@ def format_table(report: BenchReport) -> list[str]:
         more = f" (+{len(divergent) - 8} more)" if len(divergent) > 8 else ""
         lines.append(f"outputs differ: {shown}{more}")
     st = report.settings
-    notes = [f"adaptive blocks up to {st['block_size']}" if st.get("adaptive") else f"block {st['block_size']}", f"up to {st['max_new_tokens']} new tokens", "greedy",
+    notes = [f"adaptive blocks up to {st['block_size']}" if st.get("adaptive") else f"block {st['block_size']}",
+             f"up to {st['max_new_tokens']} new tokens", "greedy",
              "chat template" if st["chat_template"] else "no chat template", f"warm-up {st['warmup']}",
              "tau = tokens per verify step, bonus included (macro over responses)",
              "tok/s = decode only, prefill excluded"]

@@ -27,8 +27,15 @@ from torch import nn
 
 from dflash_cli.engine.drafter import apply_rope
 from dflash_cli.engine.errors import RollbackError
-from dflash_cli.engine.linear_attention import (CHUNK, BlockRecord, conv_after, gated_delta_net, is_linear_attention,
-                                                linear_projections, state_after)
+from dflash_cli.engine.linear_attention import (
+    CHUNK,
+    BlockRecord,
+    conv_after,
+    gated_delta_net,
+    is_linear_attention,
+    linear_projections,
+    state_after,
+)
 from dflash_cli.engine.packed import PackedLinear, Parallel, room_to_pack
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")

@@ -13,8 +13,14 @@ from dflash_cli.engine.baseline import baseline_rounds
 from dflash_cli.engine.device import peak_memory, reset_peak_memory
 from dflash_cli.engine.drafter import Drafter
 from dflash_cli.engine.errors import InvalidSettingError
-from dflash_cli.engine.response import (FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, GenerationResult, GenerationStats,
-                                        Step)
+from dflash_cli.engine.response import (
+    FINISH_CONTEXT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationResult,
+    GenerationStats,
+    Step,
+)
 from dflash_cli.engine.sampling import Sampler
 from dflash_cli.engine.speculative import Round, speculative_rounds
 from dflash_cli.engine.state import DecodeState

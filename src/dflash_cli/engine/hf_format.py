@@ -31,7 +31,8 @@ def to_transformers_config(cfg) -> dict[str, Any]:
     if not bidirectional or cfg.attention_bias or cfg.input_embedding_scale != 1.0 or cfg.output_multiplier != 1.0 \
             or cfg.final_logit_softcapping:
         raise InvalidSettingError("this drafter uses settings transformers' format cannot express "
-                                  "(causal layers, attention bias or logit scaling)", hint="save it in the DFlash format")
+                                  "(causal layers, attention bias or logit scaling)",
+                                  hint="save it in the DFlash format")
     drop = {"architectures", "model_type", "auto_map", "dflash_config", "is_causal", "attention_bias",
             "use_sliding_window", "max_window_layers", "num_target_layers", "block_size"}
     out = {k: v for k, v in cfg.raw.items() if k not in drop}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+
 class PackedLinear(nn.Module):
     """One or more CPU Linears sharing an input, run as one oneDNN-packed weight.
 

@@ -17,8 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.engine.errors import CheckpointError, DFlashError, UnsupportedModelError
-from dflash_cli.models.registry import (BUILTIN_MODELS, PairEntry, demo_drafter_dir, find_pair, folder_repo_names,
-                                        load_registry)
+from dflash_cli.models.registry import (
+    BUILTIN_MODELS,
+    PairEntry,
+    demo_drafter_dir,
+    find_pair,
+    folder_repo_names,
+    load_registry,
+)
 
 
 @dataclass(frozen=True)
@@ -202,7 +208,7 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
                  on_status: Callable[[str], None] = lambda _: None, tqdm_class: Any = None,
                  quant: str = "none", budget: MemoryBudget | None = None) -> ResolvedPair:
     """Finds (and downloads if needed) the target and its drafter for a --model/--draft pair of values."""
-    from dflash_cli.engine.drafter import DrafterConfig
+    from dflash_cli.engine.config import DrafterConfig
     from dflash_cli.engine.pairing import check_pair, check_target_config
 
     spec = resolve_spec(model)

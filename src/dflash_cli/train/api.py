@@ -17,15 +17,21 @@ from typing import Any
 
 import torch
 
-from dflash_cli.engine.device import pick_device, pick_dtype
 from dflash_cli.engine.config import DrafterConfig, fallback_taps
+from dflash_cli.engine.device import pick_device, pick_dtype
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import default_stop_ids
 from dflash_cli.engine.load import load_target, save_drafter
 from dflash_cli.train.data import build_dataset, load_examples
-from dflash_cli.train.trainer import (TrainConfig, checkpoint_config, load_best_weights, make_head, sub_vocabulary,
-                                     train_loop)
+from dflash_cli.train.trainer import (
+    TrainConfig,
+    checkpoint_config,
+    load_best_weights,
+    make_head,
+    sub_vocabulary,
+    train_loop,
+)
 
 CHECKPOINT = Path("checkpoint") / "latest.safetensors"
 

@@ -6,8 +6,8 @@ phrasing, and one template seen many times teaches little), so every template mi
 objects, numbers, languages and topics. Prompts are drawn 45% math, 30% code, 25% chat, but repeats are
 skipped and the code and chat templates have fewer distinct fillings than the math ones, so the set leans
 further to math as it grows: 60/25/15% at 6000 prompts, 63/24/13% at 8000, 78/15/7% at 30000. (Changing
-the templates changes `demo:N`, and with it the recipe of the shipped drafter.) The bench prompt sets (dflash_cli/prompts/*.jsonl) are
-written separately and never generated here; a test checks that the two stay apart.
+the templates changes `demo:N`, and with it the recipe of the shipped drafter.) The bench prompt sets
+(dflash_cli/prompts/*.jsonl) are written separately and never generated here; a test checks that the two stay apart.
 """
 
 from __future__ import annotations

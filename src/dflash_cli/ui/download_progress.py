@@ -65,8 +65,16 @@ def make_tqdm_class(progress: Any, label: str) -> type:
 
 def rich_progress(stream: Any):
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, ProgressColumn,
-                               TextColumn, TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
     from rich.text import Text
 
     class ByKind(ProgressColumn):

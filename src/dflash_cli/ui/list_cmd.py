@@ -57,8 +57,8 @@ def builtin_rows() -> list[dict[str, Any]]:
         return []
     files = [f for f in folder.rglob("*") if f.is_file()]
     modified = max(f.stat().st_mtime for f in files)
-    return [{"repo_id": "smollm2-135m", "pair": "demo", "role": "built in", "size_bytes": sum(f.stat().st_size for f in files),
-             "revisions": [], "refs": [],
+    return [{"repo_id": "smollm2-135m", "pair": "demo", "role": "built in",
+             "size_bytes": sum(f.stat().st_size for f in files), "revisions": [], "refs": [],
              "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(modified)),
              "last_modified_ts": modified, "path": str(folder)}]
 

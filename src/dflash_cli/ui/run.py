@@ -9,8 +9,15 @@ from typing import Any
 
 import click
 
-from dflash_cli.ui.render import (Output, OutputClosed, silence_stdout, stats_block, stats_json, status_text,
-                                  summary_line)
+from dflash_cli.ui.render import (
+    Output,
+    OutputClosed,
+    silence_stdout,
+    stats_block,
+    stats_json,
+    status_text,
+    summary_line,
+)
 
 
 def read_prompt(words: tuple[str, ...], file: str | None, stdin: Any, warn=lambda _: None) -> str:
