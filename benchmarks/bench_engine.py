@@ -40,6 +40,7 @@ from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import attach_drafter
 from dflash_cli.engine.oracle import OracleDrafter, acceptance_for_tau
+from dflash_cli.engine.response import first_divergence
 from dflash_cli.engine.target import Target, crop_cache, decoder_layers
 
 HF_CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "hf-configs"
@@ -251,8 +252,10 @@ def unit_costs(target: Target, drafter: DFlashDrafter, context: int, blocks: lis
     return out
 
 
-def first_divergence(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def same_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens before the first difference (all of them when identical)."""
+    d = first_divergence(a, b)
+    return min(len(a), len(b)) if d is None else d
 
 
 def engine_row(name: str, results: list, plain: list | None, block: int) -> dict:
@@ -272,7 +275,7 @@ def engine_row(name: str, results: list, plain: list | None, block: int) -> dict
                draft_acceptance=median([s.draft_acceptance for s in stats]),
                histogram=[sum(h) for h in zip(*(s.committed_histogram for s in stats))])
     if plain is not None:  # share of tokens before the first difference from plain greedy decoding
-        row["same_as_plain"] = median([first_divergence(r.tokens, p.tokens) / len(p.tokens)
+        row["same_as_plain"] = median([same_prefix(r.tokens, p.tokens) / len(p.tokens)
                                        for r, p in zip(results, plain)])
     return row
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from dflash_cli.sysinfo import system_memory
 from dflash_cli.ui import doctor
 from dflash_cli.ui.cli import cli
 
@@ -184,18 +185,18 @@ def test_a_crashing_collector_becomes_a_warning(monkeypatch):
 
 
 def test_low_memory_on_cpu_warns(monkeypatch):
-    monkeypatch.setattr(doctor, "_meminfo", lambda: (8 * 1024**3, 1024**3))
+    monkeypatch.setattr(doctor, "system_memory", lambda: (8 * 1024**3, 1024**3))
     checks = {c.name: c for c in doctor.check_cpu()}
     assert checks["available memory"].status == "warn" and checks["available memory"].data == 1024**3
-    monkeypatch.setattr(doctor, "_meminfo", lambda: (8 * 1024**3, 6 * 1024**3))
+    monkeypatch.setattr(doctor, "system_memory", lambda: (8 * 1024**3, 6 * 1024**3))
     assert {c.name: c for c in doctor.check_cpu()}["available memory"].status == "ok"
 
 
 def test_meminfo_parses_proc_format_and_falls_back(tmp_path):
     fake = tmp_path / "meminfo"
     fake.write_text("MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    4096 kB\n")
-    assert doctor._meminfo(str(fake)) == (16384 * 1024, 4096 * 1024)
-    total, _ = doctor._meminfo(str(tmp_path / "missing"))  # sysconf fallback (or None, None elsewhere)
+    assert system_memory(str(fake)) == (16384 * 1024, 4096 * 1024)
+    total, _ = system_memory(str(tmp_path / "missing"))  # sysconf fallback (or None, None elsewhere)
     assert total is None or total > 0
 
 

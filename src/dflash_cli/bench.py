@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_cli.engine.errors import DFlashError
+from dflash_cli.engine.response import first_divergence
 
 if TYPE_CHECKING:  # the engine imports torch: only for annotations here
     from dflash_cli.engine.drafter import Drafter
@@ -55,7 +56,7 @@ def load_prompt_set(name_or_path: str | Path) -> list[Prompt]:
     name = str(name_or_path)
     if name in BUILTIN_SETS and not isinstance(name_or_path, Path):
         text = resources.files("dflash_cli.prompts").joinpath(f"{name}.jsonl").read_text(encoding="utf-8")
-        return _parse_jsonl(text, f"{name}.jsonl", name)
+        return parse_jsonl(text, f"{name}.jsonl", name)
     path = Path(name).expanduser()
     if not path.is_file():
         if path.exists():
@@ -67,10 +68,10 @@ def load_prompt_set(name_or_path: str | Path) -> list[Prompt]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise PromptSetError(f"cannot read prompt file {name}: {e}") from None
-    return _parse_jsonl(text, name, path.stem)
+    return parse_jsonl(text, name, path.stem)
 
 
-def _parse_jsonl(text: str, source: str, stem: str) -> list[Prompt]:
+def parse_jsonl(text: str, source: str, stem: str) -> list[Prompt]:
     prompts: list[Prompt] = []
     seen: set[str] = set()
     for number, line in enumerate(text.splitlines(), 1):
@@ -188,13 +189,6 @@ def _record(mode: str, sequence: int, stats: Any) -> RunRecord:
                      list(stats.position_drafted), list(stats.position_accepted))
 
 
-def _divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    if index is None and len(a) != len(b):
-        index = min(len(a), len(b))
-    return index
-
-
 def _hf_assistant(candidate: Any) -> Any | None:
     """`candidate` as a transformers assistant_model, or None when it cannot be one (any DFlash drafter)."""
     from transformers import PreTrainedModel
@@ -253,7 +247,7 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
             and per-position acceptance measure the drafter itself.
     """
     from dflash_cli.engine.generate import default_stop_ids, generate, resolve_block_size
-    from dflash_cli.engine.text import _template_of, encode_prompt
+    from dflash_cli.engine.text import chat_template_of, encode_prompt
 
     if drafter is None:
         raise DFlashError("a benchmark needs a drafter: it compares plain decoding with DFlash")
@@ -304,7 +298,7 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
             sequence += 1
         plain_tokens, plain_stats, plain_seq = runs["plain"]
         dflash_tokens, dflash_stats, dflash_seq = runs["dflash"]
-        diverge = _divergence(plain_tokens, dflash_tokens)
+        diverge = first_divergence(plain_tokens, dflash_tokens)
         records.append(PromptRecord(
             name, p.id, len(prompt), _record("plain", plain_seq, plain_stats),
             _record("dflash", dflash_seq, dflash_stats), diverge is None, diverge, hf_record,
@@ -317,7 +311,7 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
     sets = {name: summarize(name, rs, block) for name, rs in by_set.items()}
     settings = {"max_new_tokens": max_new_tokens, "block_size": block, "trained_block_size": drafter.block_size,
                 "adaptive": adaptive,
-                "temperature": 0.0, "chat_template": bool(_template_of(tokenizer)),
+                "temperature": 0.0, "chat_template": bool(chat_template_of(tokenizer)),
                 "enable_thinking": enable_thinking, "warmup": warmup, "per_set": per_set,
                 "interleaved": "per prompt: plain, then dflash" + (", then hf-assisted" if assistant else ""),
                 "stop_ids": stops}

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_cli.sysinfo import system_memory
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -137,11 +139,4 @@ def free_memory(device: torch.device) -> int | None:
     """Bytes free for a model on `device`: free GPU memory, or the system's available memory on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return system_memory()[1]

@@ -12,7 +12,8 @@ from typing import Any
 from dflash_cli.engine.config import DrafterConfig, text_config
 from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError, UnsupportedModelError
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# weight files in pickle formats, which can run code when loaded: never loaded, never downloaded
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 def read_config(folder: Path, what: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 FINISH_STOP = "stop"  # a stop token was generated
@@ -98,3 +99,11 @@ class GenerationResult:
     tokens: list[int]
     text: str
     stats: GenerationStats
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where two token sequences differ (a length difference counts), None if identical."""
+    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if index is None and len(a) != len(b):
+        index = min(len(a), len(b))
+    return index

@@ -65,7 +65,7 @@ class StreamDecoder:
         return delta
 
 
-def _template_of(tokenizer: PreTrainedTokenizerBase) -> str:
+def chat_template_of(tokenizer: PreTrainedTokenizerBase) -> str:
     """The tokenizer's chat template(s) as one string ("" when it has none)."""
     template: Any = getattr(tokenizer, "chat_template", None)
     if not template:
@@ -79,12 +79,12 @@ def _template_of(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def supports_thinking(tokenizer: PreTrainedTokenizerBase) -> bool:
     """True when the chat template reacts to an ``enable_thinking`` flag."""
-    return "enable_thinking" in _template_of(tokenizer)
+    return "enable_thinking" in chat_template_of(tokenizer)
 
 
 def uses_think_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
     """True when the model writes its reasoning between <think> tags (its template or vocabulary has them)."""
-    if "</think>" in _template_of(tokenizer):
+    if "</think>" in chat_template_of(tokenizer):
         return True
     return any(t.content == "</think>" for t in getattr(tokenizer, "added_tokens_decoder", {}).values())
 
@@ -134,7 +134,7 @@ def encode_prompt(
     if system is not None:
         chat = [{"role": "system", "content": system}, *chat]
 
-    if chat_template and _template_of(tokenizer):
+    if chat_template and chat_template_of(tokenizer):
         kwargs: dict[str, Any] = {}
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.engine.errors import CheckpointError, DFlashError
+from dflash_cli.engine.pairing import PICKLE_SUFFIXES
 
 # Files a pull fetches: configs, tokenizer, chat templates and safetensors weights. Never code or pickles.
 ALLOW_PATTERNS: list[str] = [
@@ -40,7 +41,6 @@ ALLOW_PATTERNS: list[str] = [
     "*.safetensors",
 ]
 # Applied after ALLOW_PATTERNS: "tokenizer*" or "vocab*" must never let a `tokenizer.py` through.
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 IGNORE_PATTERNS: list[str] = ["*.py", "*.pyc"] + [f"*{s}" for s in PICKLE_SUFFIXES]
 CONFIG_FILES = ("config.json", "generation_config.json")
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_cli.engine.errors import DFlashError
+from dflash_cli.engine.pairing import PICKLE_SUFFIXES
 
 __all__ = [
     "SMOLLM2_GGUF",
@@ -62,7 +63,6 @@ _REQUIRED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _DTYPES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
@@ -411,7 +411,7 @@ def _verify(out: Path, dtype: str) -> None:
     for name in _REQUIRED_FILES:
         if name not in names:
             problems.append(f"missing {name}")
-    pickles = sorted(n for n in names if n.lower().endswith(_PICKLE_SUFFIXES))
+    pickles = sorted(n for n in names if n.lower().endswith(PICKLE_SUFFIXES))
     if pickles:
         problems.append(f"pickle files written: {pickles}")
 

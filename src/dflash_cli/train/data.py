@@ -28,16 +28,15 @@ class Example:
 
 
 def read_prompts(path: str | Path) -> list[str]:
-    """One prompt per line, or JSONL objects with a "prompt" field; blank lines are skipped."""
-    prompts = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("{"):
-            line = str(json.loads(line)["prompt"])
-        prompts.append(line)
-    return prompts
+    """One prompt per line, or a JSONL file of {"prompt": ...} objects (read as `bench` reads them, with
+    errors naming the line); blank lines are skipped."""
+    from dflash_cli.bench import parse_jsonl
+
+    text = Path(path).read_text(encoding="utf-8")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines and lines[0].startswith("{"):
+        return [p.prompt for p in parse_jsonl(text, str(path), Path(path).stem)]
+    return lines
 
 
 def _encode(tokenizer, prompt: str) -> list[int]:

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_cli.sysinfo import system_memory
+
 OK, WARN, FATAL = "ok", "warn", "fatal"
 STATUSES = (OK, WARN, FATAL)
 LOW_MEMORY_BYTES = 2 * 1024**3
@@ -220,34 +222,6 @@ def check_gpu() -> list[Check]:
     return checks
 
 
-def _meminfo(path: str = "/proc/meminfo") -> tuple[int | None, int | None]:
-    """(total, available) system memory in bytes; None where it cannot be read."""
-    try:
-        fields = {}
-        with open(path) as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    fields[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-        total, available = fields.get("MemTotal"), fields.get("MemAvailable")
-        if available is None and "MemFree" in fields:
-            available = fields["MemFree"] + fields.get("Cached", 0) + fields.get("Buffers", 0)
-        if total is not None:
-            return total, available
-    except (OSError, ValueError):
-        pass
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        try:
-            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            available = None
-        return total, available
-    except (ValueError, OSError, AttributeError):
-        return None, None
-
-
 def _cuda_available() -> bool:
     try:
         import torch
@@ -272,7 +246,7 @@ def check_cpu() -> list[Check]:
         pass
     checks = [Check("cpu cores", value, data={"logical": logical, "usable": usable})]
 
-    total, available = _meminfo()
+    total, available = system_memory()
     checks.append(Check("system memory", _fmt_bytes(total) if total is not None else "unknown", data=total))
     on_cpu = not _cuda_available()
     if available is None:

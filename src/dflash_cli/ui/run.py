@@ -12,6 +12,7 @@ import click
 from dflash_cli.ui.render import (
     Output,
     OutputClosed,
+    isatty,
     silence_stdout,
     stats_block,
     stats_json,
@@ -33,7 +34,7 @@ def read_prompt(words: tuple[str, ...], file: str | None, stdin: Any, warn=lambd
             raise click.BadParameter(f"cannot read {file}: {e.strerror}", param_hint="-f/--file") from None
         parts.append(data)
         replaced |= bad
-    if stdin is not None and not _isatty(stdin):
+    if stdin is not None and not isatty(stdin):
         raw = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read()
         data, bad = decode_utf8(raw)
         if data.strip():
@@ -73,12 +74,6 @@ def decode_utf8(data: bytes | str) -> tuple[str, bool]:
 def _only_escapes(text: str) -> bool:
     return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in text)
 
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
 
 
 def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: str | None = None,
@@ -305,9 +300,9 @@ def _baseline(runtime: Any, conversation: Any, settings: Any) -> tuple[list[int]
 def _comparison(tokens: list[int], stats: Any, baseline: tuple[list[int], Any]) -> dict[str, Any]:
     """Speed and sameness of the two runs (sampled runs share one seed, so they must match too)."""
     base_tokens, base_stats = baseline
-    diverge = next((i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), None)
-    if diverge is None and len(tokens) != len(base_tokens):
-        diverge = min(len(tokens), len(base_tokens))
+    from dflash_cli.engine.response import first_divergence
+
+    diverge = first_divergence(tokens, base_tokens)
     rate = base_stats.decode_tokens_per_second
     return {"baseline": stats_json(base_stats),
             "speedup": stats.decode_tokens_per_second / rate if rate else None,
