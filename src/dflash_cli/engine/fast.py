@@ -97,7 +97,6 @@ class LinearStates:
         # per layer: (buffer in use 0|1, record of the last forward or None, its base position or the
         # state's position); buffer 2 is the checkpoint
         self.slots: list[tuple[int, BlockRecord | None, int]] = [(0, None, 0)] * len(nets)
-        self.record_len: list[int] = [0] * len(nets)
         self.checkpoint_at: int | None = None
 
     def current(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -106,7 +105,7 @@ class LinearStates:
 
     def _covers(self, j: int, position: int) -> bool:
         _, record, base = self.slots[j]
-        return base <= position <= base + self.record_len[j] if record is not None else position == base
+        return base <= position <= base + record.tokens if record is not None else position == base
 
     def reachable(self, length: int) -> int:
         if all(self._covers(j, length) for j in range(len(self.slots))):
@@ -129,13 +128,12 @@ class LinearStates:
                     raise RollbackError(f"linear-attention state is at {base}, not {position}")
                 continue
             m = position - base
-            if not 0 <= m <= self.record_len[j]:
+            if not 0 <= m <= record.tokens:
                 raise RollbackError(f"position {position} is outside the last forward ({base}..)")
             self._install(j, conv_after(record, m, self.kernel), state_after(record, m), position)
 
     def record(self, base: int, records: list[BlockRecord]) -> None:
         for j, record in enumerate(records):
-            self.record_len[j] = record.k.shape[1]
             self.slots[j] = (self.slots[j][0], record, base)
 
     def save_checkpoint(self, position: int) -> None:
@@ -143,7 +141,7 @@ class LinearStates:
         self.checkpoint_at = None
         for j, (_, record, base) in enumerate(self.slots):
             m = position - base
-            assert record is not None and 0 <= m <= self.record_len[j], (position, base)
+            assert record is not None and 0 <= m <= record.tokens, (position, base)
             self.convs[2][j].copy_(conv_after(record, m, self.kernel))
             self.states[2][j].copy_(state_after(record, m))
         self.checkpoint_at = position

@@ -37,6 +37,10 @@ class BlockRecord:
     delta: torch.Tensor  # (h, n, dv) per-token updates
     conv_tail: torch.Tensor  # (1, C, K-1+n) convolution inputs: state before the chunk, then its tokens
 
+    @property
+    def tokens(self) -> int:
+        return self.k.shape[1]
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)  # as transformers and FLA compute it
