@@ -27,6 +27,7 @@ from torch import nn
 
 from dflash_cli.engine.drafter import apply_rope
 from dflash_cli.engine.errors import RollbackError
+from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.linear_attention import (
     CHUNK,
     BlockRecord,
@@ -37,7 +38,6 @@ from dflash_cli.engine.linear_attention import (
     state_after,
 )
 from dflash_cli.engine.packed import PackedLinear, Parallel, room_to_pack
-from dflash_cli.engine.target import HFModule
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")

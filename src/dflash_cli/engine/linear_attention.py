@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_cli.engine.target import HFModule
+from dflash_cli.engine.hf_module import HFModule
 
 CHUNK = 64  # tokens solved at once; longer inputs (prompts) run chunk by chunk
 

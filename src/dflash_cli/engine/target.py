@@ -15,13 +15,10 @@ import torch
 from torch import nn
 
 from dflash_cli.engine.errors import UnsupportedModelError
+from dflash_cli.engine.hf_module import HFModule
 
 if TYPE_CHECKING:
     from dflash_cli.engine.fast import FastPath
-
-# A transformers module (causal LM, decoder layer, attention, Gated DeltaNet) read by the attribute names its
-# architecture gives it: typed Any, since nn.Module's __getattr__ types each such attribute as Tensor | Module.
-HFModule = Any
 
 
 def decoder_layers(model: HFModule) -> nn.ModuleList:
