@@ -81,12 +81,12 @@ class BlockSizeController:
             self.choice = max(self._best_drafting(), 2)  # re-probe a paused drafter
         else:
             rates = self.rates()
-            self.choice = max(rates, key=rates.get) if rates else self.max_block
+            self.choice = max(rates, key=rates.__getitem__) if rates else self.max_block
         return self.choice
 
     def _best_drafting(self) -> int:
         rates = {n: r for n, r in self.rates().items() if n > 1}
-        return max(rates, key=rates.get) if rates else self.max_block
+        return max(rates, key=rates.__getitem__) if rates else self.max_block
 
     def observe(self, n: int, accepted: int, seconds: float) -> None:
         """Records a round of n slots that accepted `accepted` drafts and took `seconds`."""

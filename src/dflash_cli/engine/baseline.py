@@ -19,6 +19,7 @@ def baseline_rounds(state: DecodeState, sample: Sampler, *, limit: int) -> Itera
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
         watch.start()
+        assert state.anchor is not None  # the caller committed the first token
         logits, hidden = target.forward(state.anchor[None], state.target_cache, state.start, taps=taps)
         choice = sample(logits, state.start + 1)  # (1,) the token at position start+1
         token = choice.tolist()  # the step's one host-device sync

@@ -46,8 +46,10 @@ class DynamicConv(nn.Module):
 class DFlash2Layer(DraftLayer):
     def __init__(self, cfg: DrafterConfig, index: int):
         super().__init__(cfg, index)
-        self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
-        self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        kernel, group = cfg.conv_kernel_size, cfg.conv_group_size
+        assert kernel is not None and group is not None  # set in every DFlash 2 config (DrafterConfig.from_dict)
+        self.attention_conv = DynamicConv(cfg.hidden_size, kernel, group)
+        self.mlp_conv = DynamicConv(cfg.hidden_size, kernel, group)
 
     def forward(self, h, ctx, cos, sin, cache, mask):
         x, dynamic = self.attention_conv.prepare(self.input_layernorm(h))
@@ -82,15 +84,15 @@ class CandidateSelector(nn.Module):
         # pair[p - 1][i, j]: the pair term between candidate i of slot p-1 and candidate j of slot p
         first = succ[0] @ pred[anchor[0]].float()  # (k,)
         pair = torch.einsum("pir,pjr->pij", pred[cand[:-1]].float(), succ[1:])  # (P-1, k, k)
-        sampled = sampler is not None and not sampler.greedy
-        if sampled:
-            noise = sampler.gumbel(start + 1, cand.shape[0], logits.shape[-1], logits.device).gather(1, cand)
+        sampling = sampler if sampler is not None and not sampler.greedy else None
+        if sampling is not None:
+            noise = sampling.gumbel(start + 1, cand.shape[0], logits.shape[-1], logits.device).gather(1, cand)
         picks = []
         j = None
         for p in range(cand.shape[0]):
             score = unary[p] + (first if p == 0 else pair[p - 1, j])
-            if sampled:
-                q = sampling_probs(score[None], sampler.temperature, sampler.top_p, sampler.top_k)[0]
+            if sampling is not None:
+                q = sampling_probs(score[None], sampling.temperature, sampling.top_p, sampling.top_k)[0]
                 score = q.log() + noise[p]
             j = score.argmax()
             picks.append(j)
@@ -104,9 +106,10 @@ class DFlash2Drafter(DFlashDrafter):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
-        vocab = cfg.raw.get("vocab_size")
-        self.candidate_selector = CandidateSelector(cfg.hidden_size, int(vocab), cfg.selector_rank,
-                                                    cfg.selector_top_k)
+        vocab, rank, top_k = cfg.raw.get("vocab_size"), cfg.selector_rank, cfg.selector_top_k
+        # set in every DFlash 2 config (DrafterConfig.from_dict)
+        assert vocab is not None and rank is not None and top_k is not None
+        self.candidate_selector = CandidateSelector(cfg.hidden_size, int(vocab), rank, top_k)
 
     @torch.inference_mode()
     def draft(self, context, anchor, start, block_len, cache, embed_weight, lm_head, *, keep=None,

@@ -6,7 +6,7 @@ so weights load by key with no renaming. docs/format.md sections 2-4 specify it.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,9 @@ from torch import nn
 
 from dflash_cli.engine.config import DrafterConfig
 from dflash_cli.engine.sampling import Sampler
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 
 @runtime_checkable
@@ -77,11 +80,11 @@ class DraftCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
         buf_k, buf_v = self._k[layer], self._v[layer]
-        if buf_k is None or buf_k.shape[2] < end:
+        if buf_k is None or buf_v is None or buf_k.shape[2] < end:  # (the two are allocated together)
             capacity = max(end, self.capacity, 2 * (buf_k.shape[2] if buf_k is not None else 0))
             shape = (k.shape[0], k.shape[1], capacity, k.shape[3])
             new_k, new_v = k.new_empty(shape), v.new_empty(shape)
-            if buf_k is not None:
+            if buf_k is not None and buf_v is not None:
                 new_k[:, :, : self.length] = buf_k[:, :, : self.length]
                 new_v[:, :, : self.length] = buf_v[:, :, : self.length]
             self._k[layer], self._v[layer] = buf_k, buf_v = new_k, new_v
@@ -185,7 +188,7 @@ def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, window
 class DFlashDrafter(nn.Module):
     """A DFlash drafter. It has no embedding and no LM head: it borrows the target's."""
 
-    layer_class: type[nn.Module] = DraftLayer
+    layer_class: type[DraftLayer] = DraftLayer
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -259,9 +262,10 @@ class DFlashDrafter(nn.Module):
         """The draft layers and the final norm over blocks `h` (N, Q, H) at `positions` (N, P+Q) (context
         rows first), attending to `ctx` (N, P, H); `mask_for(causal, window)` gives each kind of layer's
         attention mask. Decoding passes one block and its cache; training many blocks and no cache."""
+        assert self.rotary is not None, "init_rotary() first"
         cos, sin = self.rotary(h, positions)
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
-        for layer in self.layers:
+        for layer in cast("Iterable[DraftLayer]", self.layers):  # layer_class instances
             key = (layer.causal, layer.window)
             if key not in masks:
                 masks[key] = mask_for(*key)

@@ -18,7 +18,7 @@ keep the transformers path (`fast_path_unsupported` says why).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch import nn
 
 from dflash_cli.engine.drafter import apply_rope
 from dflash_cli.engine.errors import RollbackError
+from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.linear_attention import (
     CHUNK,
     BlockRecord,
@@ -88,7 +89,7 @@ class LinearStates:
     length starts over from position 0.
     """
 
-    def __init__(self, nets: list[nn.Module], *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, nets: list[HFModule], *, dtype: torch.dtype, device: torch.device):
         self.kernel = nets[0].conv_kernel_size
         conv = [(1, net.conv_dim, net.conv_kernel_size - 1) for net in nets]
         state = [(net.num_v_heads, net.head_k_dim, net.head_v_dim) for net in nets]
@@ -161,7 +162,7 @@ class LinearStates:
             raise RollbackError(f"linear-attention state cannot return to position {length}")
 
 
-def fast_path_unsupported(model: nn.Module) -> str | None:
+def fast_path_unsupported(model: HFModule) -> str | None:
     """Why `model` cannot take the fast path, or None when it can."""
     config = model.config
     model_type = getattr(config, "model_type", None)
@@ -193,7 +194,7 @@ def _gated_mlp(mlp: nn.Module) -> bool:
     return all(hasattr(mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
-def layer_projections(layer: nn.Module, pack: bool) -> nn.ModuleDict:
+def layer_projections(layer: HFModule, pack: bool) -> nn.ModuleDict:
     """A layer's linear maps as qkv -> (q, k, v), o (or a linear-attention layer's inputs, out), and a gated
     MLP's gate_up -> (gate, up), down; packed by oneDNN (fused where several) when `pack` and it works
     here, else the layer's own modules. Other MLPs (mixtures of experts) run as their own module."""
@@ -202,7 +203,7 @@ def layer_projections(layer: nn.Module, pack: bool) -> nn.ModuleDict:
         packed = PackedLinear.pack(*linears) if pack else None
         return packed or (linears[0] if len(linears) == 1 else Parallel(*linears))
 
-    out = {}
+    out: dict[str, nn.Module] = {}
     if is_linear_attention(layer):
         out.update(linear_projections(layer, lambda *linears: PackedLinear.pack(*linears) if pack else None))
     else:
@@ -221,7 +222,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
 
 
-def first_attention(model: nn.Module) -> nn.Module:
+def first_attention(model: HFModule) -> HFModule:
     return next(layer.self_attn for layer in model.get_decoder().layers if not is_linear_attention(layer))
 
 
@@ -235,7 +236,7 @@ class StaticForward(nn.Module):
     BlockRecord (the layer reads `convs`/`states` and writes nothing).
     """
 
-    def __init__(self, model: nn.Module, taps: list[int], projections: nn.ModuleList, lm_head: nn.Module, *,
+    def __init__(self, model: HFModule, taps: list[int], projections: nn.ModuleList, lm_head: nn.Module, *,
                  last_logit_only: bool = False):
         super().__init__()
         decoder = model.get_decoder()
@@ -254,8 +255,8 @@ class StaticForward(nn.Module):
         self.gated = attn.q_proj.out_features == 2 * model.config.num_attention_heads * self.head_dim
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor], convs: list[torch.Tensor] = (),
-                states: list[torch.Tensor] = ()):
+                keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
+                states: Sequence[torch.Tensor] = ()):
         h = self.embed(ids)  # (1, n, H)
         cos, sin = self.rotary(h, positions[None])  # (1, n, rotary dims)
         cos, sin = cos[:, None], sin[:, None]
@@ -265,7 +266,7 @@ class StaticForward(nn.Module):
         records: list[tuple[torch.Tensor, ...]] = []
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            proj = self.projections[i]
+            proj: Any = self.projections[i]  # the layer's layer_projections() ModuleDict
             x = layer.input_layernorm(h)
             if is_linear_attention(layer):
                 j = len(records)
@@ -327,7 +328,7 @@ class FastPath:
         on_fallback: told once, in one line, when compiling fails and the eager forward takes over.
     """
 
-    def __init__(self, model: nn.Module, context: int, *, pad_to: int = 1,
+    def __init__(self, model: HFModule, context: int, *, pad_to: int = 1,
                  compile_step: Callable[[nn.Module], Callable[..., Any]] | None = None,
                  on_fallback: Callable[[str], None] | None = None):
         attn = first_attention(model)
@@ -444,6 +445,7 @@ class FastPath:
         torch._dynamo.maybe_mark_dynamic(keys_at, 0)
         step = self._compiled.get(taps)
         if step is None:
+            assert self.compile_step is not None  # only compiled runs get here
             step = self._compiled[taps] = self.compile_step(self._module(taps, False))
         try:
             logits, hidden, records = step(ids, positions, keys_at, cache.keys, cache.values, *states)

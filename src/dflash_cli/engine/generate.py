@@ -179,8 +179,9 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         if finish:
             return
 
+        # block > 1 only with a drafter (resolve_block_size)
         rounds = (speculative_rounds(state, drafter, sample, block_size=block, limit=limit, controller=controller)
-                  if block > 1 else baseline_rounds(state, sample, limit=limit))
+                  if block > 1 and drafter is not None else baseline_rounds(state, sample, limit=limit))
         for r in rounds:
             tokens = r.tokens
             stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)

@@ -18,11 +18,14 @@ before the next forward. Rolling back is free, and a forward cut short by Ctrl-C
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_cli.engine.hf_module import HFModule
 
 CHUNK = 64  # tokens solved at once; longer inputs (prompts) run chunk by chunk
 
@@ -85,7 +88,7 @@ def is_linear_attention(layer: nn.Module) -> bool:
     return hasattr(layer, "linear_attn")
 
 
-def linear_projections(layer: nn.Module, pack) -> nn.ModuleDict:
+def linear_projections(layer: HFModule, pack: Callable[..., nn.Module | None]) -> nn.ModuleDict:
     """in_proj_qkv|z|b|a as one map (split outputs) and out_proj; `pack(*linears)` fuses them or None."""
     net = layer.linear_attn
     ins = (net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a)
@@ -94,7 +97,7 @@ def linear_projections(layer: nn.Module, pack) -> nn.ModuleDict:
     return nn.ModuleDict(dict(inputs=pack(*ins) or Parallel(*ins), out=pack(net.out_proj) or net.out_proj))
 
 
-def gated_delta_net(net: nn.Module, proj: nn.ModuleDict, x: torch.Tensor, conv_state: torch.Tensor,
+def gated_delta_net(net: HFModule, proj: nn.ModuleDict, x: torch.Tensor, conv_state: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, BlockRecord]:
     """One Gated DeltaNet layer (transformers' Qwen3_5GatedDeltaNet weights) over x (1, n, H).
 
@@ -115,7 +118,8 @@ def gated_delta_net(net: nn.Module, proj: nn.ModuleDict, x: torch.Tensor, conv_s
     q, k = l2norm(q) * net.head_k_dim**-0.5, l2norm(k)
     beta = b[0].sigmoid().float().transpose(0, 1)  # (h, n), rounded as transformers does in bf16
     g = (-net.A_log.float().exp() * F.softplus(a[0].float() + net.dt_bias)).transpose(0, 1)
-    outs, record = [], None
+    outs: list[torch.Tensor] = []
+    record: BlockRecord | None = None
     for lo in range(0, n, CHUNK):
         hi = min(lo + CHUNK, n)
         # the state at this chunk's start: the layer's, or the end of the chunk before
@@ -123,6 +127,7 @@ def gated_delta_net(net: nn.Module, proj: nn.ModuleDict, x: torch.Tensor, conv_s
         out, cum_g, delta = delta_rule_chunk(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], s0)
         record = BlockRecord(s0, k[:, lo:hi], cum_g, delta, conv_in[:, :, lo:])
         outs.append(out)
+    assert record is not None  # n >= 1: at least one chunk ran
     core = torch.cat(outs, dim=1).transpose(0, 1).to(x.dtype)  # (n, h, dv)
     core = net.norm(core.reshape(-1, net.head_v_dim), z.reshape(-1, net.head_v_dim))
     return proj["out"](core.reshape(1, n, -1)), record

@@ -28,22 +28,24 @@ class PackedLinear(nn.Module):
     @classmethod
     def pack(cls, *linears: nn.Module) -> nn.Module | None:
         """The linears packed into one, when oneDNN computes them exactly enough on this CPU; else None."""
-        weights = [getattr(m, "weight", None) for m in linears]
-        if any(type(m) is not nn.Linear for m in linears) or any(
-                w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+        if any(type(m) is not nn.Linear for m in linears):
             return None
-        with_bias = [m.bias is not None for m in linears]
+        plain = [m for m in linears if isinstance(m, nn.Linear)]  # all of them, typed as Linears
+        weights = [m.weight for m in plain]
+        if any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+            return None
+        with_bias = [m.bias is not None for m in plain]
         if any(with_bias) and not all(with_bias):
             return None
         try:
             with torch.no_grad():
                 weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-                bias = torch.cat([m.bias.detach() for m in linears]) if all(with_bias) else None
-                packed = cls(list(linears), torch.ops.mkldnn._reorder_linear_weight(weight, None), bias)
-                probe = torch.randn(3, linears[0].in_features)
+                bias = torch.cat([m.bias.detach() for m in plain]) if all(with_bias) else None
+                packed = cls(plain, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias)
+                probe = torch.randn(3, plain[0].in_features)
                 got = packed(probe)
                 got = got if isinstance(got, tuple) else (got,)
-                ok = all(torch.allclose(g, m(probe), rtol=1e-4, atol=1e-4) for g, m in zip(got, linears))
+                ok = all(torch.allclose(g, m(probe), rtol=1e-4, atol=1e-4) for g, m in zip(got, plain))
         except (RuntimeError, AttributeError, NotImplementedError):
             return None
         return packed if ok else None

@@ -107,6 +107,7 @@ def check_pair(target_config: dict[str, Any], drafter: DrafterConfig, *, target_
     taps = drafter.tap_layers(depth)
     bad = [t for t in taps if depth is not None and not 0 <= t < depth]
     if bad:
+        assert depth is not None  # a tap is out of range only against a known depth
         raise IncompatiblePairError(
             f"{both} do not match: the drafter taps target layers {taps}, "
             f"but the target has {depth} layers (0..{depth - 1})")

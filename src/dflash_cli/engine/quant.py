@@ -51,6 +51,7 @@ def quantize_linears(module: nn.Module, name: str, compute_dtype: torch.dtype, d
                 continue
             weight = child.weight.data.to(compute_dtype)
             bias = child.bias is not None
+            new: nn.Module
             if name == "nf4":  # quantized where the weight already is, on the move below
                 new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias,
                                         compute_dtype=compute_dtype, quant_type="nf4", device="cpu")

@@ -51,9 +51,11 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         want = controller.choose() if controller is not None else block_size
         n = min(want, limit - len(state.tokens))  # block length, anchor included
         start, anchor = state.start, state.anchor
+        assert anchor is not None  # the caller committed the first token
 
         draft_watch.start()
         if n > 1:  # draft the trained block, verify its first n-1 drafts
+            assert state.draft_cache is not None  # a state made with a drafter has one
             drafts = drafter.draft(state.pending, anchor, start, drafter.block_size, state.draft_cache,
                                    target.embed_weight, target.logits_head, keep=n - 1, sampler=sample)  # (n-1,)
             state.pending = None  # now in the draft cache
@@ -70,6 +72,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         verify_watch.stop()
 
         a = host[-1]
+        assert hidden is not None  # asked for with taps=True
         state.commit(host[: a + 1], hidden[:, : a + 1], anchor=choice[a : a + 1])
         round_ = Round(host[: a + 1], n - 1, a, draft_watch.seconds, verify_watch.seconds,
                        time.perf_counter() - t0)

@@ -96,7 +96,7 @@ class DecodeState:
             self.anchor = torch.tensor(self.tokens[-1:], dtype=torch.long, device=self.target.device)
 
     def reset(self) -> None:
-        self.__init__(self.target, self.drafter)
+        DecodeState.__init__(self, self.target, self.drafter)
 
     def _truncate_caches(self, keep: int) -> None:
         """Keeps the target K/V and drafter context of positions < keep."""

@@ -9,15 +9,19 @@ captured with removable forward hooks on the decoder layers, without patching it
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dflash_cli.engine.errors import UnsupportedModelError
+from dflash_cli.engine.hf_module import HFModule
+
+if TYPE_CHECKING:
+    from dflash_cli.engine.fast import FastPath
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: HFModule) -> nn.ModuleList:
     """The list of decoder layers of a transformers causal LM (Llama, Qwen, Mistral, gpt-oss, ...)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     layers = getattr(decoder, "layers", None)
@@ -26,7 +30,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def make_cache(model: nn.Module):
+def make_cache(model: HFModule):
     """A fresh KV cache for `model` that can be cropped (rolled back) to any committed length."""
     from transformers import DynamicCache
 
@@ -61,7 +65,7 @@ def crop_cache(cache, length: int) -> None:
 class Target:
     """A loaded causal LM and the hooks that read its tapped layers."""
 
-    def __init__(self, model: nn.Module, name: str = "target"):
+    def __init__(self, model: HFModule, name: str = "target"):
         self.model = model
         self.name = name
         self.layers = decoder_layers(model)
@@ -78,7 +82,7 @@ class Target:
         self._hooks: list[Any] = []
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
-        self.fast = None  # engine.fast.FastPath once enable_fast_path() succeeded
+        self.fast: FastPath | None = None  # engine.fast.FastPath once enable_fast_path() succeeded
         # linear-attention (Qwen3.5) layers: transformers' cache cannot roll their state back, ours can
         self.hybrid = any(hasattr(layer, "linear_attn") for layer in self.layers)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,7 +50,8 @@ class StreamDecoder:
         return self._step(final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        # decode() of one id list is a str (transformers annotates it str | list[str], for batches too)
+        return cast(str, self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens))
 
     def _step(self, final: bool) -> str:
         if self._read >= len(self._ids):
@@ -91,7 +92,7 @@ def uses_think_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 def opens_thinking(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int]) -> bool:
     """True when the prompt ends inside an open <think> (the template opened it): the reply starts in it."""
-    tail = tokenizer.decode(list(prompt[-16:]), skip_special_tokens=False)
+    tail = cast(str, tokenizer.decode(list(prompt[-16:]), skip_special_tokens=False))  # one id list: a str
     return tail.rstrip().endswith("<think>")
 
 
@@ -104,7 +105,9 @@ def thinking_default(tokenizer: PreTrainedTokenizerBase) -> bool | None:
 
     def render(**kwargs: Any) -> str | None:
         try:
-            return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
+            # tokenize=False renders one chat as a str (the annotation covers every mode)
+            return cast(str, tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+                                                           **kwargs))
         except Exception:  # noqa: BLE001 - a template that fails here fails later with a clear error
             return None
 
