@@ -286,3 +286,15 @@ def test_chat_reports_a_server_error_and_goes_on(engine):
     code, session, out = drive(engine, "hi\r/bye\r")
     assert code == 0 and "Error: the engine at" in out.err.getvalue() and "(500 " in out.err.getvalue()
     assert session.conversation.messages == []  # nothing was generated: the failed exchange leaves no trace
+
+
+@pytest.mark.parametrize("engine", [{"kind": "plain"}, {"kind": "vllm"}], indirect=True)
+def test_the_status_line_waits_for_the_servers_counters(engine):
+    from dflash_cli.ui.render import status_text
+
+    steps = list(RemoteRuntime(engine.url).stream_chat([{"role": "user", "content": "hi"}], GenerationSettings()))
+    assert [s.text for s in steps] == ["Hello", ",", " world", "!", ""] and steps[-1].finish_reason == "stop"
+    assert all(status_text(s.stats, True).startswith("◌ remote") for s in steps[:-1])  # no verdict mid-reply
+    last = status_text(steps[-1].stats, True)
+    assert ("acceptance not reported by the server" in last) == (engine.kind == "plain")
+    assert ("τ 1.00" in last and "draft 67%" in last) == (engine.kind == "vllm")

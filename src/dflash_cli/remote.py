@@ -195,7 +195,8 @@ class Counters:
     metrics: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def stats(self) -> GenerationStats:
+    def stats(self, final: bool = True) -> GenerationStats:
+        """The figures so far; before the end (`final` False) the server has reported nothing yet."""
         generated = self.completion_tokens if self.completion_tokens is not None else self.chunks
         prefill = (self.first_at - self.started) if self.first_at is not None else time.perf_counter() - self.started
         decode = (self.last_at - self.first_at) if self.first_at is not None and self.last_at is not None else 0.0
@@ -235,7 +236,11 @@ class Counters:
             draft_seconds=0.0, verify_seconds=0.0, block_size=block, committed_histogram=histogram,
             position_drafted=pos_drafted, position_accepted=pos_accepted, peak_memory_bytes=None,
             peak_memory_kind="", finish_reason=self.finish_reason, acceptance_reported=reported,
-            counted_decode_tokens=max(generated - 1, 0))
+            counted_decode_tokens=max(generated - 1, 0)) if final or reported else GenerationStats(
+            prompt_tokens=self.prompt_tokens, prefilled_tokens=self.prompt_tokens, prefill_seconds=prefill,
+            generated_tokens=generated, decode_seconds=decode, steps=0, drafted=0, accepted=0, draft_seconds=0.0,
+            verify_seconds=0.0, block_size=1, committed_histogram=(), position_drafted=(), position_accepted=(),
+            peak_memory_bytes=None, peak_memory_kind="", counted_decode_tokens=max(generated - 1, 0))
 
 
 class RemoteRuntime:
@@ -386,7 +391,7 @@ class RemoteRuntime:
         counters.first_at = counters.first_at or now
         counters.last_at = now
         counters.chunks += 1
-        stats = counters.stats()
+        stats = counters.stats(final=False)
         return Step(tokens=(), text=text, pieces=(text,), drafted=0, accepted=0, from_draft=(False,),
                     draft_seconds=0.0, verify_seconds=0.0, stats=stats)
 

@@ -258,6 +258,8 @@ def status_text(stats: Any, speculative: bool, color: bool = False) -> str:
     if not getattr(stats, "acceptance_reported", True):  # a remote engine without speculative counters
         return "  ".join([f"{stats.decode_tokens_per_second:6.1f} tok/s", f"{stats.generated_tokens} tok",
                           NOT_REPORTED])
+    if stats.counted_decode_tokens is not None and not stats.steps:  # a remote reply: its counters come at the end
+        return "  ".join(["◌ remote", f"{stats.decode_tokens_per_second:6.1f} tok/s", f"{stats.generated_tokens} tok"])
     marker = "● spec on" if speculative else "○ spec off"
     if color:
         marker = f"{DRAFT_STYLE if speculative else DIM}{marker}{RESET}"
