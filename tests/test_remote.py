@@ -298,3 +298,39 @@ def test_the_status_line_waits_for_the_servers_counters(engine):
     last = status_text(steps[-1].stats, True)
     assert ("acceptance not reported by the server" in last) == (engine.kind == "plain")
     assert ("τ 1.00" in last and "draft 67%" in last) == (engine.kind == "vllm")
+
+
+# -- bench --------------------------------------------------------------------------------------------
+
+def bench(engine, tmp_path, *args):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "one"}\n{"id": "b", "prompt": "two"}\n')
+    return CliRunner().invoke(cli, ["bench", "--engine", engine.url, "--prompts", str(prompts), *args],
+                              env={"DFLASH_CONFIG": "", "DFLASH_MODEL": "", "DFLASH_API_KEY": ""})
+
+
+def test_bench_reports_the_servers_acceptance_per_set(engine, tmp_path):
+    result = bench(engine, tmp_path, "--warmup", "1", "-n", "9", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert len(engine.requests) == 3 and all(r["max_tokens"] == 9 and r["temperature"] == 0.0
+                                             for r in engine.requests)  # 1 warm-up + 2 measured, greedy
+    assert [r["id"] for r in report["records"]] == ["a", "b"]
+    mine = report["sets"]["mine"]
+    assert (mine["drafted"], mine["accepted"]) == (18, 12)  # two requests' counter deltas
+    assert mine["tau_pooled"] == pytest.approx(1.0) and mine["draft_acceptance"] == pytest.approx(2 / 3)
+    assert mine["per_position_acceptance"] == [1.0, pytest.approx(2 / 3), pytest.approx(1 / 3)]
+    assert re.search(r"mine +2 +1\.00 +66\.7%", result.stderr)
+
+
+@pytest.mark.parametrize("engine", [{"kind": "plain"}], indirect=True)
+def test_bench_says_when_the_server_reports_nothing(engine, tmp_path):
+    result = bench(engine, tmp_path, "--warmup", "0")
+    assert result.exit_code == 0, result.stderr
+    assert "mine: acceptance not reported by the server" in result.stderr
+    assert re.search(r"mine +2 +n/a +n/a", result.stderr)
+
+
+def test_bench_refuses_local_only_options_with_an_engine(engine, tmp_path):
+    result = bench(engine, tmp_path, "--block-size", "4")
+    assert result.exit_code == 2 and "server decodes with its own drafter" in result.stderr

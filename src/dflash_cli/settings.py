@@ -115,7 +115,7 @@ class Config:
         """click's default_map: config values become option defaults (flags and env vars still win)."""
         model_keys = {k: v for k, v in self.values.items()
                       if k in ("model", "draft", "quant", "dtype", "device", "max_context", "block_size", "color",
-                               "compile")}
+                               "compile", "engine")}
         return {"generate": dict(self.values), "chat": dict(self.values), "bench": model_keys}
 
 
