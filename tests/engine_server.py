@@ -176,6 +176,7 @@ class FakeEngine:
                 if self.malformed_after is not None and n == self.malformed_after:
                     send('{"id": "chatcmpl-0123456789abcdef", "choices": [{"index": 0, "delta": {"content": ')
                 if self.hang_after is not None and n == self.hang_after:
+                    self.hang_after = None  # once: the next request streams normally
                     while not self.release.wait(0.05):  # a keep-alive comment until the client goes away
                         h.wfile.write(b"3\r\n:\n\n\r\n")
                         h.wfile.flush()

@@ -268,10 +268,12 @@ def test_chat_summary_says_not_reported(engine):
     assert code == 0 and "acceptance not reported by the server" in out.err.getvalue()
 
 
+@pytest.mark.parametrize("engine", [{"hang_after": 2}], indirect=True)
 def test_chat_ctrl_c_keeps_the_partial_reply_and_goes_on(engine):
     out = InterruptingOutput(interrupt_at=(0, 2))  # Ctrl-C while the second piece is being printed
     code, session, out = drive(engine, "hi\rmore\r/bye\r", out=out)
     assert code == 0
+    assert engine.client_closed.wait(10)  # the first request, held open by the server, was closed
     assert INTERRUPTED in out.err.getvalue()
     messages = session.conversation.messages
     # as with a local model, the Step being printed when Ctrl-C came is part of the kept reply
