@@ -42,8 +42,14 @@ ENV = {
     "max_context": "DFLASH_MAX_CONTEXT",
     "compile": "DFLASH_COMPILE",
     "hide_thinking": "DFLASH_HIDE_THINKING",
+    "engine": "DFLASH_ENGINE",
 }
+API_KEY_ENV = "DFLASH_API_KEY"  # the bearer token for --engine (vLLM and SGLang --api-key)
 DEBUG_ENV = "DFLASH_DEBUG"
+
+
+def api_key() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def debug_enabled() -> bool:
@@ -80,7 +86,7 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "model": str, "draft": str, "quant": str, "dtype": str, "device": str, "max_tokens": int,
     "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
     "system": str, "color": str, "provenance": bool, "max_context": int, "compile": str,
-    "hide_thinking": bool,
+    "hide_thinking": bool, "engine": str,
 }
 
 
@@ -109,7 +115,7 @@ class Config:
         """click's default_map: config values become option defaults (flags and env vars still win)."""
         model_keys = {k: v for k, v in self.values.items()
                       if k in ("model", "draft", "quant", "dtype", "device", "max_context", "block_size", "color",
-                               "compile")}
+                               "compile", "engine")}
         return {"generate": dict(self.values), "chat": dict(self.values), "bench": model_keys}
 
 

@@ -34,6 +34,10 @@ class GenerationStats:
     block_rounds: tuple[int, ...] = ()  # [n-1] = rounds run with n slots (1 = drafting paused)
     last_block: int = 0  # slots of the latest round: the current adaptive choice
     finish_reason: str | None = None
+    # a remote engine (remote.py): whether it reported speculative counters, and the tokens it streamed
+    # after the first (it reports no per-step histogram to count them from)
+    acceptance_reported: bool = True
+    counted_decode_tokens: int | None = None
 
     @property
     def speculative(self) -> bool:
@@ -46,6 +50,8 @@ class GenerationStats:
     @property
     def decode_tokens(self) -> int:
         """Tokens committed by verify steps (the first token comes from the prefill)."""
+        if self.counted_decode_tokens is not None:
+            return self.counted_decode_tokens
         return sum((k + 1) * n for k, n in enumerate(self.committed_histogram))
 
     @property

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import click
 
-from dflash_cli.ui.common import color_option, debug_option, guarded, model_options
+from dflash_cli.ui.common import color_option, debug_option, engine_option, guarded, model_options
 
 
 @click.command()
 @model_options
+@engine_option
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True,
               help="Most tokens to generate per prompt and mode.")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
@@ -51,9 +52,12 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
     from dflash_cli.bench import BUILTIN_SETS, PromptSetError, load_prompt_set
     from dflash_cli.ui.render import Output
 
-    if opts["no_draft"]:
+    if opts["engine"] and (opts["no_draft"] or block_size or adaptive):
+        raise click.UsageError("with --engine the server decodes with its own drafter: drop --no-draft, "
+                               "--block-size and --adaptive")
+    if opts["no_draft"] and not opts["engine"]:
         raise click.UsageError("bench compares plain decoding with a drafter: drop --no-draft")
-    if opts["model"] and not opts["draft"] and not has_known_drafter(opts["model"]):
+    if opts["model"] and not opts["engine"] and not opts["draft"] and not has_known_drafter(opts["model"]):
         raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO (this model has no known pair)")
     names = [s.strip() for s in sets.split(",") if s.strip()] if sets else ([] if prompt_files else
                                                                              list(BUILTIN_SETS))
@@ -87,31 +91,61 @@ def has_known_drafter(model: str) -> bool:
         return True
 
 
+def _progress(out, quiet: bool, total: int):
+    """A rich progress bar on a terminal (and its update function), else nothing."""
+    import contextlib
+
+    if not out.err_tty or quiet:
+        return contextlib.nullcontext(), None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=Console(file=out.err, force_terminal=out.color_err or None),
+                        transient=True)
+    task = progress.add_task("bench", total=total)
+    return progress, lambda done, total_, label: progress.update(task, completed=done, description=f"bench {label}")
+
+
+def _run_remote_bench(out, opts, prompt_sets, *, max_tokens, limit, warmup, think, as_json, quiet) -> int:
+    """bench --engine: the server's own acceptance and speed per set (remote.py)."""
+    import json as _json
+
+    from dflash_cli import __version__ as version
+    from dflash_cli.remote import format_remote_table, run_remote_bench
+    from dflash_cli.ui.run import connect_engine
+
+    runtime = connect_engine(out, opts, quiet=quiet)
+    total = sum(min(len(p), limit or len(p)) for p in prompt_sets.values())
+    progress, on_progress = _progress(out, quiet, total)
+    with progress:
+        report = run_remote_bench(runtime, prompt_sets, max_new_tokens=max_tokens, warmup=warmup, per_set=limit,
+                                  think=think, on_progress=on_progress)
+    report["meta"]["dflash_cli"] = version
+    if not quiet:
+        for line in format_remote_table(report):
+            out.info(line, dim=False)
+    if as_json:
+        out.write_out(_json.dumps(report, ensure_ascii=False) + "\n")
+    return 0
+
+
 def _run_bench(out, opts, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
                quiet) -> int:
-    import contextlib
     import json as _json
 
     from dflash_cli import __version__ as version
     from dflash_cli.bench import format_table, run_bench
     from dflash_cli.ui.run import load_runtime_for
 
+    if opts["engine"]:
+        return _run_remote_bench(out, opts, prompt_sets, max_tokens=max_tokens, limit=limit, warmup=warmup,
+                                 think=think, as_json=as_json, quiet=quiet)
     runtime = load_runtime_for(out, opts, quiet=quiet)
     if not runtime.speculative:
         raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO")
     total = sum(min(len(p), limit or len(p)) for p in prompt_sets.values())
-    progress, on_progress = contextlib.nullcontext(), None
-    if out.err_tty and not quiet:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=Console(file=out.err, force_terminal=out.color_err or None),
-                            transient=True)
-        task = progress.add_task("bench", total=total)
-
-        def on_progress(done: int, total_: int, label: str) -> None:
-            progress.update(task, completed=done, description=f"bench {label}")
+    progress, on_progress = _progress(out, quiet, total)
 
     with progress:
         report = run_bench(runtime.target, runtime.drafter, runtime.tokenizer, prompt_sets,

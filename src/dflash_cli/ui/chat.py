@@ -158,7 +158,8 @@ class ChatSession:
         from dflash_cli.session import Conversation
 
         self.runtime, self.out, self.settings = runtime, out, settings
-        self.conversation = Conversation(runtime, system=system)
+        remote = getattr(runtime, "conversation", None)  # --engine: a RemoteRuntime (remote.py)
+        self.conversation = remote(system) if remote else Conversation(runtime, system=system)
         self.history = history if history is not None else InMemoryHistory()
         self.session_factory = session_factory
         self.verbose, self.quiet = verbose, quiet
@@ -254,6 +255,10 @@ class ChatSession:
 
     def banner(self) -> None:
         rt = self.runtime
+        if getattr(rt, "url", None):
+            self.out.info(f"dflash-cli chat · {rt.model} on the engine at {rt.url} · /? for help · "
+                          "/bye or Ctrl-D to exit", dim=False)
+            return
         pair = (f"{rt.target_dir.name} + drafter {rt.drafter_dir.name} (block {rt.drafter.block_size})"
                 if rt.speculative else f"{rt.target_dir.name} · speculation off")
         self.out.info(f"dflash-cli chat · {pair} · /? for help · /bye or Ctrl-D to exit", dim=False)
@@ -366,6 +371,9 @@ class ChatSession:
             self.set_parameter(name, raw.strip())
         elif key in ("verbose", "quiet"):
             self.verbose, self.quiet = key == "verbose", key == "quiet"
+            self.out.info(f"Set '{key}' mode.")
+        elif key in ("think", "nothink") and self.runtime.tokenizer is None:  # --engine: the server's template
+            self.settings.think = key == "think"
             self.out.info(f"Set '{key}' mode.")
         elif key in ("think", "nothink"):
             from dflash_cli.ui.run import check_thinking, effective_thinking
@@ -514,8 +522,13 @@ def run_chat(out: Output, opts: dict[str, Any], *, history: bool, stdin: Any = N
     if not (is_terminal(stdin or sys.stdin) and is_terminal(stdout or sys.stdout)):
         out.error(NOT_A_TERMINAL)
         return EXIT_USAGE
-    runtime = load_runtime_for(out, opts, quiet=opts["quiet"])
-    check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
+    if opts.get("engine"):
+        from dflash_cli.ui.run import connect_engine
+
+        runtime = connect_engine(out, opts, quiet=opts["quiet"])
+    else:
+        runtime = load_runtime_for(out, opts, quiet=opts["quiet"])
+        check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
     out.hide_thinking = opts["hide_thinking"]
     session = ChatSession(runtime, out, generation_settings(opts), system=system_prompt(out, opts),
                           history=open_history(out) if history else None,

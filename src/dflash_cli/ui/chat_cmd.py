@@ -5,13 +5,14 @@ from __future__ import annotations
 import click
 
 from dflash_cli import settings as S
-from dflash_cli.ui.common import guarded, model_options, output_options, sampling_options
+from dflash_cli.ui.common import engine_option, guarded, model_options, output_options, sampling_options
 
 
 @click.command()
 @click.option("--no-history", is_flag=True, envvar=S.ENV["no_history"], show_envvar=True,
               help="Do not read or write the chat input history file.")
 @model_options
+@engine_option
 @sampling_options
 @output_options
 def chat(no_history, **opts):

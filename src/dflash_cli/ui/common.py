@@ -94,6 +94,12 @@ output_options = apply_all([
 ])
 
 
+engine_option = click.option(
+    "--engine", envvar=S.ENV["engine"], show_envvar=True, metavar="URL",
+    help="Send the prompt to an OpenAI-compatible server (vLLM or SGLang serving a DFlash drafter) instead of "
+         "loading a model here; -m names the served model (default: its only one). Key: $DFLASH_API_KEY.")
+
+
 common_options = apply_all([color_option, debug_option])
 
 

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from dflash_cli.ui.common import guarded, model_options, output_options, sampling_options
+from dflash_cli.ui.common import engine_option, guarded, model_options, output_options, sampling_options
 
 
 @click.command()
@@ -15,6 +15,7 @@ from dflash_cli.ui.common import guarded, model_options, output_options, samplin
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
 @click.option("--compare", is_flag=True, help="Also run plain decoding; report the speedup and whether outputs match.")
 @model_options
+@engine_option
 @sampling_options
 @output_options
 def generate(prompt, file, as_json, compare, **opts):

@@ -251,14 +251,23 @@ def _same_terminal(a: TextIO, b: TextIO) -> bool:
         return False
 
 
+NOT_REPORTED = "acceptance not reported by the server"
+
+
 def status_text(stats: Any, speculative: bool, color: bool = False) -> str:
+    if not getattr(stats, "acceptance_reported", True):  # a remote engine without speculative counters
+        return "  ".join([f"{stats.decode_tokens_per_second:6.1f} tok/s", f"{stats.generated_tokens} tok",
+                          NOT_REPORTED])
+    if stats.counted_decode_tokens is not None and not stats.steps:  # a remote reply: its counters come at the end
+        return "  ".join(["◌ remote", f"{stats.decode_tokens_per_second:6.1f} tok/s", f"{stats.generated_tokens} tok"])
     marker = "● spec on" if speculative else "○ spec off"
     if color:
         marker = f"{DRAFT_STYLE if speculative else DIM}{marker}{RESET}"
     parts = [marker, f"{stats.decode_tokens_per_second:6.1f} tok/s", f"{stats.generated_tokens} tok"]
     if speculative and stats.steps:
         parts.insert(2, f"τ {stats.acceptance_length:.2f}")
-        parts.insert(3, f"draft {stats.draft_acceptance:.0%}")
+        if stats.drafted:
+            parts.insert(3, f"draft {stats.draft_acceptance:.0%}")
         if stats.adaptive:
             parts.insert(4, "drafting paused" if stats.last_block == 1 else f"block {stats.last_block}")
     return "  ".join(parts)
@@ -333,9 +342,14 @@ def summary_line(stats: Any, speculative: bool) -> str:
     """The compact line after each chat reply."""
     parts = [f"{stats.generated_tokens} tokens", f"{stats.decode_tokens_per_second:.1f} tok/s",
              f"{stats.prefill_seconds + stats.decode_seconds:.1f}s"]
-    if speculative:
-        parts += [f"τ {stats.acceptance_length:.2f}", f"draft acceptance {stats.draft_acceptance:.0%}",
-                  block_summary(stats)]
+    if not getattr(stats, "acceptance_reported", True):
+        parts.append(NOT_REPORTED)
+    elif speculative:
+        parts += [f"τ {stats.acceptance_length:.2f}"]
+        if stats.drafted:
+            parts.append(f"draft acceptance {stats.draft_acceptance:.0%}")
+        if stats.committed_histogram or not stats.counted_decode_tokens:
+            parts.append(block_summary(stats))
     else:
         parts.append("speculation off")
     if stats.finish_reason == "length":
@@ -366,7 +380,18 @@ def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: 
              ("eval count", f"{stats.generated_tokens} token(s)"),
              ("eval duration", fmt_seconds(stats.decode_seconds)),
              ("eval rate", f"{stats.decode_tokens_per_second:.2f} tokens/s")]
-    if stats.speculative:
+    if not getattr(stats, "acceptance_reported", True):
+        rows.append(("speculation", NOT_REPORTED))
+    elif stats.counted_decode_tokens is not None:  # a remote engine's counters (remote.py)
+        rows += [("acceptance length", f"{stats.acceptance_length:.2f} tokens/step (tau, bonus included)"
+                  if stats.steps else "not reported by the server"),
+                 ("draft acceptance", f"{stats.draft_acceptance:.1%} ({stats.accepted}/{stats.drafted} drafted)"
+                  if stats.drafted else "not reported by the server"),
+                 ("steps", str(stats.steps))]
+        if stats.position_drafted:
+            rows.append(("per-position accept",
+                         " ".join(f"{k + 1}:{p:.0%}" for k, p in enumerate(stats.per_position_acceptance))))
+    elif stats.speculative:
         other = max(stats.decode_seconds - stats.draft_seconds - stats.verify_seconds, 0.0)
         per_pos = " ".join(f"{k + 1}:{p:.0%}" for k, p in enumerate(stats.per_position_acceptance))
         rows += [("speculation", f"on, {block_summary(stats)} (trained block {stats.block_size})"),
@@ -390,6 +415,16 @@ def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: 
 
 def stats_json(stats: Any) -> dict[str, Any]:
     """The documented --json keys (stable names for scripts) plus the raw counters."""
+    if not getattr(stats, "acceptance_reported", True):  # null, not zeros: the server said nothing
+        data = _stats_json(stats)
+        for key in ("steps", "drafted", "accepted", "acceptance_length", "draft_acceptance"):
+            data[key] = None
+        data["acceptance_reported"] = False
+        return data
+    return _stats_json(stats)
+
+
+def _stats_json(stats: Any) -> dict[str, Any]:
     return {
         "finish_reason": stats.finish_reason,
         "prompt_tokens": stats.prompt_tokens,

@@ -109,6 +109,20 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: 
     return runtime
 
 
+def connect_engine(out: Output, opts: dict[str, Any], *, quiet: bool):
+    """--engine URL: the server in the place of a loaded pair (remote.py); -m names its model."""
+    from dflash_cli import settings as S
+    from dflash_cli.remote import RemoteRuntime
+
+    if opts.get("draft") and not quiet:
+        out.warn("--draft is ignored with --engine: the server runs its own drafter")
+    with out.spinner(f"Connecting to {opts['engine']} ..."):
+        runtime = RemoteRuntime(opts["engine"], opts.get("model"), S.api_key())
+    if not quiet:
+        out.info(f"{runtime.model} on the engine at {runtime.url}")
+    return runtime
+
+
 def check_block_size(block_size: int | None, trained: int | None) -> None:
     from dflash_cli.engine.errors import InvalidSettingError
 
@@ -184,8 +198,14 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
 
     quiet = opts["quiet"] or (as_json and not opts["verbose"])  # --json -v: the JSON, and -v's lines on stderr
     system = system_prompt(out, opts)
-    runtime = load_runtime_for(out, opts, quiet=quiet, prompt=prompt, system=system)
-    check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
+    remote = bool(opts.get("engine"))
+    if remote and compare:
+        raise click.UsageError("--compare runs plain decoding here: it cannot be used with --engine")
+    if remote:
+        runtime = connect_engine(out, opts, quiet=quiet)
+    else:
+        runtime = load_runtime_for(out, opts, quiet=quiet, prompt=prompt, system=system)
+        check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
     out.hide_thinking = opts["hide_thinking"]
     settings = generation_settings(opts)
     if settings.temperature > 0 and settings.seed is None:
@@ -195,9 +215,9 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
         if not runtime.speculative:
             raise click.UsageError("--compare needs a drafter (--draft FOLDER)")
         _warm_up(runtime, settings)
-    if not quiet and not compare:
+    if not quiet and not compare and not remote:
         out.legend()
-    conversation = Conversation(runtime, system=system)
+    conversation = runtime.conversation(system) if remote else Conversation(runtime, system=system)
     started = time.perf_counter()
     status = None if quiet else out.status_line()
     last, tokens, interrupted = None, [], False
@@ -216,6 +236,10 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     except OutputClosed:
         silence_stdout()
         return 0
+    except Exception:
+        if not as_json:  # the text received so far ends on a fresh line before the error
+            out.end_text()
+        raise
     finally:
         out.close_status()
     if not as_json:

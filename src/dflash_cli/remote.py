@@ -1,0 +1,539 @@
+"""A remote engine: an OpenAI-compatible server (vLLM, SGLang) whose streamed reply becomes engine Steps.
+
+`--engine URL` swaps the local Runtime and Conversation for the RemoteRuntime and RemoteConversation here;
+the terminal layer consumes the same Steps and GenerationStats either way. The server streams text, not
+tokens, so each Step carries the text of one chunk (no token ids, no per-token provenance).
+
+Acceptance statistics come from what the server reports, and from nothing else:
+- SGLang's per-request `meta_info` (`spec_verify_ct`: verify steps; `spec_num_proposed_drafts` /
+  `spec_num_correct_drafts` or the older `spec_draft_token_num` / `spec_accept_token_num`), read from a
+  stream chunk that carries it (at the top level, in a choice, or in `usage`);
+- vLLM's Prometheus counters on /metrics (`vllm:spec_decode_num_drafts_total`,
+  `vllm:spec_decode_num_draft_tokens_total`, `vllm:spec_decode_num_accepted_tokens_total`,
+  `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`), read before and after the request and
+  differenced. They are server-wide: other clients' requests in the same interval are counted too.
+Where neither is there, the stats say `acceptance_reported=False` and the terminal says so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_cli.engine.errors import DFlashError, InvalidSettingError
+from dflash_cli.engine.response import GenerationStats, Step
+
+CONNECT_TIMEOUT = 10.0
+READ_TIMEOUT = 600.0  # a long prompt's prefill on a busy server; Ctrl-C ends a wait sooner
+
+
+class RemoteError(DFlashError):
+    """The engine server cannot be reached, refused the request, or broke off the stream."""
+
+
+def engine_url(url: str) -> str:
+    """The server's root URL (http(s)://host:port[/prefix]), without a trailing /v1; a bad one is a usage error."""
+    text = url.strip().rstrip("/")
+    if not re.match(r"^https?://[^/\s]+", text):
+        raise InvalidSettingError(f"--engine {url!r} is not an http:// or https:// URL",
+                                  hint="for example --engine http://localhost:8000")
+    return text[:-3] if text.endswith("/v1") else text
+
+
+def _message(response: Any) -> str:
+    """The error message in an OpenAI-style error body ({"error": {"message"}} or {"message"}), else the text."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text.strip().splitlines()[0][:200] if response.text.strip() else ""
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if data.get("message"):
+            return str(data["message"])
+        if data.get("detail"):
+            return str(data["detail"])
+    return ""
+
+
+def status_error(url: str, response: Any, model: str | None = None, models: list[str] | None = None) -> DFlashError:
+    """One clear error for an HTTP error status of the server."""
+    code, message = response.status_code, _message(response)
+    said = f": {message}" if message else ""
+    if code in (401, 403):
+        what = "Unauthorized" if code == 401 else "Forbidden"
+        return RemoteError(f"the engine at {url} refused the request ({code} {what})" + said,
+                           hint="set DFLASH_API_KEY to the server's API key (vLLM/SGLang --api-key)")
+    if code == 404:
+        if model is not None:
+            known = f"it serves: {', '.join(models)}" if models else "list them with: curl URL/v1/models"
+            return InvalidSettingError(f"the engine at {url} has no model {model!r}" + said,
+                                       hint=f"pick one with -m; {known}")
+        return RemoteError(f"the engine at {url} has no OpenAI-compatible API (404 at {response.request.url.path})",
+                           hint="--engine takes the server's root URL, such as http://localhost:8000")
+    if code == 429:
+        wait = response.headers.get("retry-after")
+        return RemoteError(f"the engine at {url} is busy (429 Too Many Requests)" + said,
+                           hint=f"try again in {wait} seconds (the server's Retry-After)" if wait
+                           else "try again in a moment")
+    if code >= 500:
+        return RemoteError(f"the engine at {url} failed ({code} {response.reason_phrase})" + said,
+                           hint="the server's log has the cause")
+    if code == 400:
+        return InvalidSettingError(f"the engine at {url} rejected the request (400)" + said)
+    return RemoteError(f"the engine at {url} answered {code} {response.reason_phrase}" + said)
+
+
+def transport_error(url: str, error: Exception, *, streaming: bool = False) -> RemoteError:
+    import httpx2
+
+    if isinstance(error, httpx2.ConnectError):
+        return RemoteError(f"cannot connect to the engine at {url}: {_reason(error)}",
+                           hint="is the server running there? check --engine (or DFLASH_ENGINE)")
+    if isinstance(error, httpx2.TimeoutException):
+        return RemoteError(f"the engine at {url} did not answer in time ({type(error).__name__})",
+                           hint="the server may be overloaded; see its log")
+    if streaming:
+        return RemoteError(f"the engine at {url} cut the stream off before the reply ended ({_reason(error)})",
+                           hint="the server's log has the cause; the text received so far was kept")
+    return RemoteError(f"the connection to the engine at {url} failed: {_reason(error)}")
+
+
+def _reason(error: Exception) -> str:
+    text = str(error).strip()
+    if "refused" in text.lower():
+        return "connection refused"
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# -- vLLM's Prometheus counters -----------------------------------------------------------------------
+
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_spec_counters(text: str) -> dict[str, Any]:
+    """vLLM's spec_decode counters in a Prometheus text exposition, summed over label sets (engines, models);
+    per-position ones under 'per_pos' {position: count}. {} when the server exports none."""
+    out: dict[str, Any] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None or not match.group(1).startswith("vllm:spec_decode_"):
+            continue
+        name, labels, raw = match.groups()
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if name == VLLM_PER_POS:
+            pos = re.search(r'position="(\d+)"', labels or "")
+            if pos is not None:
+                per = out.setdefault("per_pos", {})
+                per[int(pos.group(1))] = per.get(int(pos.group(1)), 0.0) + value
+        elif name in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED):
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
+    """after - before; None when the counters are missing or moved backwards (a restarted server)."""
+    if not after or VLLM_DRAFTS not in after:
+        return None
+    delta: dict[str, Any] = {k: after[k] - before.get(k, 0.0) for k in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED)
+                             if k in after}
+    per_after, per_before = after.get("per_pos", {}), before.get("per_pos", {})
+    delta["per_pos"] = {k: v - per_before.get(k, 0.0) for k, v in per_after.items()}
+    if any(v < 0 for k, v in delta.items() if k != "per_pos") or any(v < 0 for v in delta["per_pos"].values()):
+        return None
+    return delta
+
+
+# -- SGLang's meta info ---------------------------------------------------------------------------------
+
+SGLANG_KEYS = ("spec_verify_ct", "spec_accept_length", "spec_num_proposed_drafts", "spec_num_correct_drafts",
+               "spec_draft_token_num", "spec_accept_token_num")
+
+
+def find_meta_info(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """SGLang's meta info in a stream chunk, wherever this server version puts it."""
+    places = [chunk.get("meta_info"), chunk.get("usage")]
+    for choice in chunk.get("choices") or []:
+        if isinstance(choice, dict):
+            places.append(choice.get("meta_info"))
+    for place in places:
+        if isinstance(place, dict) and "spec_verify_ct" in place:
+            return place
+    return None
+
+
+# -- the runtime and the conversation -------------------------------------------------------------------
+
+@dataclass
+class Counters:
+    """What the stream and the server reported so far about one reply."""
+
+    started: float
+    first_at: float | None = None
+    last_at: float | None = None
+    chunks: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    meta: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def stats(self, final: bool = True) -> GenerationStats:
+        """The figures so far; before the end (`final` False) the server has reported nothing yet."""
+        generated = self.completion_tokens if self.completion_tokens is not None else self.chunks
+        prefill = (self.first_at - self.started) if self.first_at is not None else time.perf_counter() - self.started
+        decode = (self.last_at - self.first_at) if self.first_at is not None and self.last_at is not None else 0.0
+        steps = drafted = accepted = 0
+        block, reported = 1, False
+        pos_drafted: tuple[int, ...] = ()
+        pos_accepted: tuple[int, ...] = ()
+        histogram: tuple[int, ...] = ()
+        if self.meta is not None:
+            reported = True
+            steps = int(self.meta.get("spec_verify_ct") or 0)
+            drafted = int(self.meta.get("spec_num_proposed_drafts", self.meta.get("spec_draft_token_num")) or 0)
+            accepted = self.meta.get("spec_num_correct_drafts", self.meta.get("spec_accept_token_num"))
+            # each verify step commits its accepted drafts plus one token of the target's own
+            accepted = int(accepted) if accepted is not None else max(generated - 1 - steps, 0)
+            block = 2
+        elif self.metrics is not None:
+            reported = True
+            steps = int(self.metrics.get(VLLM_DRAFTS, 0))
+            drafted = int(self.metrics.get(VLLM_DRAFT_TOKENS, 0))
+            accepted = int(self.metrics.get(VLLM_ACCEPTED, 0))
+            per = self.metrics.get("per_pos", {})
+            if per:
+                k = max(per) + 1
+                pos_accepted = tuple(int(per.get(i, 0)) for i in range(k))
+                pos_drafted = (steps,) * k
+                # acceptance stops at the first rejected draft: steps accepting >= j drafts = accepted at j-1
+                at_least = (steps, *pos_accepted)
+                histogram = tuple(max(at_least[j] - (at_least[j + 1] if j + 1 < len(at_least) else 0), 0)
+                                  for j in range(len(at_least)))
+                block = k + 1
+            else:
+                block = 2
+        return GenerationStats(
+            prompt_tokens=self.prompt_tokens, prefilled_tokens=self.prompt_tokens, prefill_seconds=prefill,
+            generated_tokens=generated, decode_seconds=decode, steps=steps, drafted=drafted, accepted=accepted,
+            draft_seconds=0.0, verify_seconds=0.0, block_size=block, committed_histogram=histogram,
+            position_drafted=pos_drafted, position_accepted=pos_accepted, peak_memory_bytes=None,
+            peak_memory_kind="", finish_reason=self.finish_reason, acceptance_reported=reported,
+            counted_decode_tokens=max(generated - 1, 0)) if final or reported else GenerationStats(
+            prompt_tokens=self.prompt_tokens, prefilled_tokens=self.prompt_tokens, prefill_seconds=prefill,
+            generated_tokens=generated, decode_seconds=decode, steps=0, drafted=0, accepted=0, draft_seconds=0.0,
+            verify_seconds=0.0, block_size=1, committed_histogram=(), position_drafted=(), position_accepted=(),
+            peak_memory_bytes=None, peak_memory_kind="", counted_decode_tokens=max(generated - 1, 0))
+
+
+class RemoteRuntime:
+    """An engine server, in the place of a loaded pair (the attributes the terminal commands read)."""
+
+    tokenizer = None
+    drafter = None
+    drafter_dir = None
+    quant = None
+    pair = None
+    load_seconds = 0.0
+
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, transport: Any = None):
+        import httpx2
+
+        self.url = engine_url(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx2.Client(base_url=self.url, headers=headers, transport=transport,
+                                    timeout=httpx2.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT))
+        started = time.perf_counter()
+        self.models = self._models()
+        self.model = model or self._only_model()
+        self.load_seconds = time.perf_counter() - started
+        self.target_dir = self.model
+        self.dtype = self.device = "remote"
+        self.fast_path = f"remote engine {self.url}"
+
+    speculative = True  # the server decides; the stats say what it reported
+
+    def _get(self, path: str, **kwargs) -> Any:
+        import httpx2
+
+        try:
+            return self.client.get(path, **kwargs)
+        except httpx2.TransportError as e:
+            raise transport_error(self.url, e) from None
+
+    def _models(self) -> list[str]:
+        response = self._get("/v1/models")
+        if response.status_code != 200:
+            raise status_error(self.url, response)
+        try:
+            return [m["id"] for m in response.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise RemoteError(f"the engine at {self.url} sent a /v1/models answer that is not OpenAI's format",
+                              hint="--engine takes an OpenAI-compatible server (vLLM, SGLang)") from None
+
+    def _only_model(self) -> str:
+        if len(self.models) == 1:
+            return self.models[0]
+        raise InvalidSettingError(f"the engine at {self.url} serves {len(self.models)} models: pick one with -m",
+                                  hint=f"models: {', '.join(self.models)}" if self.models else None)
+
+    def spec_counters(self) -> dict[str, Any]:
+        """vLLM's spec_decode counters now ({} when the server has no /metrics or exports none)."""
+        import httpx2
+
+        try:
+            response = self.client.get("/metrics", timeout=CONNECT_TIMEOUT)
+        except httpx2.HTTPError:
+            return {}
+        return parse_spec_counters(response.text) if response.status_code == 200 else {}
+
+    def conversation(self, system: str | None = None) -> RemoteConversation:
+        return RemoteConversation(self, system=system)
+
+    def info(self) -> dict[str, Any]:
+        return {"engine": self.url, "model": self.model, "models served": ", ".join(self.models)}
+
+    def close(self) -> None:
+        self.client.close()
+
+    def stream_chat(self, messages: list[dict[str, str]], settings: Any) -> Iterator[Step]:
+        """Streams one reply to `messages` as Steps; the last one carries finish_reason and the final stats."""
+        import httpx2
+
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True,
+                                "stream_options": {"include_usage": True},
+                                "max_tokens": settings.max_tokens, "temperature": settings.temperature,
+                                "top_p": settings.top_p}
+        if settings.top_k:
+            body["top_k"] = settings.top_k
+        if settings.seed is not None:
+            body["seed"] = settings.seed
+        if settings.think is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": settings.think}
+        before = self.spec_counters()
+        counters = Counters(time.perf_counter())
+        done = False
+        try:
+            with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise status_error(self.url, response, self.model,
+                                       self.models if response.status_code == 404 else None)
+                for line in response.iter_lines():
+                    if not line.startswith("data:"):
+                        continue  # SSE comments, event names, the blank lines between events
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    step = self._chunk(data, counters)
+                    if step is not None:
+                        yield step
+        except httpx2.TransportError as e:
+            raise transport_error(self.url, e, streaming=True) from None
+        if not done and counters.finish_reason is None:
+            raise RemoteError(f"the engine at {self.url} cut the stream off before the reply ended "
+                              f"({counters.chunks} chunk(s) received)",
+                              hint="the server's log has the cause; the text received so far was kept")
+        if counters.meta is None:
+            counters.metrics = counter_delta(before, self.spec_counters())
+        stats = counters.stats()
+        yield Step(tokens=(), text="", pieces=(), drafted=stats.drafted, accepted=stats.accepted, from_draft=(),
+                   draft_seconds=0.0, verify_seconds=0.0, stats=stats, finish_reason=stats.finish_reason)
+
+    def _chunk(self, data: str, counters: Counters) -> Step | None:
+        try:
+            chunk = json.loads(data)
+            if not isinstance(chunk, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            raise RemoteError(f"the engine at {self.url} sent a malformed stream chunk ({e}): {data[:80]!r}",
+                              hint="the server is not speaking OpenAI's streaming format") from None
+        if "error" in chunk:  # an error in the middle of a stream
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            raise RemoteError(f"the engine at {self.url} failed mid-reply: {message}",
+                              hint="the server's log has the cause; the text received so far was kept")
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            counters.prompt_tokens = int(usage.get("prompt_tokens") or counters.prompt_tokens)
+            if usage.get("completion_tokens") is not None:
+                counters.completion_tokens = int(usage["completion_tokens"])
+        meta = find_meta_info(chunk)
+        if meta is not None:
+            counters.meta = meta
+        text = ""
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text += delta.get("content") or ""
+            if choice.get("finish_reason"):
+                counters.finish_reason = choice["finish_reason"]
+        if not text:
+            return None
+        now = time.perf_counter()
+        counters.first_at = counters.first_at or now
+        counters.last_at = now
+        counters.chunks += 1
+        stats = counters.stats(final=False)
+        return Step(tokens=(), text=text, pieces=(text,), drafted=0, accepted=0, from_draft=(False,),
+                    draft_seconds=0.0, verify_seconds=0.0, stats=stats)
+
+
+@dataclass
+class RemoteConversation:
+    """Conversation's interface (ask, regenerate, clear, save, load) for a remote engine."""
+
+    runtime: RemoteRuntime
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    interrupted: bool = False
+    cached_before: int = 0
+    reply_in_thinking: bool | None = None  # the server's template decides; its text is printed as it comes
+
+    def ask(self, text: str, settings: Any) -> Iterator[Step]:
+        self.messages.append({"role": "user", "content": text})
+        return self._stream(settings)
+
+    def regenerate(self, settings: Any) -> Iterator[Step]:
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if not self.messages:
+            raise DFlashError("nothing to regenerate yet")
+        if settings.seed is not None and settings.temperature > 0:
+            settings.seed += 1
+        return self._stream(settings)
+
+    def _stream(self, settings: Any) -> Iterator[Step]:
+        sent = ([{"role": "system", "content": self.system}] if self.system else []) + list(self.messages)
+        parts: list[str] = []
+        self.interrupted = True
+        try:
+            for step in self.runtime.stream_chat(sent, settings):
+                parts.append(step.text)
+                yield step
+            self.interrupted = False
+        finally:  # a reply cut short (Ctrl-C, a broken stream) stays in the conversation
+            self.messages.append({"role": "assistant", "content": "".join(parts)})
+
+    def clear(self) -> None:
+        self.messages.clear()
+
+    def save(self, path: Any, settings: Any) -> None:
+        from pathlib import Path
+
+        path = Path(path)
+        data = {"format": "dflash-cli chat", "version": 1, "model": self.runtime.model, "engine": self.runtime.url,
+                "drafter": None, "system": self.system, "settings": vars(settings), "messages": self.messages}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        tmp.replace(path)
+
+    def load(self, path: Any) -> dict[str, Any]:
+        from dflash_cli.session import Conversation
+
+        return Conversation.load(self, path)  # type: ignore[arg-type]  # reads messages and system only
+
+
+# -- bench --engine ---------------------------------------------------------------------------------------
+
+def run_remote_bench(runtime: RemoteRuntime, prompt_sets: dict[str, list[Any]], *, max_new_tokens: int,
+                     warmup: int = 2, per_set: int | None = None, think: bool | None = None,
+                     on_progress: Any = None) -> dict[str, Any]:
+    """Each prompt once through the server (greedy), measured: the server's acceptance, decode tokens/s and
+    time to first token, per set and overall. A server has no plain mode to compare with, so no speedup."""
+    from dflash_cli.session import GenerationSettings
+
+    settings = GenerationSettings(max_tokens=max_new_tokens, temperature=0.0, think=think)
+    work = [(name, p) for name, items in prompt_sets.items()
+            for p in (list(items)[:per_set] if per_set is not None else list(items))]
+    if not work:
+        raise InvalidSettingError("no prompts to run")
+    progress = on_progress or (lambda done, total, label: None)
+    progress(0, len(work), "warming up")
+
+    def run(prompt: str) -> GenerationStats:
+        last = None
+        for last in runtime.stream_chat([{"role": "user", "content": prompt}], settings):
+            pass
+        return last.stats
+
+    for _, p in work[:max(warmup, 0)]:
+        run(p.prompt)
+    records = []
+    for done, (name, p) in enumerate(work, 1):
+        stats = run(p.prompt)
+        records.append({"set": name, "id": p.id, "prompt_tokens": stats.prompt_tokens,
+                        "generated_tokens": stats.generated_tokens, "decode_tokens": stats.decode_tokens,
+                        "decode_seconds": stats.decode_seconds, "time_to_first_token": stats.prefill_seconds,
+                        "acceptance_reported": stats.acceptance_reported,
+                        "steps": stats.steps, "drafted": stats.drafted, "accepted": stats.accepted,
+                        "position_drafted": list(stats.position_drafted),
+                        "position_accepted": list(stats.position_accepted), "finish_reason": stats.finish_reason})
+        progress(done, len(work), f"{name} {p.id}")
+    sets = {name: summarize_remote(name, [r for r in records if r["set"] == name]) for name in prompt_sets
+            if any(r["set"] == name for r in records)}
+    return {"settings": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "warmup": warmup, "per_set": per_set,
+                         "enable_thinking": think},
+            "meta": {"engine": runtime.url, "model": runtime.model},
+            "sets": sets, "overall": summarize_remote("all", records), "records": records}
+
+
+def summarize_remote(name: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pooled figures; the acceptance ones only over the replies the server reported them for (else None)."""
+    reported = [r for r in records if r["acceptance_reported"]]
+    steps = sum(r["steps"] for r in reported)
+    drafted, accepted = sum(r["drafted"] for r in reported), sum(r["accepted"] for r in reported)
+    width = max((len(r["position_drafted"]) for r in reported), default=0)
+    pos_dr = [sum(r["position_drafted"][k] for r in reported if k < len(r["position_drafted"])) for k in range(width)]
+    pos_acc = [sum(r["position_accepted"][k] for r in reported if k < len(r["position_accepted"]))
+               for k in range(width)]
+    seconds = sum(r["decode_seconds"] for r in records)
+    return {"name": name, "prompts": len(records), "acceptance_reported": len(reported),
+            "tau_pooled": sum(r["decode_tokens"] for r in reported) / steps if steps else None,
+            "draft_acceptance": accepted / drafted if drafted else None, "drafted": drafted, "accepted": accepted,
+            "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(pos_acc, pos_dr)],
+            "decode_tokens_per_second": sum(r["decode_tokens"] for r in records) / seconds if seconds > 0 else 0.0,
+            "time_to_first_token": sum(r["time_to_first_token"] for r in records) / len(records) if records else 0.0,
+            "generated_tokens": sum(r["generated_tokens"] for r in records)}
+
+
+def format_remote_table(report: dict[str, Any]) -> list[str]:
+    header = ["set", "prompts", "tau pooled", "draft acc", "tok/s", "ttft"]
+    summaries = list(report["sets"].values()) + ([report["overall"]] if len(report["sets"]) > 1 else [])
+    rows = [[s["name"], str(s["prompts"]),
+             f"{s['tau_pooled']:.2f}" if s["tau_pooled"] is not None else "n/a",
+             f"{s['draft_acceptance']:.1%}" if s["draft_acceptance"] is not None else "n/a",
+             f"{s['decode_tokens_per_second']:.1f}", f"{s['time_to_first_token'] * 1000:.0f}ms"] for s in summaries]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    lines = [line(header), "  ".join("-" * w for w in widths), *[line(r) for r in rows], ""]
+    for s in summaries:
+        if not s["acceptance_reported"]:
+            lines.append(f"{s['name']}: acceptance not reported by the server")
+        elif s["per_position_acceptance"]:
+            lines.append(f"{s['name']} per-position acceptance: "
+                         + " ".join(f"{p:.0%}" for p in s["per_position_acceptance"]))
+    lines.append(f"engine {report['meta']['engine']} · model {report['meta']['model']} · greedy · up to "
+                 f"{report['settings']['max_new_tokens']} new tokens · warm-up {report['settings']['warmup']} · "
+                 "no plain run to compare with (the server decodes with its own drafter)")
+    return lines

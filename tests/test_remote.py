@@ -1,0 +1,338 @@
+"""--engine URL: generate and chat against a loopback OpenAI-compatible server (tests/engine_server.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from engine_server import FakeEngine
+from prompt_toolkit import PromptSession
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from dflash_cli.remote import RemoteRuntime
+from dflash_cli.session import GenerationSettings
+from dflash_cli.ui.chat import INTERRUPTED, ChatSession
+from dflash_cli.ui.cli import cli
+from dflash_cli.ui.render import Output
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture
+def engine(request):
+    kwargs = getattr(request, "param", {})
+    server = FakeEngine(**kwargs)
+    yield server
+    server.close()
+
+
+def generate(engine, *args, input=None, env=None):
+    env = {"DFLASH_API_KEY": "", "DFLASH_MODEL": "", "DFLASH_CONFIG": "", **(env or {})}
+    return CliRunner().invoke(cli, ["generate", "--engine", engine.url, *args], input=input, env=env)
+
+
+def as_json(result) -> dict:
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+# -- generate -----------------------------------------------------------------------------------------
+
+def test_generate_streams_the_reply_to_stdout_and_sends_the_prompt(engine):
+    result = generate(engine, "-s", "Be brief.", "-n", "7", "say", "hi")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "Hello, world!\n"
+    assert "Qwen/Qwen3-8B on the engine at" in result.stderr and "Error" not in result.stderr
+    body = engine.requests[-1]
+    assert body["model"] == "Qwen/Qwen3-8B" and body["stream"] is True and body["max_tokens"] == 7
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say hi"}]
+
+
+def test_generate_reads_stdin_and_names_the_model(engine):
+    engine.models.append("other")
+    result = generate(engine, "-m", "other", "summarize", input="a document\n")
+    assert result.exit_code == 0, result.stderr
+    assert engine.requests[-1]["model"] == "other"
+    assert engine.requests[-1]["messages"] == [{"role": "user", "content": "a document\n\nsummarize"}]
+
+
+def test_engine_from_the_environment_and_the_config_file(engine, tmp_path):
+    assert CliRunner().invoke(cli, ["generate", "hi"], env={"DFLASH_ENGINE": engine.url,
+                                                          "DFLASH_CONFIG": ""}).stdout == "Hello, world!\n"
+    config = tmp_path / "config.toml"
+    config.write_text(f'engine = "{engine.url}"\n')
+    env = {**os.environ, "PYTHONPATH": SRC, "DFLASH_CONFIG": str(config), "DFLASH_ENGINE": "", "DFLASH_MODEL": ""}
+    proc = subprocess.run([sys.executable, "-m", "dflash_cli", "generate", "hi"], capture_output=True, env=env,
+                          stdin=subprocess.DEVNULL, timeout=60)  # the config file is read by main()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == b"Hello, world!\n" and len(engine.requests) == 2
+
+
+def test_json_with_vllm_metrics_differenced_around_the_request(engine):
+    data = as_json(generate(engine, "--json", "hi"))
+    assert data["text"] == "Hello, world!" and data["finish_reason"] == "stop" and data["interrupted"] is False
+    assert data["generated_tokens"] == 4 and data["prompt_tokens"] == 12
+    # the fake's counters started at 10/30/12 and the request added 3 drafts, 9 drafted, 6 accepted
+    assert (data["steps"], data["drafted"], data["accepted"]) == (3, 9, 6)
+    assert data["per_position_acceptance"] == [1.0, pytest.approx(2 / 3), pytest.approx(1 / 3)]
+    assert data["committed_histogram"] == [0, 1, 1, 1]
+    assert data["acceptance_length"] == pytest.approx(1.0) and data["draft_acceptance"] == pytest.approx(6 / 9)
+
+
+@pytest.mark.parametrize("engine", [{"kind": "sglang"}], indirect=True)
+def test_json_with_sglang_meta_info(engine):
+    data = as_json(generate(engine, "--json", "hi"))
+    assert (data["steps"], data["drafted"], data["accepted"]) == (2, 14, 2)
+    assert data["acceptance_length"] == pytest.approx(1.5)  # 3 tokens after the first, over 2 verify steps
+
+
+@pytest.mark.parametrize("engine", [{"kind": "plain"}], indirect=True)
+def test_a_server_that_reports_nothing_says_so_instead_of_zeros(engine):
+    data = as_json(generate(engine, "--json", "hi"))
+    assert data["acceptance_reported"] is False
+    assert data["steps"] is None and data["acceptance_length"] is None and data["drafted"] is None
+    verbose = generate(engine, "-v", "hi")
+    assert verbose.exit_code == 0 and "speculation:" in verbose.stderr
+    assert "not reported by the server" in verbose.stderr and "0.00 tokens/step" not in verbose.stderr
+
+
+def test_verbose_shows_the_reported_acceptance(engine):
+    result = generate(engine, "-v", "hi")
+    assert result.exit_code == 0, result.stderr
+    assert "draft acceptance:" in result.stderr and "66.7% (6/9 drafted)" in result.stderr
+    assert "per-position accept:" in result.stderr and "1:100% 2:67% 3:33%" in result.stderr
+
+
+@pytest.mark.parametrize("engine", [{"slow_first": 0.6}], indirect=True)
+def test_a_slow_first_token_is_waited_for_and_timed(engine):
+    data = as_json(generate(engine, "--json", "hi"))
+    assert data["text"] == "Hello, world!" and data["time_to_first_token_seconds"] >= 0.5
+
+
+@pytest.mark.parametrize("engine", [{"finish_reason": "length"}], indirect=True)
+def test_finish_reason_length(engine):
+    assert as_json(generate(engine, "--json", "hi"))["finish_reason"] == "length"
+
+
+def test_without_m_a_server_with_several_models_is_a_usage_error(engine):
+    engine.models.append("other")
+    result = generate(engine, "hi")
+    assert result.exit_code == 2 and "serves 2 models: pick one with -m" in result.stderr
+    assert "Qwen/Qwen3-8B, other" in result.stderr and engine.requests == []
+
+
+# -- errors: one line, the right exit code --------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_error(result, code: int, *needles: str) -> None:
+    assert result.exit_code == code, (result.exit_code, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_refused_connection():
+    url = f"http://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(cli, ["generate", "--engine", url, "hi"], env={"DFLASH_CONFIG": ""})
+    one_error(result, 1, f"cannot connect to the engine at {url}: connection refused", "is the server running")
+
+
+def test_not_a_url_is_a_usage_error():
+    result = CliRunner().invoke(cli, ["generate", "--engine", "localhost:8000", "hi"], env={"DFLASH_CONFIG": ""})
+    one_error(result, 2, "is not an http:// or https:// URL")
+
+
+@pytest.mark.parametrize("engine", [{"api_key": "sekrit"}], indirect=True)
+def test_401_without_the_key_and_the_key_from_the_environment(engine):
+    one_error(generate(engine, "hi"), 1, "refused the request (401 Unauthorized)", "DFLASH_API_KEY")
+    assert generate(engine, "hi", env={"DFLASH_API_KEY": "sekrit"}).stdout == "Hello, world!\n"
+
+
+def test_404_unknown_model(engine):
+    one_error(generate(engine, "-m", "nope", "hi"), 2, "has no model 'nope'", "The model `nope` does not exist",
+              "it serves: Qwen/Qwen3-8B")
+
+
+@pytest.mark.parametrize("engine", [{"status": 429, "retry_after": "7"}], indirect=True)
+def test_429_with_retry_after(engine):
+    one_error(generate(engine, "hi"), 1, "is busy (429 Too Many Requests)", "try again in 7 seconds")
+
+
+@pytest.mark.parametrize("engine", [{"status": 500}], indirect=True)
+def test_500(engine):
+    one_error(generate(engine, "hi"), 1, "failed (500 Internal Server Error): EngineCore encountered an issue")
+
+
+@pytest.mark.parametrize("engine", [{"cut_after": 2}], indirect=True)
+def test_a_cut_stream_keeps_the_text_and_says_so(engine):
+    result = generate(engine, "hi")
+    one_error(result, 1, "cut the stream off before the reply ended")
+    assert result.stdout == "Hello,\n"
+
+
+@pytest.mark.parametrize("engine", [{"malformed_after": 1}], indirect=True)
+def test_a_malformed_chunk(engine):
+    result = generate(engine, "hi")
+    one_error(result, 1, "sent a malformed stream chunk")
+    assert result.stdout == "Hello\n"
+
+
+@pytest.mark.parametrize("engine", [{"cut_after": 2}], indirect=True)
+def test_json_on_an_error_prints_no_partial_json(engine):
+    result = generate(engine, "--json", "hi")
+    assert result.exit_code == 1 and result.stdout == ""
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", [{"hang_after": 2}], indirect=True)
+def test_ctrl_c_mid_stream_closes_the_request_keeps_the_text_and_exits_130(engine):
+    env = {**os.environ, "PYTHONPATH": SRC, "DFLASH_CONFIG": "", "DFLASH_API_KEY": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_cli", "generate", "--engine", engine.url, "hi"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+    first = proc.stdout.read(6)  # "Hello," : the server now holds the stream open
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert first + rest == b"Hello,\n"
+    assert b"interrupted" in err and b"Traceback" not in err
+    assert engine.client_closed.wait(10)  # the request was closed, not left running on the server
+
+
+# -- chat ---------------------------------------------------------------------------------------------
+
+class InterruptingOutput(Output):
+    """Output into StringIO streams; `interrupt_at` = (reply, step): Ctrl-C while printing that step."""
+
+    def __init__(self, interrupt_at: tuple[int, int] | None = None):
+        super().__init__("never", stdout=StringIO(), stderr=StringIO())
+        self.interrupt_at, self.reply, self.step = interrupt_at, 0, 0
+
+    def text(self, step) -> None:
+        if step.text:
+            self.step += 1
+            if (self.reply, self.step) == self.interrupt_at:
+                raise KeyboardInterrupt
+        super().text(step)
+
+    def end_text(self) -> None:
+        self.reply, self.step = self.reply + 1, 0
+        super().end_text()
+
+
+def drive(engine, keys: str, out: Output | None = None, **kwargs):
+    runtime = RemoteRuntime(engine.url)
+    out = out or InterruptingOutput()
+    with create_pipe_input() as pipe:
+        pipe.send_text(keys)
+        pipe.close()
+        session = ChatSession(runtime, out, GenerationSettings(max_tokens=12),
+                              session_factory=lambda **kw: PromptSession(input=pipe, output=DummyOutput(), **kw),
+                              **kwargs)
+        code = session.run()
+    return code, session, out
+
+
+def test_chat_sends_the_history_and_the_system_prompt(engine):
+    code, session, out = drive(engine, "/set system Be brief.\rhi\rand again\r/stats\r/bye\r")
+    assert code == 0
+    assert out.out.getvalue() == "Hello, world!\nHello, world!\n"
+    assert engine.requests[-1]["messages"] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello, world!"}, {"role": "user", "content": "and again"}]
+    err = out.err.getvalue()
+    assert "on the engine at" in err.splitlines()[0]
+    assert re.search(r"draft acceptance: +66.7% \(6/9 drafted\)", err)  # /stats, from vLLM's counters
+
+
+@pytest.mark.parametrize("engine", [{"kind": "plain"}], indirect=True)
+def test_chat_summary_says_not_reported(engine):
+    code, _, out = drive(engine, "hi\r/bye\r")
+    assert code == 0 and "acceptance not reported by the server" in out.err.getvalue()
+
+
+@pytest.mark.parametrize("engine", [{"hang_after": 2}], indirect=True)
+def test_chat_ctrl_c_keeps_the_partial_reply_and_goes_on(engine):
+    out = InterruptingOutput(interrupt_at=(0, 2))  # Ctrl-C while the second piece is being printed
+    code, session, out = drive(engine, "hi\rmore\r/bye\r", out=out)
+    assert code == 0
+    assert engine.client_closed.wait(10)  # the first request, held open by the server, was closed
+    assert INTERRUPTED in out.err.getvalue()
+    messages = session.conversation.messages
+    # as with a local model, the Step being printed when Ctrl-C came is part of the kept reply
+    assert out.out.getvalue().startswith("Hello\n")
+    assert messages[1] == {"role": "assistant", "content": "Hello,"}
+    assert messages[3] == {"role": "assistant", "content": "Hello, world!"}  # the chat went on
+    assert engine.requests[-1]["messages"][1] == {"role": "assistant", "content": "Hello,"}
+
+
+@pytest.mark.parametrize("engine", [{"status": 500}], indirect=True)
+def test_chat_reports_a_server_error_and_goes_on(engine):
+    code, session, out = drive(engine, "hi\r/bye\r")
+    assert code == 0 and "Error: the engine at" in out.err.getvalue() and "(500 " in out.err.getvalue()
+    assert session.conversation.messages == []  # nothing was generated: the failed exchange leaves no trace
+
+
+@pytest.mark.parametrize("engine", [{"kind": "plain"}, {"kind": "vllm"}], indirect=True)
+def test_the_status_line_waits_for_the_servers_counters(engine):
+    from dflash_cli.ui.render import status_text
+
+    steps = list(RemoteRuntime(engine.url).stream_chat([{"role": "user", "content": "hi"}], GenerationSettings()))
+    assert [s.text for s in steps] == ["Hello", ",", " world", "!", ""] and steps[-1].finish_reason == "stop"
+    assert all(status_text(s.stats, True).startswith("◌ remote") for s in steps[:-1])  # no verdict mid-reply
+    last = status_text(steps[-1].stats, True)
+    assert ("acceptance not reported by the server" in last) == (engine.kind == "plain")
+    assert ("τ 1.00" in last and "draft 67%" in last) == (engine.kind == "vllm")
+
+
+# -- bench --------------------------------------------------------------------------------------------
+
+def bench(engine, tmp_path, *args):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "one"}\n{"id": "b", "prompt": "two"}\n')
+    return CliRunner().invoke(cli, ["bench", "--engine", engine.url, "--prompts", str(prompts), *args],
+                              env={"DFLASH_CONFIG": "", "DFLASH_MODEL": "", "DFLASH_API_KEY": ""})
+
+
+def test_bench_reports_the_servers_acceptance_per_set(engine, tmp_path):
+    result = bench(engine, tmp_path, "--warmup", "1", "-n", "9", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert len(engine.requests) == 3 and all(r["max_tokens"] == 9 and r["temperature"] == 0.0
+                                             for r in engine.requests)  # 1 warm-up + 2 measured, greedy
+    assert [r["id"] for r in report["records"]] == ["a", "b"]
+    mine = report["sets"]["mine"]
+    assert (mine["drafted"], mine["accepted"]) == (18, 12)  # two requests' counter deltas
+    assert mine["tau_pooled"] == pytest.approx(1.0) and mine["draft_acceptance"] == pytest.approx(2 / 3)
+    assert mine["per_position_acceptance"] == [1.0, pytest.approx(2 / 3), pytest.approx(1 / 3)]
+    assert re.search(r"mine +2 +1\.00 +66\.7%", result.stderr)
+
+
+@pytest.mark.parametrize("engine", [{"kind": "plain"}], indirect=True)
+def test_bench_says_when_the_server_reports_nothing(engine, tmp_path):
+    result = bench(engine, tmp_path, "--warmup", "0")
+    assert result.exit_code == 0, result.stderr
+    assert "mine: acceptance not reported by the server" in result.stderr
+    assert re.search(r"mine +2 +n/a +n/a", result.stderr)
+
+
+def test_bench_refuses_local_only_options_with_an_engine(engine, tmp_path):
+    result = bench(engine, tmp_path, "--block-size", "4")
+    assert result.exit_code == 2 and "server decodes with its own drafter" in result.stderr
