@@ -1,0 +1,99 @@
+"""`dflash-cli serve-cmd`: the vLLM or SGLang command that serves a registry pair with its DFlash drafter.
+
+Prints one shell-quoted line; `--exec` runs it in place of this process. The argv comes from serve.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from typing import Any
+
+import click
+
+from dflash_cli.engine.errors import DFlashError, InvalidSettingError
+from dflash_cli.ui.common import common_options, echo, registry, run_plain
+from dflash_cli.ui.errors import EXIT_OK
+
+
+def serve_pair(value: str, block_size: int | None) -> Any:
+    """The registry pair MODEL names, with a drafter and a block size; anything else is a usage error."""
+    from dflash_cli.models.resolve import resolve_spec
+    from dflash_cli.serve import ServePair
+
+    pairs = registry()
+    try:
+        spec = resolve_spec(value, pairs, allow_unsupported=True, store=True)
+    except DFlashError as error:
+        raise InvalidSettingError(str(error), error.hint) from None
+    hint = "serve-cmd needs a known pair with a drafter: dflash-cli list --known"
+    if spec.kind == "folder":
+        raise InvalidSettingError(f"{value} is a local folder, not a registry pair", hint)
+    if spec.kind == "builtin":
+        raise InvalidSettingError(f"{value} is built in (runs here only), not a registry pair", hint)
+    entry = spec.entry
+    if entry is None:
+        raise InvalidSettingError(f"{value} is not a registry pair", hint)
+    if not entry.drafter:
+        raise InvalidSettingError(f"{entry.alias} has no DFlash drafter: there is nothing to serve speculatively",
+                                  hint)
+    size = block_size or entry.block_size
+    if not size:
+        raise InvalidSettingError(f"the registry does not give {entry.alias}'s block size",
+                                  f"pass --block-size (block_size in {entry.drafter}'s config.json)")
+    if size < 2:
+        raise InvalidSettingError(f"--block-size {size}: a DFlash block holds at least 2 tokens",
+                                  "use the drafter's trained block size")
+    return ServePair(entry.alias, entry.target, entry.drafter, int(size))
+
+
+def run_serve_cmd(out: Any, model: str, engine: str, tp: int, port: int | None, block_size: int | None,
+                  do_exec: bool) -> int:
+    from dflash_cli.serve import EXECUTABLES, INSTALL, server_argv
+
+    if tp < 1:
+        raise InvalidSettingError(f"--tp {tp}: the tensor-parallel size is at least 1",
+                                  "use the number of GPUs to split the target over, for example --tp 2")
+    if port is not None and not 1 <= port <= 65535:
+        raise InvalidSettingError(f"--port {port}: not a TCP port (1..65535)")
+    pair = serve_pair(model, block_size)
+    argv = server_argv(pair, engine, tp, port)
+    line = shlex.join(argv)
+    if not do_exec:
+        echo(line)
+        return EXIT_OK
+    if shutil.which(EXECUTABLES[engine]) is None:
+        raise DFlashError(f"{EXECUTABLES[engine]} is not on PATH: install {engine} to run this command",
+                          INSTALL[engine])
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)
+    return EXIT_OK  # not reached
+
+
+@click.command("serve-cmd")
+@click.argument("model")
+@click.option("--engine", "engine", required=True, type=click.Choice(["vllm", "sglang"], case_sensitive=False),
+              help="The serving engine to print the command for.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (GPUs to split over).")
+@click.option("--port", type=int, default=None, help="Port to listen on [default: the engine's own].")
+@click.option("--block-size", type=int, default=None,
+              help="The drafter's trained block size [default: the registry's].")
+@click.option("--exec", "do_exec", is_flag=True,
+              help="Run the command in place of dflash-cli (printed on stderr first).")
+@common_options
+def serve_cmd(model, engine, tp, port, block_size, do_exec, color, debug):
+    """Print the vLLM or SGLang command that serves a known pair with its DFlash drafter.
+
+    The command names the target, the drafter, the number of speculative tokens (from the drafter's
+    block size), the tensor-parallel size and the flags the engine needs for the model family. Point
+    generate, chat and bench at the server with --engine URL.
+
+    \b
+    Examples:
+      dflash-cli serve-cmd qwen3-8b --engine vllm --tp 2
+      dflash-cli serve-cmd qwen3.6-27b --engine sglang --tp 4 --exec
+    """
+    run_plain(color, debug, lambda out: run_serve_cmd(out, model, engine.lower(), tp, port, block_size, do_exec))

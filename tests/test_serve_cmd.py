@@ -1,0 +1,142 @@
+"""`dflash-cli serve-cmd`: the vLLM / SGLang command for each registry pair, its errors, and --exec."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_cli.ui.cli import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPECTED = Path(__file__).parent / "data" / "serve-cmd.txt"
+REGISTRY = ROOT / "src" / "dflash_cli" / "models" / "registry.toml"
+
+
+@pytest.fixture(autouse=True)
+def empty_config(tmp_path, monkeypatch):
+    """No user pairs or settings from the machine running the tests."""
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    monkeypatch.setenv("DFLASH_CONFIG", str(config))
+    return config
+
+
+def run(*args):
+    return CliRunner().invoke(cli, ["serve-cmd", *args])
+
+
+def expectations() -> list[tuple[str, str]]:
+    lines = [line for line in EXPECTED.read_text().splitlines() if line and not line.startswith("#")]
+    return [tuple(line.split("\t")) for line in lines]
+
+
+def test_expectation_file_covers_every_pair_with_a_drafter_and_both_engines():
+    pairs = tomllib.loads(REGISTRY.read_text())["pairs"]
+    want = {(name, engine) for name, p in pairs.items() if p.get("drafter") for engine in ("vllm", "sglang")}
+    have = {(shlex.split(args)[0], shlex.split(args)[2]) for args, _ in expectations()}
+    assert have == want
+
+
+@pytest.mark.parametrize(("args", "line"), expectations(), ids=[a for a, _ in expectations()])
+def test_printed_command_matches_the_checked_in_expectation(args, line):
+    result = run(*shlex.split(args))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == line + "\n"
+
+
+def test_flags_of_each_engine():
+    vllm = shlex.split(run("qwen3-8b", "--engine", "vllm", "--tp", "4", "--port", "9000").stdout)
+    assert vllm[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
+    assert vllm[vllm.index("--tensor-parallel-size") + 1] == "4" and vllm[vllm.index("--port") + 1] == "9000"
+    spec = json.loads(vllm[vllm.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15}
+
+    sgl = shlex.split(run("qwen3.6-35b-a3b", "--engine", "sglang", "--tp", "8").stdout)
+    assert sgl[:3] == ["python3", "-m", "sglang.launch_server"]
+    flags = dict(zip(sgl[3::2], sgl[4::2]))
+    assert flags == {"--model-path": "Qwen/Qwen3.6-35B-A3B", "--tp-size": "8", "--speculative-algorithm": "DFLASH",
+                     "--speculative-draft-model-path": "z-lab/Qwen3.6-35B-A3B-DFlash",
+                     "--speculative-num-draft-tokens": "16", "--mamba-scheduler-strategy": "extra_buffer"}
+    # a plain (non-hybrid) target has no mamba flag
+    assert "--mamba-scheduler-strategy" not in run("qwen3-8b", "--engine", "sglang").stdout
+
+
+def one_error(result, code: int, *needles: str) -> None:
+    assert result.exit_code == code, result.output
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("Error: ") and lines[1].startswith("Hint: "), lines
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_a_pair_without_a_drafter_is_refused(empty_config):
+    empty_config.write_text('[pairs.plain]\ntarget = "org/plain"\nblock_size = 16\n')
+    one_error(run("plain", "--engine", "vllm"), 2, "plain has no DFlash drafter")
+
+
+def test_unknown_names_folders_and_built_ins_are_refused(tmp_path):
+    one_error(run("no-such-model", "--engine", "sglang"), 2, "no-such-model")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    one_error(run(str(folder), "--engine", "vllm"), 2, "local folder")
+    one_error(run("demo", "--engine", "vllm"), 2, "built in")
+    one_error(run("some-org/not-a-pair", "--engine", "vllm"), 2, "not a registry pair")
+
+
+def test_bad_tp_port_and_missing_block_size():
+    one_error(run("qwen3-8b", "--engine", "vllm", "--tp", "0"), 2, "--tp 0")
+    one_error(run("qwen3-8b", "--engine", "vllm", "--tp", "-2"), 2, "--tp -2")
+    bad_port = run("qwen3-8b", "--engine", "vllm", "--port", "70000")
+    assert bad_port.exit_code == 2 and bad_port.stderr.startswith("Error: --port 70000")
+    one_error(run("gpt-oss-20b", "--engine", "vllm"), 2, "block size")
+    assert run("qwen3-8b", "--engine", "tgi").exit_code == 2  # click's own choice check
+
+
+def fake_engine(bin_dir: Path, name: str, record: Path) -> None:
+    """An executable that writes its argv (one JSON list, argv[0] included) to `record`."""
+    script = bin_dir / name
+    script.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                      f"open({str(record)!r}, 'w').write(json.dumps(sys.argv))\n")
+    script.chmod(0o755)
+
+
+@pytest.mark.parametrize(("engine", "exe"), [("vllm", "vllm"), ("sglang", "python3")])
+def test_exec_runs_exactly_the_printed_argv(tmp_path, empty_config, engine, exe):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "argv.json"
+    fake_engine(bin_dir, exe, record)
+    env = {**os.environ, "PATH": str(bin_dir), "PYTHONPATH": str(ROOT / "src"), "DFLASH_CONFIG": str(empty_config)}
+    args = ["qwen3.5-9b", "--engine", engine, "--tp", "2", "--port", "8123"]
+    printed = subprocess.run([sys.executable, "-m", "dflash_cli", "serve-cmd", *args], env=env,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    ran = subprocess.run([sys.executable, "-m", "dflash_cli", "serve-cmd", *args, "--exec"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == ""
+    assert ran.stderr.strip() == printed  # shown on stderr before the exec
+    argv = json.loads(record.read_text())
+    assert argv[1:] == shlex.split(printed)[1:]
+    assert Path(argv[0]).name == exe
+
+
+def test_exec_without_the_engine_installed(tmp_path, empty_config):
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    env = {**os.environ, "PATH": str(empty_bin), "PYTHONPATH": str(ROOT / "src"), "DFLASH_CONFIG": str(empty_config)}
+    ran = subprocess.run([sys.executable, "-m", "dflash_cli", "serve-cmd", "qwen3-8b", "--engine", "vllm", "--exec"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 1 and ran.stdout == ""
+    lines = ran.stderr.splitlines()
+    assert lines[0] == "Error: vllm is not on PATH: install vllm to run this command"
+    assert lines[1].startswith("Hint: pip install vllm") and len(lines) == 2
