@@ -252,3 +252,25 @@ class TargetForwardLog:
         """The token counts of the forwards since the last take()."""
         sizes, self.sizes = self.sizes, []
         return sizes
+
+
+def interrupt_on_call(n: int):
+    """A forward hook that raises KeyboardInterrupt (as Ctrl-C would) on its n-th call."""
+    calls = [0]
+
+    def hook(_module, _inputs, _output):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+
+    return hook
+
+
+def repeating_dflash2_drafter(config: dict, vocab: int, *, seed: int, weight: float):
+    """A random DFlash 2 drafter whose selector codebooks say "repeat the previous token" (pred = I,
+    succ = weight * I), so its drafts are often right and often wrong."""
+    model = random_drafter(config, seed=seed)
+    with torch.no_grad():
+        model.candidate_selector.predecessor_codebook.copy_(torch.eye(vocab))
+        model.candidate_selector.successor_codebook.copy_(weight * torch.eye(vocab))
+    return model

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import dflash2_config, random_drafter, save_random_drafter, save_target, target_config
+from conftest import (
+    dflash2_config,
+    random_drafter,
+    repeating_dflash2_drafter,
+    save_random_drafter,
+    save_target,
+    target_config,
+)
 from safetensors.torch import load_file, save_file
 
 from dflash_cli.engine.dflash2 import CandidateSelector, DFlash2Drafter, DynamicConv
@@ -252,10 +259,7 @@ def pair(tmp_path_factory):
     target = save_target(root / "t", cfg, seed=1, scale=3.0)
     dcfg = dflash2_config(cfg, top_k=SMALL_VOCAB)
     dcfg["dflash_config"].update(mask_token_id=SMALL_VOCAB - 1, selector_rank=SMALL_VOCAB)
-    model = random_drafter(dcfg, seed=2)
-    with torch.no_grad():
-        model.candidate_selector.predecessor_codebook.copy_(torch.eye(SMALL_VOCAB))
-        model.candidate_selector.successor_codebook.copy_(10 * torch.eye(SMALL_VOCAB))
+    model = repeating_dflash2_drafter(dcfg, SMALL_VOCAB, seed=2, weight=10)
     return load_pair(target, save_drafter(model, root / "d"), device="cpu", dtype="float32")
 
 

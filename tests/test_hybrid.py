@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from conftest import TargetForwardLog, drafter_config, save_hybrid_target, save_random_drafter
+from conftest import TargetForwardLog, drafter_config, interrupt_on_call, save_hybrid_target, save_random_drafter
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash_cli.engine.errors import UnsupportedModelError
@@ -150,15 +150,8 @@ def test_interrupted_verify_then_continue(pair):
     prompt = [11, 12, 13, 14]
     drafter = oracle(pair, prompt, 0.7, seed=2)
     state = DecodeState(pair.target, drafter)
-    calls = {"n": 0}
-
-    def interrupt(_module, _inputs, _output):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-
     attention_layer = next(layer for layer in pair.target.layers if not hasattr(layer, "linear_attn"))
-    handle = attention_layer.post_attention_layernorm.register_forward_hook(interrupt)  # after the DeltaNets
+    handle = attention_layer.post_attention_layernorm.register_forward_hook(interrupt_on_call(4))  # after the DeltaNets
     got = []
     try:
         with pytest.raises(KeyboardInterrupt):

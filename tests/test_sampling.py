@@ -7,7 +7,14 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import dflash2_config, drafter_config, random_drafter, save_random_drafter, save_target, target_config
+from conftest import (
+    dflash2_config,
+    drafter_config,
+    repeating_dflash2_drafter,
+    save_random_drafter,
+    save_target,
+    target_config,
+)
 
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import generate
@@ -170,10 +177,7 @@ def dflash2_pair(tmp_path_factory):
     target = save_target(root / "target", cfg, seed=5, scale=4.0)
     dcfg = dflash2_config(cfg, layers=1, taps=(0, 1), top_k=vocab)
     dcfg["dflash_config"].update(mask_token_id=vocab - 1, selector_rank=vocab)
-    model = random_drafter(dcfg, seed=6)
-    with torch.no_grad():
-        model.candidate_selector.predecessor_codebook.copy_(torch.eye(vocab))
-        model.candidate_selector.successor_codebook.copy_(3 * torch.eye(vocab))
+    model = repeating_dflash2_drafter(dcfg, vocab, seed=6, weight=3)
     return load_pair(target, save_drafter(model, root / "drafter"), device="cpu", dtype="float32")
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import DEVICE, MASK_ID, TargetForwardLog
+from conftest import DEVICE, MASK_ID, TargetForwardLog, interrupt_on_call
 
 from dflash_cli.engine.generate import generate, stream_generate
 from dflash_cli.engine.load import load_pair
@@ -149,15 +149,8 @@ def test_interrupt_mid_forward_leaves_caches_consistent(pair):
     prompt = [9, 8, 7, 6, 5]
     oracle = oracle_for(pair, prompt, 40, acceptance=0.8, seed=1)
     state = DecodeState(pair.target, oracle)
-    calls = {"n": 0}
-
-    def interrupt(_module, _inputs, _output):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-
     # mid-forward, on either path
-    handle = pair.target.layers[2].post_attention_layernorm.register_forward_hook(interrupt)
+    handle = pair.target.layers[2].post_attention_layernorm.register_forward_hook(interrupt_on_call(5))
     got = []
     try:
         with pytest.raises(KeyboardInterrupt):

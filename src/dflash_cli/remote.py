@@ -26,6 +26,7 @@ from typing import Any
 
 from dflash_cli.engine.errors import DFlashError, InvalidSettingError
 from dflash_cli.engine.response import GenerationStats, Step
+from dflash_cli.session import ChatHistory
 
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 600.0  # a long prompt's prefill on a busy server; Ctrl-C ends a wait sooner
@@ -397,58 +398,21 @@ class RemoteRuntime:
 
 
 @dataclass
-class RemoteConversation:
-    """Conversation's interface (ask, regenerate, clear, save, load) for a remote engine."""
+class RemoteConversation(ChatHistory):
+    """A chat answered by a remote engine; the server's template decides reply_in_thinking (None: its text
+    is printed as it comes)."""
 
     runtime: RemoteRuntime
-    system: str | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
-    interrupted: bool = False
-    cached_before: int = 0
-    reply_in_thinking: bool | None = None  # the server's template decides; its text is printed as it comes
 
-    def ask(self, text: str, settings: Any) -> Iterator[Step]:
-        self.messages.append({"role": "user", "content": text})
-        return self._stream(settings)
-
-    def regenerate(self, settings: Any) -> Iterator[Step]:
-        if self.messages and self.messages[-1]["role"] == "assistant":
-            self.messages.pop()
-        if not self.messages:
-            raise DFlashError("nothing to regenerate yet")
-        if settings.seed is not None and settings.temperature > 0:
-            settings.seed += 1
-        return self._stream(settings)
-
-    def _stream(self, settings: Any) -> Iterator[Step]:
+    def _respond(self, settings: Any) -> Iterator[Step]:
         sent = ([{"role": "system", "content": self.system}] if self.system else []) + list(self.messages)
-        parts: list[str] = []
-        self.interrupted = True
-        try:
-            for step in self.runtime.stream_chat(sent, settings):
-                parts.append(step.text)
-                yield step
-            self.interrupted = False
-        finally:  # a reply cut short (Ctrl-C, a broken stream) stays in the conversation
-            self.messages.append({"role": "assistant", "content": "".join(parts)})
-
-    def clear(self) -> None:
-        self.messages.clear()
+        return self._kept(self.runtime.stream_chat(sent, settings))
 
     def save(self, path: Any, settings: Any) -> None:
         from pathlib import Path
 
-        path = Path(path)
-        data = {"format": "dflash-cli chat", "version": 1, "model": self.runtime.model, "engine": self.runtime.url,
-                "drafter": None, "system": self.system, "settings": vars(settings), "messages": self.messages}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-        tmp.replace(path)
-
-    def load(self, path: Any) -> dict[str, Any]:
-        from dflash_cli.session import Conversation
-
-        return Conversation.load(self, path)  # type: ignore[arg-type]  # reads messages and system only
+        self._write(Path(path), {"model": self.runtime.model, "engine": self.runtime.url, "drafter": None},
+                    vars(settings))
 
 
 # -- bench --engine ---------------------------------------------------------------------------------------

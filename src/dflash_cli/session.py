@@ -171,10 +171,11 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
 
 
 @dataclass
-class Conversation:
-    """Messages of a chat plus the engine state that caches them."""
+class ChatHistory:
+    """The messages of a chat, whatever answers them (the local engine, or a remote one in remote.py):
+    asking, regenerating, keeping a reply cut short, and the transcript file."""
 
-    runtime: Runtime
+    runtime: Any
     system: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
     interrupted: bool = False  # the last reply was cut short (and kept)
@@ -182,28 +183,12 @@ class Conversation:
     # None: the model has no <think> sections; else whether the prompt of the last reply opened one
     reply_in_thinking: bool | None = None
 
-    def __post_init__(self) -> None:
-        from dflash_cli.engine.state import DecodeState
-
-        self.state = DecodeState(self.runtime.target, self.runtime.drafter)
-        self.controller = None  # the adaptive block-size choice, kept across turns
-        if self.runtime.drafter is not None:
-            from dflash_cli.engine.adaptive import BlockSizeController
-
-            self.controller = BlockSizeController(self.runtime.drafter.block_size)
-
-    def prompt_ids(self, settings: GenerationSettings) -> list[int]:
-        from dflash_cli.engine.text import encode_prompt
-
-        return encode_prompt(self.runtime.tokenizer, self.messages, chat_template=settings.chat_template,
-                             enable_thinking=settings.think, system=self.system)
-
-    def ask(self, text: str, settings: GenerationSettings) -> Iterator[Any]:
+    def ask(self, text: str, settings: Any) -> Iterator[Any]:
         """Adds a user message and streams the reply (engine Steps); the reply joins the conversation."""
         self.messages.append({"role": "user", "content": text})
         return self._respond(settings)
 
-    def regenerate(self, settings: GenerationSettings) -> Iterator[Any]:
+    def regenerate(self, settings: Any) -> Iterator[Any]:
         """Drops the last reply and answers the last user message again; with a fixed seed it moves to the
         next seed (settings.seed += 1), since the same seed would give the same reply."""
         if self.messages and self.messages[-1]["role"] == "assistant":
@@ -214,42 +199,28 @@ class Conversation:
             settings.seed += 1
         return self._respond(settings)
 
-    def _respond(self, settings: GenerationSettings) -> Iterator[Any]:
-        """Builds the prompt now (so reply_in_thinking is known before the first Step), then streams."""
-        from dflash_cli.engine.text import opens_thinking, uses_think_tags
+    def _respond(self, settings: Any) -> Iterator[Any]:
+        raise NotImplementedError
 
-        prompt = self.prompt_ids(settings)
-        tokenizer = self.runtime.tokenizer
-        self.reply_in_thinking = opens_thinking(tokenizer, prompt) if uses_think_tags(tokenizer) else None
-        return self._stream(prompt, settings)
-
-    def _stream(self, prompt: list[int], settings: GenerationSettings) -> Iterator[Any]:
-        from dflash_cli.engine.generate import stream_generate
-
-        self.cached_before = len(self.state.tokens)
-        drafter = self.runtime.drafter
+    def _kept(self, steps: Iterator[Any]) -> Iterator[Any]:
+        """Yields the reply's Steps; the reply joins the messages even when cut short (Ctrl-C, a broken
+        stream)."""
         parts: list[str] = []
         self.interrupted = True
         try:
-            adaptive = settings.block_size is None
-            for step in stream_generate(self.runtime.target, drafter, prompt, tokenizer=self.runtime.tokenizer,
-                                        state=self.state, adaptive=adaptive,
-                                        controller=self.controller if adaptive else None,
-                                        **settings.engine_kwargs()):
+            for step in steps:
                 parts.append(step.text)
                 yield step
             self.interrupted = False
-        finally:  # a reply cut short by Ctrl-C stays in the conversation
+        finally:
             self.messages.append({"role": "assistant", "content": "".join(parts)})
 
     def clear(self) -> None:
         self.messages.clear()
-        self.state.reset()
 
-    def save(self, path: Path, settings: GenerationSettings) -> None:
-        data = {"format": "dflash-cli chat", "version": 1, "model": str(self.runtime.target_dir),
-                "drafter": str(self.runtime.drafter_dir) if self.runtime.drafter_dir else None,
-                "system": self.system, "settings": asdict(settings), "messages": self.messages}
+    def _write(self, path: Path, source: dict[str, Any], settings: dict[str, Any]) -> None:
+        data = {"format": "dflash-cli chat", "version": 1, **source, "system": self.system, "settings": settings,
+                "messages": self.messages}
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         tmp.replace(path)  # never leave a half-written transcript
@@ -269,3 +240,53 @@ class Conversation:
         self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         self.system = data.get("system")
         return data.get("settings") or {}
+
+
+@dataclass
+class Conversation(ChatHistory):
+    """A chat answered by the local engine, plus the engine state that caches it."""
+
+    runtime: Runtime
+
+    def __post_init__(self) -> None:
+        from dflash_cli.engine.state import DecodeState
+
+        self.state = DecodeState(self.runtime.target, self.runtime.drafter)
+        self.controller = None  # the adaptive block-size choice, kept across turns
+        if self.runtime.drafter is not None:
+            from dflash_cli.engine.adaptive import BlockSizeController
+
+            self.controller = BlockSizeController(self.runtime.drafter.block_size)
+
+    def prompt_ids(self, settings: GenerationSettings) -> list[int]:
+        from dflash_cli.engine.text import encode_prompt
+
+        return encode_prompt(self.runtime.tokenizer, self.messages, chat_template=settings.chat_template,
+                             enable_thinking=settings.think, system=self.system)
+
+    def _respond(self, settings: GenerationSettings) -> Iterator[Any]:
+        """Builds the prompt now (so reply_in_thinking is known before the first Step), then streams."""
+        from dflash_cli.engine.text import opens_thinking, uses_think_tags
+
+        prompt = self.prompt_ids(settings)
+        tokenizer = self.runtime.tokenizer
+        self.reply_in_thinking = opens_thinking(tokenizer, prompt) if uses_think_tags(tokenizer) else None
+        return self._kept(self._generate(prompt, settings))
+
+    def _generate(self, prompt: list[int], settings: GenerationSettings) -> Iterator[Any]:
+        from dflash_cli.engine.generate import stream_generate
+
+        self.cached_before = len(self.state.tokens)
+        adaptive = settings.block_size is None
+        yield from stream_generate(self.runtime.target, self.runtime.drafter, prompt,
+                                   tokenizer=self.runtime.tokenizer, state=self.state, adaptive=adaptive,
+                                   controller=self.controller if adaptive else None, **settings.engine_kwargs())
+
+    def clear(self) -> None:
+        super().clear()
+        self.state.reset()
+
+    def save(self, path: Path, settings: GenerationSettings) -> None:
+        self._write(path, {"model": str(self.runtime.target_dir),
+                           "drafter": str(self.runtime.drafter_dir) if self.runtime.drafter_dir else None},
+                    asdict(settings))

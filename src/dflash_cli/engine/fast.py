@@ -38,9 +38,10 @@ from dflash_cli.engine.linear_attention import (
     state_after,
 )
 from dflash_cli.engine.packed import PackedLinear, Parallel, room_to_pack
+from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+HYBRID_FAMILIES = HYBRID_MODEL_TYPES
 
 
 class StaticCache:

@@ -16,6 +16,7 @@ from torch import nn
 
 from dflash_cli.engine.errors import UnsupportedModelError
 from dflash_cli.engine.hf_module import HFModule
+from dflash_cli.engine.linear_attention import is_linear_attention
 
 if TYPE_CHECKING:
     from dflash_cli.engine.fast import FastPath
@@ -84,7 +85,7 @@ class Target:
         self._capturing = False
         self.fast: FastPath | None = None  # engine.fast.FastPath once enable_fast_path() succeeded
         # linear-attention (Qwen3.5) layers: transformers' cache cannot roll their state back, ours can
-        self.hybrid = any(hasattr(layer, "linear_attn") for layer in self.layers)
+        self.hybrid = any(is_linear_attention(layer) for layer in self.layers)
 
     def enable_fast_path(self, context: int, *, compile_step=None, pad_to: int = 1,
                          on_fallback=None) -> str | None:
