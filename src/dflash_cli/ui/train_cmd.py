@@ -26,7 +26,8 @@ def _parse_taps(_ctx, _param, value):
                    "Re-running with the same folder resumes.")
 @click.option("--prompts", default=None, metavar="FILE|SET",
               help="Prompts: a file (one per line, or JSONL with a \"prompt\" field) or a built-in set: "
-                   "demo (6000 math, code and chat prompts), demo:N (N of them) [default: 48 built-in prompts].")
+                   "demo (6000 math, code and chat prompts), demo:N (N of them), mix / mix:N (12000 or N, a steady "
+                   "40/30/30% math/code/chat) [default: 48 built-in prompts].")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True, help="Drafter layers.")
 @click.option("--block-size", type=click.IntRange(min=2), default=16, show_default=True,
               help="Block length B, anchor included.")
