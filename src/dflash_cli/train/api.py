@@ -98,6 +98,25 @@ def init_drafter(raw: dict, device: torch.device, seed: int, final_norm: torch.T
     return drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; compute may autocast
 
 
+def read_init(init: str | Path, layers: int | None, block_size: int | None,
+              taps: Sequence[int] | None) -> DFlashDrafter:
+    """The drafter to fine-tune, on the CPU in fp32, checked against the shape options given with it."""
+    from dflash_cli.engine.load import load_drafter
+
+    drafter = load_drafter(init, device="cpu", dtype=torch.float32)
+    drafter.draft_vocab = None  # the new training vocabulary decides it
+    cfg = drafter.config
+    if cfg.is_dflash2:
+        raise InvalidSettingError(f"{init} is a DFlash 2 drafter", hint="train starts from DFlash v1 drafters only")
+    given = {"--layers": (layers, cfg.num_hidden_layers), "--block-size": (block_size, cfg.block_size),
+             "--taps": (list(taps) if taps is not None else None, list(cfg.target_layer_ids or []))}
+    for option, (value, theirs) in given.items():
+        if value is not None and value != theirs:
+            raise InvalidSettingError(f"{option} {value} differs from the --init drafter's {theirs}",
+                                      hint=f"drop {option}: a fine-tuned drafter keeps its shape")
+    return drafter
+
+
 def _seconds_trained(checkpoint: Path) -> float:
     meta = checkpoint.with_name(checkpoint.name + ".json")
     return json.loads(meta.read_text())["state"]["seconds"] if meta.exists() else 0.0
@@ -110,7 +129,8 @@ def split_heldout(n: int) -> tuple[list[int], list[int]]:
 
 
 def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Sequence[str] | str | Path | None = None,
-                  layers: int = 2, block_size: int = 16, taps: Sequence[int] | None = None, lr: float = 6e-4,
+                  layers: int | None = None, block_size: int | None = None, taps: Sequence[int] | None = None,
+                  init: str | Path | None = None, lr: float = 6e-4,
                   steps: int | None = None, time_budget: float | None = None, batch: int = 4, anchors: int = 16,
                   gamma: float = 7.0, sub_vocab: bool = True, draft_vocab: bool = False, distill: float = 0.0,
                   distill_topk: int = 0, max_new_tokens: int = 200, gen_batch: int = 16,
@@ -123,6 +143,9 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     Args:
         prompts: prompt strings, or a `train --prompts` spec: a file (one per line or JSONL with "prompt"),
             a built-in set name (`demo`, `demo:N`), or None for the small built-in set.
+        layers / block_size: the new drafter's shape (default 2 and 16, or those of `init`).
+        init: a drafter folder to start from instead of random weights (fine-tuning it on new data); its
+            layers, block size, taps and mask token are kept. Ignored when out_dir holds a checkpoint.
         steps / time_budget: total optimizer steps, or seconds of training (all runs of this out_dir).
         gen_time_budget: seconds of data generation in this run; prompts left unanswered wait for a
             later run, and training uses the answers stored so far.
@@ -151,11 +174,18 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
         raise InvalidSettingError("--draft-vocab needs the training vocabulary", hint="drop --no-sub-vocab")
     if steps is None and time_budget is None:
         steps = 1000
+    start_from = read_init(init, layers, block_size, taps) if init is not None else None
+    if start_from is not None:
+        layers, block_size = start_from.config.num_hidden_layers, start_from.block_size
+        taps = list(start_from.config.target_layer_ids or [])
+    asked = (layers, block_size)
+    layers = 2 if layers is None else layers
+    block_size = 16 if block_size is None else block_size
     started = time.perf_counter()
     out_dir = Path(out_dir)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    call = dict(target=str(target_dir), layers=layers, block_size=block_size, lr=lr, steps=steps,
+    call = dict(target=str(target_dir), lr=lr, steps=steps,
                 time_budget=time_budget, batch=batch, anchors=anchors, gamma=gamma, sub_vocab=sub_vocab,
                 draft_vocab=draft_vocab, distill=distill, distill_topk=distill_topk,
                 max_new_tokens=max_new_tokens, seed=seed, dtype=str(dt).removeprefix("torch."))
@@ -177,6 +207,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     previous = checkpoint_config(ckpt)
     if previous is not None:
         taps = list(previous["dflash_config"]["target_layer_ids"])
+        layers = previous["num_hidden_layers"] if asked[0] is None else layers
+        block_size = previous["block_size"] if asked[1] is None else block_size
         if previous["num_hidden_layers"] != layers or previous["block_size"] != block_size:
             raise InvalidSettingError(f"{out_dir} holds a checkpoint with {previous['num_hidden_layers']} layers "
                                       f"and block size {previous['block_size']}",
@@ -202,15 +234,22 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
 
     if previous is not None:
         raw = dict(previous)
+    elif start_from is not None:
+        raw = {k: v for k, v in start_from.config.raw.items() if k != "training"}
+        call["init"] = str(init)
+        call["init_training"] = start_from.config.raw.get("training")
     else:
         seen = set(torch.cat([e.ids for e in train_set + held_set]).tolist())
         mask_id, why = pick_mask_token(tokenizer, target.embed_weight, seen)
         raw = drafter_config(target.config, layers=layers, block_size=block_size, taps=taps, mask_id=mask_id,
                              vocab_rows=target.vocab_rows)
         call["mask_token"] = why
+    call.update(layers=layers, block_size=block_size)
     raw["training"] = {**raw.get("training", {}), **call}
     final_norm = getattr(target.model.get_decoder(), "norm", None)
     drafter = init_drafter(raw, dev, seed, final_norm.weight.detach() if final_norm is not None else None)
+    if start_from is not None and previous is None:
+        drafter.load_state_dict({k: v.float() for k, v in start_from.state_dict().items()}, strict=True)
     sub_ids = sub_vocabulary(train_set) if sub_vocab else None
     head = make_head(target.lm_head, sub_ids)
     vocab_ids = sub_ids.to(dev) if draft_vocab and sub_ids is not None else None

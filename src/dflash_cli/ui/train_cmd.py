@@ -28,11 +28,14 @@ def _parse_taps(_ctx, _param, value):
               help="Prompts: a file (one per line, or JSONL with a \"prompt\" field) or a built-in set: "
                    "demo (6000 math, code and chat prompts), demo:N (N of them), mix / mix:N (12000 or N, a steady "
                    "40/30/30% math/code/chat) [default: 48 built-in prompts].")
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True, help="Drafter layers.")
-@click.option("--block-size", type=click.IntRange(min=2), default=16, show_default=True,
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="Drafter layers [default: 2].")
+@click.option("--block-size", type=click.IntRange(min=2), default=None,
               help="Block length B, anchor included.")
 @click.option("--taps", callback=_parse_taps, default=None, metavar="IDS",
               help="Target layers to tap, e.g. 1,7,14,20,27 [default: evenly spread, reference rule].")
+@click.option("--init", "init", type=click.Path(exists=True, file_okay=False), default=None, metavar="DIR",
+              help="Fine-tune this drafter folder instead of starting from random weights (keeps its layers, "
+                   "block size, taps and mask token).")
 @click.option("--lr", type=float, default=6e-4, show_default=True, help="Peak learning rate (AdamW, cosine decay).")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Total optimizer steps [default: 1000].")
 @click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MIN",
@@ -63,7 +66,7 @@ def _parse_taps(_ctx, _param, value):
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="Compute dtype.")
 @debug_option
-def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_budget, batch, anchors,
+def train(target, out_dir, prompts, layers, block_size, taps, init, lr, steps, time_budget, batch, anchors,
           max_new_tokens, gen_batch, gen_budget, sub_vocab, distill, distill_topk, draft_vocab, drafter_format,
           device, dtype, debug):
     """Distil a DFlash drafter for a local target from the target's own answers to prompts.
@@ -86,7 +89,7 @@ def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_bu
             resolve_prompts(prompts)
         except DFlashError as e:
             raise click.BadParameter(f"{e}; {e.hint}" if e.hint else str(e), param_hint="--prompts") from None
-    kwargs = dict(prompts=prompts, layers=layers, block_size=block_size, taps=taps, lr=lr, steps=steps,
+    kwargs = dict(prompts=prompts, layers=layers, block_size=block_size, taps=taps, init=init, lr=lr, steps=steps,
                   time_budget=time_budget * 60 if time_budget else None, batch=batch, anchors=anchors,
                   max_new_tokens=max_new_tokens, gen_batch=gen_batch,
                   gen_time_budget=gen_budget * 60 if gen_budget else None, sub_vocab=sub_vocab,
