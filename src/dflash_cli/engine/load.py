@@ -125,6 +125,8 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     if quant:
         kwargs["quantization_config"] = bnb_config(quant, dtype)
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    # accelerate warns that offloaded weights wait on `meta`: the load line says so (Target.placement)
+    logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # the UI shows its own progress
     try:

@@ -136,3 +136,26 @@ def offloaded(model: nn.Module) -> bool:
     """Whether some weights live off the model's execution device (accelerate keeps them on `meta` and
     copies them in for every forward: cpu or disk offload)."""
     return any(p.device.type == "meta" for p in model.parameters())
+
+
+def resolve_split(device: str | None, device_map: str | None,
+                  max_memory: str | dict[str, int] | None) -> tuple[str, list[tuple[str, int | None]]] | None:
+    """Checks --device-map, --max-memory and --device together, before any weights load: None for one
+    device (as without the options), else (strategy, the devices with their bytes, hot device first)."""
+    strategy = check_strategy(device_map)
+    memory = parse_max_memory(max_memory) if isinstance(max_memory, str) or max_memory is None else max_memory
+    if strategy is None:
+        if memory:
+            raise InvalidSettingError("--max-memory applies to a split: it needs --device-map",
+                                      hint="add --device-map auto (or balanced, sequential)")
+        return None
+    budgets = device_budgets(memory)
+    hot = hot_device(budgets)
+    if device not in (None, "", "auto"):
+        from dflash_cli.engine.device import pick_device
+
+        asked = pick_device(device)
+        if str(asked) != hot and not (asked.type == "cuda" and asked.index is None and hot == "cuda:0"):
+            raise InvalidSettingError(f"--device {device} and --device-map {strategy}: the split starts on {hot}",
+                                      hint="leave --device at auto with --device-map; --max-memory picks the devices")
+    return strategy, budgets
