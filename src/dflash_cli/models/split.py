@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_cli.engine.config import drafter_block_size, text_config
+from dflash_cli.units import fmt_bytes
 from dflash_cli.models.sizes import (
     AUTO_ORDER,
     CUDA_CONTEXT_BYTES,
@@ -33,7 +34,6 @@ from dflash_cli.models.sizes import (
     activation_bytes,
     drafter_kv_cache_bytes,
     drafter_weight_bytes,
-    gib,
     kv_cache_bytes,
     normalize_quant,
     target_weight_bytes,
@@ -104,7 +104,8 @@ class SplitPlan:
 
 
 def _costs(target_config, drafter_config, quant, drafter_quant, context_tokens, block_size, kv_dtype_bytes):
-    """(per-layer weight bytes, per-layer KV bytes, hot-device fixed bytes, number of layers)."""
+    """(per-layer weight bytes, per-layer KV bytes, the hot device's own (weights, KV, working) bytes,
+    number of layers)."""
     t = target_weight_bytes(target_config, quant)
     n = int(text_config(target_config)["num_hidden_layers"])
     hidden = int(text_config(target_config)["hidden_size"])
@@ -113,15 +114,14 @@ def _costs(target_config, drafter_config, quant, drafter_quant, context_tokens, 
     layer_w = (t.layers_linear + t.experts + t.norms_other - final_norm) / n
     rows = context_tokens + block_size  # a verified block sits in the cache until it is cropped
     layer_kv = kv_cache_bytes(target_config, rows, kv_dtype_bytes) / n
-    hot = t.embeddings + t.lm_head + final_norm
+    weights, kv = t.embeddings + t.lm_head + final_norm, 0
     if drafter_config is not None:
-        d = drafter_weight_bytes(drafter_config, drafter_quant)
-        hot += d.total + drafter_kv_cache_bytes(drafter_config, rows, kv_dtype_bytes)
-        hot += int(WEIGHT_MARGIN * d.total)
+        weights += drafter_weight_bytes(drafter_config, drafter_quant).total
+        kv = drafter_kv_cache_bytes(drafter_config, rows, kv_dtype_bytes)
     parts = activation_bytes(target_config, drafter_config, context_tokens=context_tokens, block_size=block_size,
-                             weight_bytes=t.embeddings + t.lm_head)
-    hot += parts["logits"] + parts["prefill"] + parts["margin"]  # the CUDA context is per GPU, added below
-    return layer_w, layer_kv, hot, n
+                             weight_bytes=weights)
+    working = parts["logits"] + parts["prefill"] + parts["margin"]  # the CUDA context is per GPU, added below
+    return layer_w, layer_kv, (weights, kv, working), n
 
 
 def plan_split(target_config: dict[str, Any], drafter_config: dict[str, Any] | None = None, *,
@@ -139,12 +139,12 @@ def plan_split(target_config: dict[str, Any], drafter_config: dict[str, Any] | N
     quant = normalize_quant(quant)
     if block_size is None:
         block_size = drafter_block_size(drafter_config) if drafter_config is not None else 1
-    layer_w, layer_kv, hot_fixed, n = _costs(target_config, drafter_config, quant, drafter_quant, context_tokens,
+    layer_w, layer_kv, hot_own, n = _costs(target_config, drafter_config, quant, drafter_quant, context_tokens,
                                              block_size, kv_dtype_bytes)
     hot = devices[0][0]
     gpu_hot = is_gpu(hot)
     compute = [i for i, (name, _) in enumerate(devices) if name == hot or (is_gpu(name) if gpu_hot else name == "cpu")]
-    fixed = [(hot_fixed if i == 0 else 0) + (CUDA_CONTEXT_BYTES if is_gpu(name) else 0)
+    fixed = [(sum(hot_own) if i == 0 else 0) + (CUDA_CONTEXT_BYTES if is_gpu(name) else 0)
              for i, (name, _) in enumerate(devices)]
     per_layer = layer_w * (1 + WEIGHT_MARGIN) + layer_kv  # on a compute device
 
@@ -193,9 +193,10 @@ def plan_split(target_config: dict[str, Any], drafter_config: dict[str, Any] | N
     spilled = sum(counts[i] for i in offload)
     for i, (name, avail) in enumerate(devices):
         off = i in offload
-        weights = (0 if name == "disk" else counts[i] * layer_w) + (hot_fixed if i == 0 else 0)
-        kv = (0 if off else counts[i] * layer_kv) + (spilled * layer_kv if i == 0 else 0)
-        working = 0 if off else counts[i] * layer_w * WEIGHT_MARGIN
+        own = hot_own if i == 0 else (0, 0, 0)
+        weights = (0 if name == "disk" else counts[i] * layer_w) + own[0]
+        kv = (0 if off else counts[i] * layer_kv) + own[1] + (spilled * layer_kv if i == 0 else 0)
+        working = (0 if off else counts[i] * layer_w * WEIGHT_MARGIN) + own[2]
         working += (CUDA_CONTEXT_BYTES if is_gpu(name) else 0) + (int(layer_w) if i == 0 and spilled else 0)
         shares.append(DeviceShare(name, avail, first, counts[i], int(weights), int(kv), int(working), off))
         first += counts[i]
@@ -225,12 +226,12 @@ def format_split(plan: SplitPlan) -> list[str]:
     rows = []
     for s in plan.shares:
         layers = f"layers {s.first_layer}-{s.first_layer + s.layers - 1}" if s.layers else "no layers"
-        avail = "unbounded" if s.available is None else gib(s.available)
+        avail = "unbounded" if s.available is None else fmt_bytes(s.available)
         role = " (hot: embeddings, LM head, drafter)" if s is plan.shares[0] else ""
         role += " (offload: slow)" if s.offload and s.layers else ""
         verdict = "" if s.fits else "  over"
-        rows.append(f"{s.device:<8}{layers:<15}weights {gib(s.weights):>9}  KV {gib(s.kv):>9}  "
-                    f"working {gib(s.working):>8}  total {gib(s.total):>9} / {avail}{verdict}{role}")
+        rows.append(f"{s.device:<8}{layers:<15}weights {fmt_bytes(s.weights):>9}  KV {fmt_bytes(s.kv):>9}  "
+                    f"working {fmt_bytes(s.working):>9}  total {fmt_bytes(s.total):>9} / {avail}{verdict}{role}")
     if plan.placed < plan.num_layers:
         rows.append(f"{plan.num_layers - plan.placed} of {plan.num_layers} layers fit nowhere")
     rows.append(f"{plan.strategy} split in {plan.quant}: " + ("fits" if plan.fits else "does not fit"))
