@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_cli.engine.config import drafter_block_size, text_config
-from dflash_cli.units import fmt_bytes
 from dflash_cli.models.sizes import (
     AUTO_ORDER,
     CUDA_CONTEXT_BYTES,
@@ -38,6 +37,7 @@ from dflash_cli.models.sizes import (
     normalize_quant,
     target_weight_bytes,
 )
+from dflash_cli.units import fmt_bytes
 
 STRATEGIES = ("auto", "balanced", "sequential")
 
