@@ -284,7 +284,7 @@ class StaticForward(nn.Module):
         mask = (key_positions[None, :] <= positions[:, None])[None, None]  # (1, 1, n, L)
         hot = here = h.device
         # the per-call inputs of the layers, copied once per forward to each device that needs them
-        inputs = {hot: (positions, key_positions, mask, cos, sin)}
+        inputs: dict[torch.device, tuple[torch.Tensor, ...]] = {hot: (positions, key_positions, mask, cos, sin)}
         wanted = set(self.taps)
         tapped: dict[int, torch.Tensor] = {}
         records: list[tuple[torch.Tensor, ...]] = []
