@@ -243,3 +243,30 @@ def test_generate_on_a_cpu_and_disk_split_through_the_cli(tmp_path):
     assert result.exit_code == 0, result.output
     assert "layers on cpu 3 layers, disk 3 layers (offloaded layers: slow)" in result.stderr
     assert "identical output (24/24 tokens)" in result.stderr
+
+
+def test_a_split_that_does_not_fit_is_refused_before_loading(tmp_path):
+    target, drafter = save_tiny_pair(tmp_path)
+    result = CliRunner().invoke(main, ["generate", "-m", str(target), "--no-draft", "--dtype", "float32",
+                                       "--device-map", "auto", "--max-memory", "cpu=100KiB", "--max-context", "64",
+                                       "hi"])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: ") and "does not fit split over cpu in fp32 at 64 tokens: cpu would hold" \
+        in lines[0] and lines[0].endswith("of 100.0 KiB")
+    assert lines[1].startswith("Hint: ") and len(lines) == 2
+
+
+def test_hybrid_targets_cannot_offload(tmp_path):
+    from conftest import hybrid_config
+
+    from dflash_cli.session import plan_layers
+
+    cfg = hybrid_config()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sizes = (2**k for k in range(10, 40))
+    cpu = next(s for s in sizes if (p := plan_split(cfg, devices=[("cpu", s), ("disk", None)], context_tokens=64))
+               .fits and 0 < p.offloaded_layers < p.num_layers)
+    with pytest.raises(InvalidSettingError, match="hybrid"):
+        plan_layers(tmp_path, None, ("auto", [("cpu", cpu), ("disk", None)]), "bf16", 64)
+    assert plan_layers(tmp_path, None, ("auto", [("cpu", 2**34)]), "bf16", 64) == ["cpu"] * 4

@@ -149,7 +149,7 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
 
     from dflash_cli.engine.errors import InvalidSettingError
     from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
-    from dflash_cli.models.split import format_split, plan_split
+    from dflash_cli.models.split import plan_split
 
     def config(folder: Path) -> dict:
         return json.loads((folder / "config.json").read_text())
@@ -158,7 +158,7 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
     plan = plan_split(target_cfg, config(drafter_dir) if drafter_dir else None, devices=split[1],
                       strategy=split[0], quant=quant, context_tokens=max_context or S.DEFAULT_MAX_CONTEXT)
     if not plan.fits:
-        raise InvalidSettingError(f"{target_dir.name} does not fit the split: {format_split(plan)[-2]}",
+        raise InvalidSettingError(f"{target_dir.name} does not fit the split: {plan.problem}",
                                   hint="raise --max-memory, add disk to it, lower --max-context, or use --quant nf4")
     if plan.offloaded_layers and target_cfg.get("model_type") in HYBRID_MODEL_TYPES:
         raise InvalidSettingError(f"{target_dir.name} would offload {plan.offloaded_layers} layers to cpu/disk, "

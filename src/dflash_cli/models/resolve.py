@@ -162,7 +162,6 @@ def preflight_split(target_cfg: dict, drafter_cfg: dict | None, quant: str, budg
     """preflight_memory for a target split over devices: per-device plans; `--quant auto` splits before
     it quantizes harder, and offloads only when nothing fits on the GPUs."""
     from dflash_cli.models.split import choose_split_quant, plan_split
-    from dflash_cli.units import fmt_bytes
 
     assert budget.strategy is not None
     devices = list(budget.devices)
@@ -177,13 +176,8 @@ def preflight_split(target_cfg: dict, drafter_cfg: dict | None, quant: str, budg
                       context_tokens=budget.context_tokens)
     if plan.fits:
         return quant
-    over = next((s for s in plan.shares if not s.fits and s.available is not None), None)
-    if over is not None and over.available is not None:
-        where = f"{over.device} would hold {fmt_bytes(over.total)} of {fmt_bytes(over.available)}"
-    else:
-        where = f"only {plan.placed} of {plan.num_layers} layers fit"
     raise MemoryPlanError(f"{name} does not fit split over {', '.join(d for d, _ in devices)} in {planned} at "
-                          f"{budget.context_tokens:,} tokens: {where}",
+                          f"{budget.context_tokens:,} tokens: {plan.problem}",
                           hint="raise --max-memory, add disk to it, lower --max-context, or use --quant nf4")
 
 

@@ -43,7 +43,12 @@ STRATEGIES = ("auto", "balanced", "sequential")
 
 
 def is_gpu(device: str) -> bool:
-    return device not in ("cpu", "disk", "mps")
+    """An accelerator (cuda:N, mps): where layers compute and offloaded layers are copied to."""
+    return device not in ("cpu", "disk")
+
+
+def _context(device: str) -> int:
+    return CUDA_CONTEXT_BYTES if device.startswith("cuda") else 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,16 @@ class SplitPlan:
         return out
 
     @property
+    def problem(self) -> str | None:
+        """Why the plan does not fit, in words (None when it fits)."""
+        over = next((s for s in self.shares if not s.fits), None)
+        if over is not None and over.available is not None:
+            return f"{over.device} would hold {fmt_bytes(over.total)} of {fmt_bytes(over.available)}"
+        if self.placed < self.num_layers:
+            return f"only {self.placed} of {self.num_layers} layers fit"
+        return None
+
+    @property
     def summary(self) -> str:
         """'cuda:0 18 layers, cuda:1 18 layers' (+ ', offloaded: slow' when some layers are)."""
         parts = [f"{s.device} {s.layers} layer{'s' if s.layers != 1 else ''}" for s in self.shares if s.layers]
@@ -144,7 +159,7 @@ def plan_split(target_config: dict[str, Any], drafter_config: dict[str, Any] | N
     hot = devices[0][0]
     gpu_hot = is_gpu(hot)
     compute = [i for i, (name, _) in enumerate(devices) if name == hot or (is_gpu(name) if gpu_hot else name == "cpu")]
-    fixed = [(sum(hot_own) if i == 0 else 0) + (CUDA_CONTEXT_BYTES if is_gpu(name) else 0)
+    fixed = [(sum(hot_own) if i == 0 else 0) + _context(name)
              for i, (name, _) in enumerate(devices)]
     per_layer = layer_w * (1 + WEIGHT_MARGIN) + layer_kv  # on a compute device
 
@@ -197,7 +212,7 @@ def plan_split(target_config: dict[str, Any], drafter_config: dict[str, Any] | N
         weights = (0 if name == "disk" else counts[i] * layer_w) + own[0]
         kv = (0 if off else counts[i] * layer_kv) + own[1] + (spilled * layer_kv if i == 0 else 0)
         working = (0 if off else counts[i] * layer_w * WEIGHT_MARGIN) + own[2]
-        working += (CUDA_CONTEXT_BYTES if is_gpu(name) else 0) + (int(layer_w) if i == 0 and spilled else 0)
+        working += _context(name) + (int(layer_w) if i == 0 and spilled else 0)
         shares.append(DeviceShare(name, avail, first, counts[i], int(weights), int(kv), int(working), off))
         first += counts[i]
     return SplitPlan("balanced" if strategy == "auto" else strategy, quant, context_tokens, n, tuple(shares))
