@@ -204,9 +204,49 @@ def test_demo_prompt_set_is_varied_reproducible_and_apart_from_the_bench_sets():
     assert len(first_words) > 300
 
 
+@pytest.fixture(scope="module")
+def mix_30000():
+    from dflash_cli.train.prompt_sets import mix_prompts_with_categories
+
+    return mix_prompts_with_categories(30000)
+
+
+def test_mix_prompt_set_is_reproducible_a_prefix_family_and_apart_from_the_bench_sets(mix_30000):
+    from dflash_cli.bench import BUILTIN_SETS, load_prompt_set
+    from dflash_cli.train.prompt_sets import mix_prompts, mix_prompts_with_categories
+
+    prompts = [p for _, p in mix_30000]
+    assert len(set(prompts)) == 30000
+    assert mix_prompts(3000) == prompts[:3000] == mix_prompts(3000, seed=0)
+    assert mix_prompts(100) == prompts[:100] and mix_prompts(100, seed=1) != prompts[:100]
+    assert [c for c, _ in mix_prompts_with_categories(500)] == [c for c, _ in mix_30000[:500]]
+    bench = {p.prompt for name in BUILTIN_SETS for p in load_prompt_set(name)}
+    assert len(bench) >= 100 and not bench & set(prompts)
+    assert all(p.isascii() and 10 < len(p) < 400 for p in prompts)
+
+
+@pytest.mark.parametrize("n", [3000, 12000, 30000])
+def test_mix_prompt_set_keeps_40_30_30_at_every_size_and_varied_code_and_chat(mix_30000, n):
+    from collections import Counter
+
+    head = mix_30000[:n]
+    shares = Counter(c for c, _ in head)
+    for cat, want in (("math", 0.40), ("code", 0.30), ("chat", 0.30)):
+        assert abs(shares[cat] / n - want) < 0.025, (cat, shares[cat] / n)
+    for cat, least in (("code", 60), ("chat", 100)):
+        openings = {" ".join(p.split()[:3]) for c, p in head if c == cat}
+        assert len(openings) >= least, (cat, len(openings))
+    code = [p for c, p in head if c == "code"]
+    for marker in ("SQL", "regular expression", "In Bash", "class called", "What does this Python code"):
+        assert sum(marker in p for p in code) >= 15, marker
+    chat = [p for c, p in head if c == "chat"]
+    for marker in ("email", "recipe", "Translate into", "pros and cons", "review positive"):
+        assert sum(marker in p for p in chat) >= 15, marker
+
+
 def test_prompts_spec_file_set_and_error(tmp_path):
     from dflash_cli.engine.errors import InvalidSettingError
-    from dflash_cli.train.prompt_sets import demo_prompts, resolve_prompts
+    from dflash_cli.train.prompt_sets import demo_prompts, mix_prompts, resolve_prompts
     from dflash_cli.train.prompts import DEFAULT_PROMPTS
 
     f = tmp_path / "p.txt"
@@ -214,8 +254,9 @@ def test_prompts_spec_file_set_and_error(tmp_path):
     assert resolve_prompts(str(f)) == ["one", "two"]
     assert resolve_prompts("demo:25") == demo_prompts(25)
     assert len(resolve_prompts("demo")) == 6000
+    assert resolve_prompts("mix:50") == mix_prompts(50) and len(resolve_prompts("mix:50")) == 50
     assert resolve_prompts(None) == list(DEFAULT_PROMPTS)
-    for bad in ("nope", "demo:x", "demo:0", "demo:²", str(tmp_path / "missing.txt")):
+    for bad in ("nope", "demo:x", "demo:0", "demo:²", "mix:0", "mix:-3", str(tmp_path / "missing.txt")):
         with pytest.raises(InvalidSettingError, match="no prompt file or built-in prompt set"):
             resolve_prompts(bad)
 

@@ -199,6 +199,11 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary: nn.Module | None = None  # made by init_rotary(), outside any meta-device context
+        # optional sorted (V',) token ids the drafter proposes from (checkpoint tensor `draft_vocab`): the
+        # LM head then runs on those rows only; the target still verifies over the whole vocabulary
+        self.draft_vocab: torch.Tensor | None
+        self.register_buffer("draft_vocab", None)
+        self._draft_head: tuple[tuple, nn.Module] | None = None  # (key of the LM head it came from, head)
 
     @property
     def block_size(self) -> int:
@@ -285,14 +290,45 @@ class DFlashDrafter(nn.Module):
         `sampler` (the target's): the draft at position p is the sampler's own choice from the draft logits
         with the noise it will use for the target at p (coupled drafts, docs/format.md section 5); None = argmax.
         """
-        hidden, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
+        if self.draft_vocab is None:
+            _, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
+            return logits.float().argmax(-1) if sampler is None else sampler(logits, start + 1)
+        h = self.draft_hidden(context, anchor, start, block_len, cache, embed_weight, keep)
+        head = self.draft_head(lm_head)
+        logits = self.postprocess_logits(head(h.to(lm_head_dtype(head) or embed_weight.dtype))).float()  # (keep, V')
         if sampler is None:
-            return logits.float().argmax(-1)
-        return sampler(logits, start + 1)
+            return self.draft_vocab[logits.argmax(-1)]
+        full = logits.new_full((logits.shape[0], embed_weight.shape[0]), -torch.inf)
+        full[:, self.draft_vocab] = logits  # ids outside the draft vocabulary get probability 0
+        return sampler(full, start + 1)
+
+    def draft_head(self, lm_head: nn.Module) -> nn.Module:
+        """The target's LM head restricted to the draft vocabulary's rows (made once per LM head)."""
+        assert self.draft_vocab is not None
+        from dflash_cli.engine.packed import PackedLinear, dense_weight
+
+        weight = dense_weight(lm_head)
+        key = (id(weight), weight.device, weight.dtype)
+        if self._draft_head is None or self._draft_head[0] != key:
+            rows = self.draft_vocab.to(weight.device)
+            sub = nn.Linear(weight.shape[1], len(rows), bias=False, device=weight.device, dtype=weight.dtype)
+            bias = getattr(lm_head, "bias", None)
+            with torch.no_grad():
+                sub.weight.copy_(weight[rows])
+                if bias is not None:
+                    sub.bias = nn.Parameter(bias.detach()[rows].clone(), requires_grad=False)
+            sub.requires_grad_(False)
+            self._draft_head = (key, PackedLinear.pack(sub) or sub)
+        return self._draft_head[1]
 
     def draft_logits(self, context, anchor, start, block_len, cache, embed_weight, lm_head,
                      keep: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The normed hidden states (keep, H) and post-processed draft logits (keep, V) of slots 1..keep."""
+        h = self.draft_hidden(context, anchor, start, block_len, cache, embed_weight, keep)
+        return h, self.postprocess_logits(lm_head(h.to(lm_head_dtype(lm_head) or embed_weight.dtype)))
+
+    def draft_hidden(self, context, anchor, start, block_len, cache, embed_weight, keep: int | None) -> torch.Tensor:
+        """The normed hidden states (keep, H) of slots 1..keep of a block of `block_len` slots."""
         keep = block_len - 1 if keep is None else keep
         ids = torch.cat([anchor, anchor.new_full((block_len - 1,), self.mask_token_id)])
         block = F.embedding(ids, embed_weight)[None].to(self.hidden_norm.weight.dtype)  # (1, B, H)
@@ -300,8 +336,7 @@ class DFlashDrafter(nn.Module):
             block = block * self.config.input_embedding_scale
         # slot 0 (the anchor) predicts nothing; a 2-D input keeps the LM head on the plain matmul path
         # (a 3-D slice makes CPU bf16 kernels copy the whole vocabulary matrix on every call)
-        h = self(context, block, start, cache)[0, 1 : keep + 1]  # (keep, H)
-        return h, self.postprocess_logits(lm_head(h.to(lm_head_dtype(lm_head) or embed_weight.dtype)))
+        return self(context, block, start, cache)[0, 1 : keep + 1]  # (keep, H)
 
     def postprocess_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.config.output_multiplier != 1.0:

@@ -42,6 +42,8 @@ def _read_state_dict(files: list[Path], expected: dict[str, torch.Size], device:
             prefix, ours = checkpoint_names([k for _, f in handles for k in f.keys()])
         for path, f in handles:
             for key in f.keys():
+                if key == DRAFT_VOCAB and not transformers_format:
+                    continue  # optional; read and checked by _read_draft_vocab
                 name = ours[key] if transformers_format else key
                 if name not in expected:
                     raise CheckpointError(f"{path}: unexpected tensor {key!r} (not part of this drafter's config)")
@@ -60,6 +62,36 @@ def _read_state_dict(files: list[Path], expected: dict[str, torch.Size], device:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"drafter folder {folder} is missing tensor {', '.join(map(repr, missing[:3]))}{more}")
     return tensors
+
+
+DRAFT_VOCAB = "draft_vocab"
+
+
+def _read_draft_vocab(files: list[Path], cfg: DrafterConfig, device: torch.device) -> torch.Tensor | None:
+    """The optional `draft_vocab` tensor (docs/format.md section 3): sorted, distinct token ids of the
+    vocabulary, which the drafter drafts from. Checked strictly when present."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if DRAFT_VOCAB not in f.keys():
+                continue
+            ids = f.get_tensor(DRAFT_VOCAB)
+        bad = None
+        vocab = cfg.raw.get("vocab_size")
+        if cfg.is_dflash2:
+            bad = "is for DFlash v1 drafters only (a DFlash 2 selector walks the whole vocabulary)"
+        elif ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1 or len(ids) == 0:
+            dtype = str(ids.dtype).removeprefix("torch.")
+            bad = f"must be a non-empty 1-D integer tensor, got {dtype} {list(ids.shape)}"
+        elif len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            bad = "must hold distinct token ids in increasing order"
+        elif int(ids[0]) < 0 or (vocab is not None and int(ids[-1]) >= int(vocab)):
+            bad = f"holds ids outside the vocabulary [0, {vocab})"
+        if bad:
+            raise CheckpointError(f"{path}: tensor {DRAFT_VOCAB!r} {bad}")
+        return ids.to(device=device, dtype=torch.long)
+    return None
 
 
 def load_drafter(folder: str | Path, *, device: torch.device | str | None = None,
@@ -84,6 +116,8 @@ def load_drafter(folder: str | Path, *, device: torch.device | str | None = None
     expected = {k: v.shape for k, v in model.state_dict().items()}
     state = _read_state_dict(files, expected, device, dtype, folder, cfg.source_format == "transformers")
     model.load_state_dict(state, strict=True, assign=True)
+    if cfg.source_format != "transformers":
+        model.draft_vocab = _read_draft_vocab(files, cfg, device)
     model.init_rotary(device)
     if quant:
         quantize_linears(model.layers, quant, dtype, device)
@@ -213,6 +247,7 @@ def save_drafter(drafter: DFlashDrafter, folder: str | Path, *, format: str = "d
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     if format == "transformers":
         config = to_transformers_config(drafter.config)
+        tensors.pop(DRAFT_VOCAB, None)  # our extension; transformers' class has no such tensor
         tensors = to_transformers_state_dict(tensors)
     else:
         config = dict(drafter.config.raw)

@@ -23,6 +23,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.packed, self.bias = packed, bias
         self.sizes = [m.out_features for m in linears]
+        self.source = linears[0].weight if len(linears) == 1 else None  # the dense weight (shared, not copied)
         self.out_features = sum(self.sizes)
 
     @classmethod
@@ -57,6 +58,16 @@ class PackedLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         y = y.view(*x.shape[:-1], self.out_features)
         return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """The (out, in) weight of a plain or a packed single linear."""
+    weight = getattr(linear, "weight", None)
+    if weight is None and isinstance(linear, PackedLinear):
+        weight = linear.source
+    if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
+        raise TypeError(f"{type(linear).__name__} has no dense weight to take rows from")
+    return weight
 
 
 class Parallel(nn.Module):

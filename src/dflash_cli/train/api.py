@@ -112,7 +112,8 @@ def split_heldout(n: int) -> tuple[list[int], list[int]]:
 def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Sequence[str] | str | Path | None = None,
                   layers: int = 2, block_size: int = 16, taps: Sequence[int] | None = None, lr: float = 6e-4,
                   steps: int | None = None, time_budget: float | None = None, batch: int = 4, anchors: int = 16,
-                  gamma: float = 7.0, sub_vocab: bool = True, max_new_tokens: int = 200, gen_batch: int = 16,
+                  gamma: float = 7.0, sub_vocab: bool = True, draft_vocab: bool = False, distill: float = 0.0,
+                  distill_topk: int = 0, max_new_tokens: int = 200, gen_batch: int = 16,
                   gen_time_budget: float | None = None,
                   checkpoint_every: int = 100, eval_every: int = 50, seed: int = 0,
                   device: str | None = None, dtype: str | None = None, drafter_format: str = "dflash",
@@ -125,8 +126,13 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
         steps / time_budget: total optimizer steps, or seconds of training (all runs of this out_dir).
         gen_time_budget: seconds of data generation in this run; prompts left unanswered wait for a
             later run, and training uses the answers stored so far.
-        sub_vocab: compute the loss over the tokens occurring in the responses only (much faster on big
-            vocabularies; drafting still uses the full head).
+        sub_vocab: compute the loss over the tokens occurring in the responses (and, with top-k data, the
+            alternatives the target gave >= 2%) only: much faster on big vocabularies.
+        draft_vocab: also ship those ids as the drafter's draft vocabulary (docs/format.md section 3), so
+            that drafting runs the LM head on them only; needs sub_vocab.
+        distill: weight of the KL term against the target's top-k distribution (0 = hard labels only).
+        distill_topk: how many of the target's most likely tokens to store per response position (0 =
+            none; needed by distill > 0). A data folder keeps the k it was started with.
         drafter_format: "dflash" (z-lab's checkpoint format) or "transformers" (muse_glimmer_assistant,
             loadable by transformers' MuseGlimmerAssistantModel); dflash-cli reads both.
         on_progress: called with ("data", dict(done, total, tokens, seconds)) per generated batch,
@@ -137,6 +143,12 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     """
     if drafter_format not in ("dflash", "transformers"):
         raise InvalidSettingError(f"unknown drafter format {drafter_format!r}", hint="use dflash or transformers")
+    if not 0.0 <= distill <= 1.0:
+        raise InvalidSettingError(f"--distill must be between 0 and 1, got {distill}")
+    if distill > 0 and distill_topk <= 0:
+        raise InvalidSettingError("--distill needs the target's top-k distributions", hint="add --distill-topk 32")
+    if draft_vocab and not sub_vocab:
+        raise InvalidSettingError("--draft-vocab needs the training vocabulary", hint="drop --no-sub-vocab")
     if steps is None and time_budget is None:
         steps = 1000
     started = time.perf_counter()
@@ -145,6 +157,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     dt = pick_dtype(dtype, dev)
     call = dict(target=str(target_dir), layers=layers, block_size=block_size, lr=lr, steps=steps,
                 time_budget=time_budget, batch=batch, anchors=anchors, gamma=gamma, sub_vocab=sub_vocab,
+                draft_vocab=draft_vocab, distill=distill, distill_topk=distill_topk,
                 max_new_tokens=max_new_tokens, seed=seed, dtype=str(dt).removeprefix("torch."))
     if prompts is None or isinstance(prompts, (str, Path)):
         from dflash_cli.train.prompt_sets import resolve_prompts
@@ -179,7 +192,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
 
     build_dataset(target, tokenizer, prompt_list, taps, out_dir / "data", max_new_tokens=max_new_tokens,
                   batch_size=gen_batch, stop_ids=default_stop_ids(target, tokenizer), on_progress=data_progress,
-                  time_budget=gen_time_budget)
+                  time_budget=gen_time_budget, topk=distill_topk)
     train_ids, held_ids = split_heldout(len(prompt_list))
     stored = {i: e for i, e in load_examples(out_dir / "data").items() if len(e.ids) - e.prompt_len >= 2}
     train_set = [stored[i] for i in train_ids if i in stored]
@@ -198,17 +211,21 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     raw["training"] = {**raw.get("training", {}), **call}
     final_norm = getattr(target.model.get_decoder(), "norm", None)
     drafter = init_drafter(raw, dev, seed, final_norm.weight.detach() if final_norm is not None else None)
-    head = make_head(target.lm_head, sub_vocabulary(train_set) if sub_vocab else None)
+    sub_ids = sub_vocabulary(train_set) if sub_vocab else None
+    head = make_head(target.lm_head, sub_ids)
+    vocab_ids = sub_ids.to(dev) if draft_vocab and sub_ids is not None else None
+    if vocab_ids is not None:
+        call["draft_vocab_size"] = len(vocab_ids)
     cfg = TrainConfig(steps=steps, time_budget=time_budget, lr=lr, batch=min(batch, len(train_set)),
                       anchors=anchors, gamma=gamma, checkpoint_every=checkpoint_every, eval_every=eval_every,
-                      seed=seed, warmup=min(50, max(1, (steps or 1000) // 20)))
+                      seed=seed, warmup=min(50, max(1, (steps or 1000) // 20)), distill=distill)
     autocast = dt if dt != torch.float32 else None
     spent = previous is not None and time_budget is not None and _seconds_trained(ckpt) >= time_budget
     if spent and new_answers[0] and on_progress:
         on_progress("note", f"the training budget ({time_budget / 60:g} min, counted over all runs of this "
                             "folder) is already spent: pass a larger --time-budget to train on the new data")
     state = train_loop(drafter, target.embed_weight, target.lm_head, head, train_set, held_set, cfg, ckpt,
-                       heldout_key=",".join(map(str, held_ids)), autocast_dtype=autocast,
+                       heldout_key=",".join(map(str, held_ids)), autocast_dtype=autocast, draft_vocab=vocab_ids,
                        on_progress=(lambda p: on_progress("train", p)) if on_progress else None)
     saved = state.evals[-1] if state.evals else None
     if state.best is not None and state.best != saved and load_best_weights(ckpt, drafter, state.best):
@@ -222,6 +239,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                            last_heldout_tau=state.evals[-1][2] if state.evals else None)
     drafter.config.raw.clear()
     drafter.config.raw.update(raw)
+    drafter.draft_vocab = vocab_ids
     save_drafter(drafter.to(dt), out_dir, format=drafter_format)
     (out_dir / "training_log.json").write_text(json.dumps(
         {"losses": state.losses, "evals": state.evals, "wall_seconds": time.perf_counter() - started}))

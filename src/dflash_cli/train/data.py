@@ -2,8 +2,11 @@
 
 Prompts are chat-templated and answered greedily in batches (left padding) by the target's transformers
 model. Forward hooks on the tapped decoder layers capture their outputs during the same generate call, so
-no second pass is needed. Each batch becomes one safetensors shard (`ids.{i}`, `feat.{i}` in bf16) and
-the JSON index records which prompts are done: a re-run skips them and resumes where it stopped.
+no second pass is needed. With `topk` > 0 a logits processor also keeps the target's k most likely tokens
+and their log-probabilities at every response position, for distillation from the target's distribution
+rather than from its greedy token alone. Each batch becomes one safetensors shard (`ids.{i}`, `feat.{i}`
+in bf16, and `top_ids.{i}` int32 / `top_logp.{i}` fp16 with top-k) and the JSON index records which
+prompts are done: a re-run skips them and resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ class Example:
     ids: torch.Tensor  # (L,) prompt + response token ids
     features: torch.Tensor  # (L-1, n_taps*H) tapped states of every token fed to the target (not the last)
     prompt_len: int
+    # (L - prompt_len, k): the target's k most likely ids at each response position and their log-probs;
+    # row r is the distribution the response's token r was chosen from. None without top-k data.
+    top_ids: torch.Tensor | None = None
+    top_logp: torch.Tensor | None = None
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -66,10 +73,32 @@ class _TapRecorder:
             h.remove()
 
 
+class _TopKRecorder:
+    """A generate() logits processor that records the k most likely tokens of each step, changing nothing."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.ids: list[torch.Tensor] = []
+        self.logp: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        top = torch.log_softmax(scores.float(), dim=-1).topk(self.k, dim=-1)
+        self.ids.append(top.indices.to(torch.int32).cpu())
+        self.logp.append(top.values.to(torch.float16).cpu())
+        return scores
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch, steps, k) ids and log-probs."""
+        return torch.stack(self.ids, dim=1), torch.stack(self.logp, dim=1)
+
+
 @torch.inference_mode()
 def generate_batch(target: Target, prompts_ids: list[list[int]], taps: Sequence[int], *, max_new_tokens: int,
-                   stop_ids: Sequence[int], pad_id: int) -> list[Example]:
-    """Greedy answers for a batch of prompts (left padded) with the tapped features of every fed token."""
+                   stop_ids: Sequence[int], pad_id: int, topk: int = 0) -> list[Example]:
+    """Greedy answers for a batch of prompts (left padded) with the tapped features of every fed token
+    (and the target's top-k distribution at every response position when `topk` > 0)."""
+    from transformers import LogitsProcessorList
+
     width = max(map(len, prompts_ids))
     dev = target.device
     ids = torch.full((len(prompts_ids), width), pad_id, dtype=torch.long, device=dev)
@@ -78,13 +107,16 @@ def generate_batch(target: Target, prompts_ids: list[list[int]], taps: Sequence[
         ids[i, width - len(p):] = torch.tensor(p, device=dev)
         attn[i, width - len(p):] = 1
     rec = _TapRecorder(target, taps)
+    top = _TopKRecorder(topk) if topk > 0 else None
     try:
         out = target.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
                                     do_sample=False, eos_token_id=list(stop_ids) or None, pad_token_id=pad_id,
-                                    temperature=None, top_p=None, top_k=None)
+                                    temperature=None, top_p=None, top_k=None,
+                                    logits_processor=LogitsProcessorList([top] if top else []))
         feats = rec.features()
     finally:
         rec.remove()
+    top_ids, top_logp = top.tables() if top else (None, None)
     stops = set(stop_ids)
     result = []
     for i, p in enumerate(prompts_ids):
@@ -94,17 +126,22 @@ def generate_batch(target: Target, prompts_ids: list[list[int]], taps: Sequence[
         pad = width - len(p)
         f = feats[i, pad : pad + len(seq) - 1].cpu()
         assert f.shape[0] == len(seq) - 1, (f.shape, len(seq))
-        result.append(Example(torch.tensor(seq), f.contiguous(), len(p)))
+        example = Example(torch.tensor(seq), f.contiguous(), len(p))
+        if top_ids is not None and top_logp is not None:
+            example.top_ids, example.top_logp = top_ids[i, :end].contiguous(), top_logp[i, :end].contiguous()
+        result.append(example)
     return result
 
 
 def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Sequence[int], cache_dir: str | Path, *,
                   max_new_tokens: int = 200, batch_size: int = 16, stop_ids: Sequence[int] = (),
                   on_progress: Callable[[int, int, int, float], None] | None = None,
-                  time_budget: float | None = None) -> list[int]:
+                  time_budget: float | None = None, topk: int = 0) -> list[int]:
     """Generates and stores answers for the prompts not yet in `cache_dir`; returns the indices done.
 
     time_budget: seconds; no new batch starts after it is spent (the rest waits for a later run).
+    topk: also store the target's k most likely tokens per response position (0 = none); a cache keeps
+    the k it was started with.
 
     on_progress(done_prompts, total_prompts, new_tokens, seconds) is called after each batch.
     """
@@ -115,10 +152,13 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     index = read_index(cache_dir)
-    key = {"taps": list(taps), "max_new_tokens": max_new_tokens, "target": target.name}
+    key = {"taps": list(taps), "max_new_tokens": max_new_tokens, "target": target.name, "topk": topk}
     if index.get("key", key)["taps"] != list(taps):
         raise ValueError(f"{cache_dir} holds features of taps {index['key']['taps']}, not {list(taps)}: "
                          "use another cache folder")
+    if index.get("key", key).get("topk", 0) != topk:
+        raise ValueError(f"{cache_dir} holds top-{index['key'].get('topk', 0)} distributions, not top-{topk}: "
+                         "use the same --distill-topk to resume, or another output folder")
     index.setdefault("key", key)
     index.setdefault("shards", [])
     done = {int(i) for s in index["shards"] for i in s["prompts"]}
@@ -136,12 +176,14 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
         chunk = todo[start : start + batch_size]
         t0 = time.perf_counter()
         seqs = generate_batch(target, [encoded[i] for i in chunk], taps, max_new_tokens=max_new_tokens,
-                              stop_ids=stop_ids, pad_id=pad_id)
+                              stop_ids=stop_ids, pad_id=pad_id, topk=topk)
         name = f"shard-{len(index['shards']):05d}.safetensors"
         tensors = {}
         for j, s in enumerate(seqs):
             tensors[f"ids.{j}"] = s.ids
             tensors[f"feat.{j}"] = s.features
+            if s.top_ids is not None and s.top_logp is not None:
+                tensors[f"top_ids.{j}"], tensors[f"top_logp.{j}"] = s.top_ids, s.top_logp
         save_file(tensors, str(cache_dir / name))
         index["shards"].append({"file": name, "prompts": chunk, "prompt_lens": [s.prompt_len for s in seqs]})
         _write_index(cache_dir, index)  # after the shard: an interrupted run never indexes a partial file
@@ -172,7 +214,8 @@ def load_examples(cache_dir: str | Path) -> dict[int, Example]:
     for shard in read_index(cache_dir).get("shards", []):
         tensors = load_file(str(cache_dir / shard["file"]))
         for j, (pi, plen) in enumerate(zip(shard["prompts"], shard["prompt_lens"])):
-            examples[pi] = Example(tensors[f"ids.{j}"], tensors[f"feat.{j}"], plen)
+            examples[pi] = Example(tensors[f"ids.{j}"], tensors[f"feat.{j}"], plen,
+                                   tensors.get(f"top_ids.{j}"), tensors.get(f"top_logp.{j}"))
     return examples
 
 

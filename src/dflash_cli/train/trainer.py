@@ -4,6 +4,11 @@ Recipe (DFlash paper): the target is frozen and only supplies features, embeddin
 step takes `batch` sequences and `anchors` random anchors in each response; block a is
 [x_p, MASK x (B-1)] at positions p..p+B-1 and slot k (1..B-1) is trained to predict x_{p+k} with weight
 exp(-(k-1)/gamma), since a draft is accepted only up to its first miss.
+
+A slot's loss is (1 - distill) * cross-entropy against the target's greedy token + distill * KL(p || q),
+where p is the target's distribution at that position restricted to its stored top-k tokens (those in the
+training vocabulary, renormalised) and q the drafter's: the whole distribution carries more signal per
+generated token than its argmax alone.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +46,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     eval_every: int = 50
     seed: int = 0
+    distill: float = 0.0  # weight of the top-k KL term (0 = hard labels only; needs top-k data)
 
 
 @dataclass
@@ -71,6 +78,10 @@ class Head:
         mapped = self.lut[labels.clamp(min=0)]
         return torch.where((labels < 0) | (mapped < 0), IGNORE, mapped)
 
+    def map_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of `weight` for full-vocabulary ids, -1 for ids outside the sub-vocabulary."""
+        return ids if self.lut is None else self.lut[ids]
+
 
 def make_head(lm_head: torch.nn.Module, sub_ids: torch.Tensor | None) -> Head:
     weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
@@ -82,29 +93,52 @@ def make_head(lm_head: torch.nn.Module, sub_ids: torch.Tensor | None) -> Head:
     return Head(weight[sub].contiguous(), None if bias is None else bias.detach()[sub], lut)
 
 
-def sub_vocabulary(examples: list[Example]) -> torch.Tensor:
-    """Sorted ids of every token that occurs in the responses (the only ids the loss ever targets)."""
-    return torch.unique(torch.cat([e.ids[e.prompt_len :] for e in examples]))
+def sub_vocabulary(examples: list[Example], min_prob: float = 0.02) -> torch.Tensor:
+    """Sorted ids of every token that occurs in the responses, plus, with top-k data, every alternative
+    the target gave at least `min_prob` somewhere: the ids the loss targets, and the draft vocabulary."""
+    parts = [e.ids[e.prompt_len :] for e in examples]
+    cutoff = math.log(min_prob)
+    for e in examples:
+        if e.top_ids is not None and e.top_logp is not None:
+            parts.append(e.top_ids[e.top_logp.float() >= cutoff].long())
+    return torch.unique(torch.cat(parts))
 
 
-def make_batch(examples: list[Example], n_anchors: int, block_size: int, rng: random.Random, device):
-    """Padded ids (N, L), features (N, L, D), lengths (N,), anchors (N, A) drawn from each response."""
+class Batch(NamedTuple):
+    ids: torch.Tensor  # (N, L) padded token ids
+    features: torch.Tensor  # (N, L, D) tapped features
+    lengths: torch.Tensor  # (N,)
+    anchors: torch.Tensor  # (N, A) anchor positions in the responses
+    top_ids: torch.Tensor | None  # (N, L, k) the target's top-k ids for the token at each position
+    top_logp: torch.Tensor | None  # (N, L, k) their log-probabilities (0 rows in prompts and padding)
+
+
+def make_batch(examples: list[Example], n_anchors: int, block_size: int, rng: random.Random, device) -> Batch:
+    """Padded sequences and `n_anchors` anchors drawn from each response (top-k tables when all have them)."""
     width = max(len(e.ids) for e in examples)
     dim = examples[0].features.shape[1]
     ids = torch.zeros(len(examples), width, dtype=torch.long)
     feats = torch.zeros(len(examples), width, dim, dtype=examples[0].features.dtype)
     anchors = torch.zeros(len(examples), n_anchors, dtype=torch.long)
+    with_top = all(e.top_ids is not None for e in examples)
+    k = examples[0].top_ids.shape[1] if with_top and examples[0].top_ids is not None else 0
+    top_ids = torch.zeros(len(examples), width, k, dtype=torch.long)
+    top_logp = torch.full((len(examples), width, k), -math.inf)
     for i, e in enumerate(examples):
         n = len(e.ids)
         ids[i, :n] = e.ids
         feats[i, : n - 1] = e.features
+        if with_top and e.top_ids is not None and e.top_logp is not None:
+            top_ids[i, e.prompt_len : n] = e.top_ids
+            top_logp[i, e.prompt_len : n] = e.top_logp.float()
         # the anchor is a committed response token with at least one token after it
         candidates = range(e.prompt_len, n - 1)
         picks = (rng.sample(candidates, n_anchors) if len(candidates) >= n_anchors
                  else [rng.choice(candidates) for _ in range(n_anchors)])
         anchors[i] = torch.tensor(sorted(picks))
     lengths = torch.tensor([len(e.ids) for e in examples])
-    return ids.to(device), feats.to(device), lengths.to(device), anchors.to(device)
+    return Batch(ids.to(device), feats.to(device), lengths.to(device), anchors.to(device),
+                 top_ids.to(device) if with_top else None, top_logp.to(device) if with_top else None)
 
 
 def slot_weights(block_size: int, gamma: float, device) -> torch.Tensor:
@@ -112,29 +146,56 @@ def slot_weights(block_size: int, gamma: float, device) -> torch.Tensor:
     return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
 
 
-def block_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: Head, batch, gamma: float,
-               autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted cross-entropy of one batch; also returns the full-id labels (N, A, B) and hidden states."""
-    ids, feats, lengths, anchors = batch
+def topk_kl(logq: torch.Tensor, top_rows: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per slot, p = the target's top-k distribution restricted to the rows present (>= 0) and
+    renormalised; 0 where no row is present. logq (S, V') log-probs; top_rows, top_logp (S, k)."""
+    present = (top_rows >= 0) & (top_logp > -math.inf)
+    logp = torch.where(present, top_logp, -math.inf)
+    logp = logp - torch.logsumexp(logp, dim=-1, keepdim=True)
+    p = torch.where(present, logp.exp(), 0.0)
+    q = logq.gather(-1, top_rows.clamp(min=0))
+    return torch.where(present, p * (logp - q), 0.0).sum(-1)
+
+
+def block_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: Head, batch: Batch, gamma: float,
+               autocast_dtype: torch.dtype | None,
+               distill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted per-slot loss of one batch (module docstring); also returns the full-id labels (N, A, B)
+    and the hidden states."""
     bsz = drafter.block_size
-    labels = block_labels(ids, lengths, anchors, bsz, IGNORE)
-    emb = F.embedding(block_ids(ids, anchors, bsz, drafter.mask_token_id), embed)
-    with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        h = training_forward(drafter, feats, emb.to(drafter.fc.weight.dtype), anchors)
+    labels = block_labels(batch.ids, batch.lengths, batch.anchors, bsz, IGNORE)
+    emb = F.embedding(block_ids(batch.ids, batch.anchors, bsz, drafter.mask_token_id), embed)
+    dev = batch.ids.device
+    with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        h = training_forward(drafter, batch.features, emb.to(drafter.fc.weight.dtype), batch.anchors)
         logits = head.logits(h)
     mapped = head.map_labels(labels).flatten()
-    ce = F.cross_entropy(logits.float().flatten(0, 1), mapped, ignore_index=IGNORE, reduction="none")
-    w = slot_weights(bsz, gamma, ids.device).repeat(labels.shape[0] * labels.shape[1]) * (mapped != IGNORE)
-    return (ce * w).sum() / w.sum().clamp(min=1e-6), labels, h
+    logq = torch.log_softmax(logits.float().flatten(0, 1), dim=-1)
+    loss = -logq.gather(-1, mapped.clamp(min=0)[:, None])[:, 0]
+    if distill > 0:
+        if batch.top_ids is None or batch.top_logp is None:
+            raise ValueError("distillation needs top-k data (generate it with topk > 0)")
+        n, a = batch.anchors.shape
+        pos = (batch.anchors[:, :, None] + torch.arange(bsz, device=dev)).clamp(max=batch.ids.shape[1] - 1)
+        k = batch.top_ids.shape[-1]
+        index = pos.view(n, a * bsz, 1).expand(-1, -1, k)
+        rows = head.map_ids(batch.top_ids.gather(1, index)).flatten(0, 1)  # (N*A*B, k)
+        top_logp = batch.top_logp.gather(1, index).flatten(0, 1)
+        loss = (1 - distill) * loss + distill * topk_kl(logq, rows, top_logp)
+    w = slot_weights(bsz, gamma, dev).repeat(labels.shape[0] * labels.shape[1]) * (mapped != IGNORE)
+    return (loss * w).sum() / w.sum().clamp(min=1e-6), labels, h
 
 
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, embed: torch.Tensor, full_head: torch.nn.Module, sub_head: Head,
-             examples: list[Example], cfg: TrainConfig, autocast_dtype) -> tuple[float, float]:
+             examples: list[Example], cfg: TrainConfig, autocast_dtype,
+             draft_vocab: torch.Tensor | None = None) -> tuple[float, float]:
     """(held-out loss, tau estimate): greedy drafts at fixed anchors vs the target's own tokens.
 
     tau = 1 + mean number of leading drafted tokens equal to the target's continuation (what greedy
-    speculative decoding would accept, bonus token included), drafting with the full LM head.
+    speculative decoding would accept, bonus token included), drafting as the engine will: over the
+    draft vocabulary (`sub_head`, whose rows are the ids `draft_vocab`) when there is one, else with the
+    full LM head.
     """
     was_training = drafter.training
     drafter.eval()
@@ -143,10 +204,13 @@ def evaluate(drafter: DFlashDrafter, embed: torch.Tensor, full_head: torch.nn.Mo
     device = embed.device
     for i in range(0, len(examples), cfg.batch):
         batch = make_batch(examples[i : i + cfg.batch], cfg.anchors, drafter.block_size, rng, device)
-        loss, labels, h = block_loss(drafter, embed, sub_head, batch, cfg.gamma, autocast_dtype)
+        loss, labels, h = block_loss(drafter, embed, sub_head, batch, cfg.gamma, autocast_dtype, cfg.distill)
         losses.append(loss.item())
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            drafts = full_head(h.to(full_head.weight.dtype)).argmax(-1).view_as(labels)
+            if draft_vocab is not None:
+                drafts = draft_vocab.to(device)[sub_head.logits(h).argmax(-1)].view_as(labels)
+            else:
+                drafts = full_head(h.to(full_head.weight.dtype)).argmax(-1).view_as(labels)
         hit = (drafts[..., :-1] == labels[..., 1:]) & (labels[..., 1:] != IGNORE)
         accepted += hit.long().cumprod(-1).sum().item()
         blocks += labels.shape[0] * labels.shape[1]
@@ -268,6 +332,7 @@ def load_checkpoint(path: Path, drafter, optim, rng: random.Random) -> State:
 def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Module, head: Head,
                train: list[Example], heldout: list[Example], cfg: TrainConfig, checkpoint: Path, *,
                heldout_key: str | None = None, autocast_dtype: torch.dtype | None = None,
+               draft_vocab: torch.Tensor | None = None,
                on_progress: Callable[[Progress], None] | None = None) -> State:
     """Trains `drafter` in place, resuming from `checkpoint` when it exists; saves it every N steps."""
     if cfg.steps is None and cfg.time_budget is None:
@@ -304,18 +369,18 @@ def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Mo
         batch = make_batch([train[i] for i in picked], cfg.anchors, drafter.block_size, rng, device)
         for g in optim.param_groups:
             g["lr"] = lr = lr_at(cfg, state.step, state.seconds)
-        loss, _, _ = block_loss(drafter, embed, head, batch, cfg.gamma, autocast_dtype)
+        loss, _, _ = block_loss(drafter, embed, head, batch, cfg.gamma, autocast_dtype, cfg.distill)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
         state.step += 1
         state.losses.append(loss.item())
-        run_slots += batch[3].numel() * drafter.block_size
+        run_slots += batch.anchors.numel() * drafter.block_size
         state.seconds = base_seconds + time.perf_counter() - run_start
         last = done()
         if heldout and (state.step % cfg.eval_every == 0 or last):
-            eval_loss, tau = evaluate(drafter, embed, lm_head, head, heldout, cfg, autocast_dtype)
+            eval_loss, tau = evaluate(drafter, embed, lm_head, head, heldout, cfg, autocast_dtype, draft_vocab)
             state.evals.append((state.step, eval_loss, tau))
             if _better(state.evals[-1], state.best):
                 state.best = state.evals[-1]

@@ -26,7 +26,8 @@ def _parse_taps(_ctx, _param, value):
                    "Re-running with the same folder resumes.")
 @click.option("--prompts", default=None, metavar="FILE|SET",
               help="Prompts: a file (one per line, or JSONL with a \"prompt\" field) or a built-in set: "
-                   "demo (6000 math, code and chat prompts), demo:N (N of them) [default: 48 built-in prompts].")
+                   "demo (6000 math, code and chat prompts), demo:N (N of them), mix / mix:N (12000 or N, a steady "
+                   "40/30/30% math/code/chat) [default: 48 built-in prompts].")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True, help="Drafter layers.")
 @click.option("--block-size", type=click.IntRange(min=2), default=16, show_default=True,
               help="Block length B, anchor included.")
@@ -48,6 +49,13 @@ def _parse_taps(_ctx, _param, value):
                    "(a later run with the same folder answers the rest).")
 @click.option("--sub-vocab/--full-vocab", default=True, show_default=True,
               help="Loss over the tokens seen in the responses only (faster), or the whole vocabulary.")
+@click.option("--distill", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Weight of the KL term against the target's top-k distribution (0 = its greedy token only).")
+@click.option("--distill-topk", type=click.IntRange(min=0), default=0, show_default=True, metavar="K",
+              help="Store the target's K most likely tokens per response position (needed by --distill).")
+@click.option("--draft-vocab/--no-draft-vocab", default=False, show_default=True,
+              help="Ship the training vocabulary with the drafter: drafts come from those ids only, and the "
+                   "LM head runs on those rows (cheaper drafts on a CPU; output unchanged).")
 @click.option("--format", "drafter_format", type=click.Choice(["dflash", "transformers"]), default="dflash",
               show_default=True, help="Drafter folder format: z-lab's DFlash checkpoints, or transformers' own "
                                       "(muse_glimmer_assistant). --draft reads both.")
@@ -56,7 +64,8 @@ def _parse_taps(_ctx, _param, value):
               show_default=True, help="Compute dtype.")
 @debug_option
 def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_budget, batch, anchors,
-          max_new_tokens, gen_batch, gen_budget, sub_vocab, drafter_format, device, dtype, debug):
+          max_new_tokens, gen_batch, gen_budget, sub_vocab, distill, distill_topk, draft_vocab, drafter_format,
+          device, dtype, debug):
     """Distil a DFlash drafter for a local target from the target's own answers to prompts.
 
     \b
@@ -81,6 +90,7 @@ def train(target, out_dir, prompts, layers, block_size, taps, lr, steps, time_bu
                   time_budget=time_budget * 60 if time_budget else None, batch=batch, anchors=anchors,
                   max_new_tokens=max_new_tokens, gen_batch=gen_batch,
                   gen_time_budget=gen_budget * 60 if gen_budget else None, sub_vocab=sub_vocab,
+                  distill=distill, distill_topk=distill_topk, draft_vocab=draft_vocab,
                   drafter_format=drafter_format, device=device,
                   dtype=None if dtype == "auto" else dtype)
     guarded(lambda: Output("auto", provenance=False), lambda out: run_train(out, target, out_dir, kwargs), debug)
