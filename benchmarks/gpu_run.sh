@@ -18,9 +18,9 @@ fi
   python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>&1 | tail -1
 } 2>&1 | tee "$OUT/env.txt"
 # The engine tests, on the GPU, in fp32: losslessness, caches, drafter masks, the compiled fast path;
-# and the doctor, whose report must agree with the GPU it runs on.
+# the doctor, whose report must agree with the GPU it runs on; and the fast path split over the GPU and the CPU.
 DFLASH_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_speculative.py tests/test_drafter.py tests/test_fast.py tests/test_doctor.py 2>&1 | tail -5 | tee "$OUT/tests-cuda.txt"
+  tests/test_speculative.py tests/test_drafter.py tests/test_fast.py tests/test_doctor.py tests/test_device_map.py 2>&1 | tail -5 | tee "$OUT/tests-cuda.txt"
 # bf16: all three paths (tables print as each section finishes; a cut-short run keeps what it measured)
 timeout 200 python3 benchmarks/bench_engine.py --preset qwen3-8b --device cuda --dtype bfloat16 \
   --paths eager fast compiled --prompts 2 --new-tokens 256 --no-hf --json "$OUT/bench-qwen3-8b-bf16.json" \

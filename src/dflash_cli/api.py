@@ -16,15 +16,18 @@ from dflash_cli.session import Runtime, load_runtime
 
 
 def load(model: str, draft: str | None = None, *, quant: str | None = None, dtype: str | None = None,
-         device: str | None = None, compile: str = S.DEFAULT_COMPILE, max_context: int | None = None) -> Runtime:
+         device: str | None = None, compile: str = S.DEFAULT_COMPILE, max_context: int | None = None,
+         device_map: str | None = None, max_memory: str | dict[str, int] | None = None) -> Runtime:
     """A target (a local folder or a built-in model name), its drafter (or None) and its tokenizer.
 
     quant: None, "int8" or "nf4" (bitsandbytes, CUDA); dtype: "float32", "bfloat16" or "float16";
     device: "cpu", "cuda", ... (default: the best available); compile: "auto", "on" or "off";
-    max_context: positions of the static cache (default settings.DEFAULT_MAX_CONTEXT, at most the model's).
+    max_context: positions of the static cache (default settings.DEFAULT_MAX_CONTEXT, at most the model's);
+    device_map: None (one device), "auto", "balanced" or "sequential" splits the target's layers over the
+    GPUs (cpu/disk offload last); max_memory: "0=14GiB,1=14GiB,cpu=30GiB" or {"cuda:0": bytes, ...}.
     """
     return load_runtime(model, draft, quant=quant, dtype=dtype, device=device, compile=compile,
-                        max_context=max_context)
+                        max_context=max_context, device_map=device_map, max_memory=max_memory)
 
 
 def prompt_ids(runtime: Runtime, prompt: str | Sequence[int], *, chat_template: bool = True,

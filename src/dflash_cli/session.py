@@ -72,6 +72,8 @@ class Runtime:
                "vocabulary": self.target.vocab_rows, "dtype": self.dtype, "quantization": self.quant or "none",
                "device": self.device, "context length": getattr(cfg, "max_position_embeddings", None),
                "forward": self.fast_path}
+        if self.target.split:
+            out["layers on"] = self.target.placement
         if self.drafter is not None:
             dc = self.drafter.config
             out.update({"drafter": str(self.drafter_dir), "draft layers": dc.num_hidden_layers,
@@ -84,6 +86,7 @@ class Runtime:
 
 def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | None = None, dtype: str | None = None,
                  device: str | None = None, compile: str = S.DEFAULT_COMPILE, max_context: int | None = None,
+                 device_map: str | None = None, max_memory: str | dict[str, int] | None = None,
                  on_status: Callable[[str], None] | None = None,
                  on_notice: Callable[[str], None] | None = None,
                  before_weights: Callable[[Any], None] | None = None) -> Runtime:
@@ -95,9 +98,12 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     (off) transformers' own; `max_context` sizes the static cache. `on_notice` gets one-line warnings
     (a compile that failed and fell back). `before_weights(tokenizer)` runs before the weights load: checks
     that need only the tokenizer fail there, in a second rather than after a long load.
+    `device_map` (auto/balanced/sequential) and `max_memory` ("0=14GiB,cpu=30GiB" or a dict) split the
+    target's layers over devices as models/split.py plans them; the drafter goes on the hot device.
     """
     from dflash_cli.engine.device import pick_device, pick_dtype
     from dflash_cli.engine.load import load_pair
+    from dflash_cli.engine.placement import hot_device, resolve_split
 
     target_dir, drafter_dir = Path(model).expanduser(), Path(draft).expanduser() if draft else None
     for what, folder in (("model", target_dir), ("drafter", drafter_dir)):
@@ -107,9 +113,12 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         raise CheckpointError(f"{target_dir} has no tokenizer files (tokenizer.json or tokenizer_config.json)",
                               hint="the model folder must include its tokenizer; 'dflash-cli pull' fetches it")
     started = time.perf_counter()
-    dev = pick_device(device)
+    split = resolve_split(device, device_map, max_memory)  # bad settings fail before anything loads
+    dev = pick_device(hot_device(split[1]) if split else device)
     dt = pick_dtype(dtype, dev)
     quant = None if quant in (None, "none") else quant
+    layer_devices = plan_layers(target_dir, drafter_dir, split, quant or _plan_dtype(dt), max_context) \
+        if split else None
     from transformers import AutoTokenizer
 
     try:
@@ -118,7 +127,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         raise CheckpointError(f"cannot load the tokenizer from {target_dir}: {e}") from None
     if before_weights is not None:
         before_weights(tokenizer)
-    pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant)
+    pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant, layer_devices=layer_devices)
     fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context, quantized=quant is not None,
                                  on_status=on_status, on_notice=on_notice)
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed
@@ -127,6 +136,35 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         warm_up(pair.target, pair.drafter)
     return Runtime(pair.target, pair.drafter, tokenizer, target_dir, drafter_dir,
                    time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev), fast_path)
+
+
+def _plan_dtype(dtype: Any) -> str:
+    return {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(dtype), "fp32")
+
+
+def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, list[tuple[str, int | None]]],
+                quant: str, max_context: int | None) -> list[str]:
+    """Each decoder layer's device, as models/split.py plans the split (what `show` prints)."""
+    import json
+
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
+    from dflash_cli.models.split import plan_split
+
+    def config(folder: Path) -> dict:
+        return json.loads((folder / "config.json").read_text())
+
+    target_cfg = config(target_dir)
+    plan = plan_split(target_cfg, config(drafter_dir) if drafter_dir else None, devices=split[1],
+                      strategy=split[0], quant=quant, context_tokens=max_context or S.DEFAULT_MAX_CONTEXT)
+    if not plan.fits:
+        raise InvalidSettingError(f"{target_dir.name} does not fit the split: {plan.problem}",
+                                  hint="raise --max-memory, add disk to it, lower --max-context, or use --quant nf4")
+    if plan.offloaded_layers and target_cfg.get("model_type") in HYBRID_MODEL_TYPES:
+        raise InvalidSettingError(f"{target_dir.name} would offload {plan.offloaded_layers} layers to cpu/disk, "
+                                  "which hybrid (linear-attention) targets cannot run with",
+                                  hint="give the GPUs more room (--max-memory), or use --quant nf4")
+    return plan.layer_devices()
 
 
 def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int | None, *, quantized: bool,
@@ -142,6 +180,8 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     from dflash_cli.models.smollm2 import default_cache_dir
 
     compiled, why = resolve_compile(compile, target.device, quantized=quantized)
+    if compiled and target.split:
+        compiled, why = False, "split over devices: not compiled"
     if compile == "off" and not target.hybrid:
         return "transformers forward (compile off)"
     if compile == "off":

@@ -23,6 +23,7 @@ DEFAULT_DEVICE = "auto"
 DEFAULT_COLOR = "auto"
 DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_COMPILE = "auto"  # compile the fast path where it pays (engine/compile.py)
+DEFAULT_DEVICE_MAP = "none"  # one device; auto/balanced/sequential split the target (models/split.py)
 
 ENV = {
     "model": "DFLASH_MODEL",
@@ -43,6 +44,8 @@ ENV = {
     "compile": "DFLASH_COMPILE",
     "hide_thinking": "DFLASH_HIDE_THINKING",
     "engine": "DFLASH_ENGINE",
+    "device_map": "DFLASH_DEVICE_MAP",
+    "max_memory": "DFLASH_MAX_MEMORY",
 }
 API_KEY_ENV = "DFLASH_API_KEY"  # the bearer token for --engine (vLLM and SGLang --api-key)
 DEBUG_ENV = "DFLASH_DEBUG"
@@ -86,7 +89,7 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "model": str, "draft": str, "quant": str, "dtype": str, "device": str, "max_tokens": int,
     "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
     "system": str, "color": str, "provenance": bool, "max_context": int, "compile": str,
-    "hide_thinking": bool, "engine": str,
+    "hide_thinking": bool, "engine": str, "device_map": str, "max_memory": str,
 }
 
 
@@ -115,7 +118,7 @@ class Config:
         """click's default_map: config values become option defaults (flags and env vars still win)."""
         model_keys = {k: v for k, v in self.values.items()
                       if k in ("model", "draft", "quant", "dtype", "device", "max_context", "block_size", "color",
-                               "compile", "engine")}
+                               "compile", "engine", "device_map", "max_memory")}
         return {"generate": dict(self.values), "chat": dict(self.values), "bench": model_keys}
 
 

@@ -52,11 +52,14 @@ class StaticCache:
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, *,
-                 dtype: torch.dtype, device: torch.device, linear: LinearStates | None = None,
-                 attention_layers: set[int] | None = None):
+                 dtype: torch.dtype, device: torch.device | Sequence[torch.device],
+                 linear: LinearStates | None = None, attention_layers: set[int] | None = None):
+        # one device for all layers, or each layer's own (a target split over devices)
+        self.devices = list(device) if isinstance(device, Sequence) else [device] * num_layers
+
         def buffer(i: int) -> torch.Tensor:
             rows = capacity if attention_layers is None or i in attention_layers else 0
-            return torch.zeros((1, kv_heads, rows, head_dim), dtype=dtype, device=device)
+            return torch.zeros((1, kv_heads, rows, head_dim), dtype=dtype, device=self.devices[i])
 
         self.keys = [buffer(i) for i in range(num_layers)]
         self.values = [buffer(i) for i in range(num_layers)]
@@ -90,12 +93,14 @@ class LinearStates:
     length starts over from position 0.
     """
 
-    def __init__(self, nets: list[HFModule], *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, nets: list[HFModule], *, dtype: torch.dtype, device: torch.device | Sequence[torch.device]):
         self.kernel = nets[0].conv_kernel_size
+        devices = list(device) if isinstance(device, Sequence) else [device] * len(nets)
         conv = [(1, net.conv_dim, net.conv_kernel_size - 1) for net in nets]
         state = [(net.num_v_heads, net.head_k_dim, net.head_v_dim) for net in nets]
-        self.convs = [[torch.zeros(c, dtype=dtype, device=device) for c in conv] for _ in range(3)]
-        self.states = [[torch.zeros(s, dtype=torch.float32, device=device) for s in state] for _ in range(3)]
+        self.convs = [[torch.zeros(c, dtype=dtype, device=d) for c, d in zip(conv, devices)] for _ in range(3)]
+        self.states = [[torch.zeros(s, dtype=torch.float32, device=d) for s, d in zip(state, devices)]
+                       for _ in range(3)]
         # per layer: (buffer in use 0|1, record of the last forward or None, its base position or the
         # state's position); buffer 2 is the checkpoint
         self.slots: list[tuple[int, BlockRecord | None, int]] = [(0, None, 0)] * len(nets)
@@ -167,6 +172,8 @@ def fast_path_unsupported(model: HFModule) -> str | None:
     """Why `model` cannot take the fast path, or None when it can."""
     config = model.config
     model_type = getattr(config, "model_type", None)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return "layers offloaded to cpu/disk (accelerate copies their weights in on every forward)"
     if model_type not in FAMILIES + HYBRID_FAMILIES:
         return f"model type {model_type!r} (fast path: {', '.join(FAMILIES + HYBRID_FAMILIES)})"
     # Qwen2 gates its window with use_sliding_window; Mistral applies sliding_window whenever it is set
@@ -223,6 +230,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
 
 
+def layer_device(layer: nn.Module) -> torch.device:
+    """Where a decoder layer computes: the device of its weights (one per layer under a device map)."""
+    return next(layer.parameters()).device
+
+
+def move(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Every crossing of a device boundary in the fast path goes through here (the tests count them)."""
+    # asynchronous only towards a GPU: a CPU tensor copied from a GPU without waiting could be read unfinished
+    return x.to(device, non_blocking=device.type == "cuda")
+
+
 def first_attention(model: HFModule) -> HFModule:
     return next(layer.self_attn for layer in model.get_decoder().layers if not is_linear_attention(layer))
 
@@ -238,7 +256,7 @@ class StaticForward(nn.Module):
     """
 
     def __init__(self, model: HFModule, taps: list[int], projections: nn.ModuleList, lm_head: nn.Module, *,
-                 last_logit_only: bool = False):
+                 last_logit_only: bool = False, devices: Sequence[torch.device] | None = None):
         super().__init__()
         decoder = model.get_decoder()
         self.embed = model.get_input_embeddings()
@@ -254,6 +272,9 @@ class StaticForward(nn.Module):
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         # Qwen3.5's attention doubles q_proj: a query and a sigmoid gate on the output per head
         self.gated = attn.q_proj.out_features == 2 * model.config.num_attention_heads * self.head_dim
+        # under a device map each layer runs where its weights are; the rest (embeddings, norm, LM head) on
+        # the hot device, where the caller's ids and the drafter are
+        self.devices = list(devices) if devices is not None else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
@@ -262,11 +283,20 @@ class StaticForward(nn.Module):
         cos, sin = self.rotary(h, positions[None])  # (1, n, rotary dims)
         cos, sin = cos[:, None], sin[:, None]
         mask = (key_positions[None, :] <= positions[:, None])[None, None]  # (1, 1, n, L)
+        hot = here = h.device
+        # the per-call inputs of the layers, copied once per forward to each device that needs them
+        inputs: dict[torch.device, tuple[torch.Tensor, ...]] = {hot: (positions, key_positions, mask, cos, sin)}
         wanted = set(self.taps)
         tapped: dict[int, torch.Tensor] = {}
         records: list[tuple[torch.Tensor, ...]] = []
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            if self.devices is not None and self.devices[i] != here:  # a device boundary: move once
+                here = self.devices[i]
+                h = move(h, here)
+                if here not in inputs:
+                    inputs[here] = tuple(move(t, here) for t in inputs[hot])
+            at, keys_at, mask_at, cos_at, sin_at = inputs[here]
             proj: Any = self.projections[i]  # the layer's layer_projections() ModuleDict
             x = layer.input_layernorm(h)
             if is_linear_attention(layer):
@@ -274,7 +304,7 @@ class StaticForward(nn.Module):
                 out, record = gated_delta_net(layer.linear_attn, proj, x, convs[j], states[j])
                 records.append((record.s0, record.k, record.cum_g, record.delta, record.conv_tail))
             else:
-                out = self._attention(layer.self_attn, proj, x, positions, key_positions, mask, cos, sin,
+                out = self._attention(layer.self_attn, proj, x, at, keys_at, mask_at, cos_at, sin_at,
                                       keys[i], values[i])
             h = h + out
             x = layer.post_attention_layernorm(h)
@@ -284,8 +314,12 @@ class StaticForward(nn.Module):
             else:  # a mixture of experts
                 h = h + layer.mlp(x)
             if i in wanted:
-                # transformers' hidden_states[-1] is after the final norm: tap the same thing.
-                tapped[i] = self.norm(h) if i == last else h
+                # transformers' hidden_states[-1] is after the final norm: tap the same thing. Taps are
+                # gathered on the hot device (the drafter's), each moved once.
+                tap = h if here == hot else move(h, hot)
+                tapped[i] = self.norm(tap) if i == last else tap
+        if here != hot:
+            h = move(h, hot)
         if self.last_logit_only:
             h = h[:, -1:]
         logits = self.lm_head(self.norm(h)[0])  # (n, V); a 2-D input keeps CPU bf16 on the plain matmul
@@ -345,7 +379,10 @@ class FastPath:
         self.kv_heads = attn.k_proj.out_features // attn.head_dim
         self.head_dim = attn.head_dim
         self.dtype = model.get_input_embeddings().weight.dtype
-        self.device = model.get_input_embeddings().weight.device
+        self.device = model.get_input_embeddings().weight.device  # the hot device: ids, logits, taps
+        devices = [layer_device(layer) for layer in layers]
+        # each layer's device under a device map; None on one device (no boundary checks at all)
+        self.devices: list[torch.device] | None = devices if set(devices) != {self.device} else None
         self.compile_step = compile_step
         self.on_fallback = on_fallback
         # Eager CPU runs use oneDNN-packed weights (a second copy, when memory allows); compiled code leaves
@@ -369,10 +406,12 @@ class FastPath:
         self._compiled.clear()
 
     def new_cache(self) -> StaticCache:
-        linear = (LinearStates(self.linear_nets, dtype=self.dtype, device=self.device)
+        devices = self.devices or [self.device] * self.num_layers
+        linear_devices = [d for i, d in enumerate(devices) if i not in self.attention_layers]
+        linear = (LinearStates(self.linear_nets, dtype=self.dtype, device=linear_devices)
                   if self.linear_nets else None)
         cache = StaticCache(self.num_layers, self.kv_heads, self.head_dim, self.capacity, dtype=self.dtype,
-                            device=self.device, linear=linear, attention_layers=self.attention_layers)
+                            device=devices, linear=linear, attention_layers=self.attention_layers)
         if self.compiled and self.device.type == "cuda":  # CUDA graphs read the buffers where they are
             buffers = cache.keys + cache.values
             if linear is not None:
@@ -398,7 +437,7 @@ class FastPath:
         key = (taps, last_logit_only)
         if key not in self._eager:
             self._eager[key] = StaticForward(self.model, self.taps if taps else [], self.projections, self.lm_head,
-                                             last_logit_only=last_logit_only)
+                                             last_logit_only=last_logit_only, devices=self.devices)
         return self._eager[key]
 
     def forward(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,

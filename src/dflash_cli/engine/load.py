@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,14 +125,18 @@ def load_drafter(folder: str | Path, *, device: torch.device | str | None = None
 
 
 def load_target(folder: str | Path, *, device: torch.device | str | None = None,
-                dtype: torch.dtype | str | None = None, quant: str | None = None) -> Target:
+                dtype: torch.dtype | str | None = None, quant: str | None = None,
+                layer_devices: Sequence[str] | None = None) -> Target:
     """Loads a causal LM from a local folder through transformers' AutoModelForCausalLM.
 
     Args:
         folder: a local Hugging Face checkpoint folder with safetensors weights.
-        device: defaults to cuda when available, else cpu.
+        device: defaults to cuda when available, else cpu. With `layer_devices`, the hot device: the
+            embeddings, final norm and LM head go there (the drafter goes there too).
         dtype: compute dtype; defaults to bf16 on GPUs and fast-bf16 CPUs, else fp32.
         quant: None, "int8" or "nf4" to quantize the linear layers with bitsandbytes.
+        layer_devices: the device of each decoder layer ("cuda:1", "cpu", "disk"), as models/split.py
+            plans them; accelerate offloads the layers on cpu (when the hot device is a GPU) and disk.
     """
     folder = Path(folder)
     device = pick_device(str(device) if device is not None else None)
@@ -141,10 +148,19 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    kwargs = dict(dtype=dtype, device_map=str(device), trust_remote_code=False, use_safetensors=True)
+    kwargs: dict[str, Any] = dict(dtype=dtype, device_map=str(device), trust_remote_code=False,
+                                  use_safetensors=True)
+    offload_dir = None
+    if layer_devices is not None:
+        kwargs["device_map"] = split_map(folder, layer_devices, str(device))
+        if "disk" in layer_devices:
+            offload_dir = tempfile.TemporaryDirectory(prefix="dflash-offload-")
+            kwargs["offload_folder"] = offload_dir.name
     if quant:
         kwargs["quantization_config"] = bnb_config(quant, dtype)
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    # accelerate warns that offloaded weights wait on `meta`: the load line says so (Target.placement)
+    logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # the UI shows its own progress
     try:
@@ -158,7 +174,24 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
             hf_logging.enable_progress_bar()
     model.eval().requires_grad_(False)
     logging.getLogger(__name__).debug("loaded %s as %s", folder, type(model).__name__)
-    return Target(model, name=str(folder))
+    target = Target(model, name=str(folder))
+    target.offload_dir = offload_dir  # removed with the target
+    return target
+
+
+def split_map(folder: Path, layer_devices: Sequence[str], hot: str) -> dict[str, str]:
+    """The module map for transformers' `device_map=`: built on an empty (meta) model of the checkpoint's
+    config, each decoder layer on its planned device, the rest on the hot device."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash_cli.engine.placement import module_map
+    from dflash_cli.engine.target import decoder_layers
+
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    return module_map(empty, decoder_layers(empty), layer_devices, hot)
 
 
 @dataclass
@@ -176,8 +209,12 @@ def attach_drafter(target: Target, drafter: DFlashDrafter, *, drafter_name: str 
 
 def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,
               device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
-              quant: str | None = None, drafter_quant: str | None = None) -> Pair:
-    """Loads a target and (optionally) its drafter, checking the pairing from configs before any weights."""
+              quant: str | None = None, drafter_quant: str | None = None,
+              layer_devices: Sequence[str] | None = None) -> Pair:
+    """Loads a target and (optionally) its drafter, checking the pairing from configs before any weights.
+
+    With `layer_devices` (a split, see load_target) the drafter goes on the hot device `device`, beside
+    the target's embeddings and LM head, which it uses on every draft."""
     device = pick_device(str(device) if device is not None else None)
     dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device)
     drafter_cfg = None
@@ -185,7 +222,7 @@ def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,
         drafter_cfg = read_drafter_config(Path(drafter_folder))
         check_pair(read_config(Path(target_folder), "target"), drafter_cfg,
                    target_name=str(target_folder), drafter_name=str(drafter_folder))
-    target = load_target(target_folder, device=device, dtype=dtype, quant=quant)
+    target = load_target(target_folder, device=device, dtype=dtype, quant=quant, layer_devices=layer_devices)
     drafter = None
     if drafter_folder is not None:
         drafter = load_drafter(drafter_folder, device=target.device, dtype=dtype, quant=drafter_quant)

@@ -63,6 +63,21 @@ def crop_cache(cache, length: int) -> None:
             layer.crop(-extra)
 
 
+def placement_of(model: HFModule, layers: nn.ModuleList) -> list[str]:
+    """Each decoder layer's device as loaded: accelerate's map when there is one (it names offloaded
+    layers' home, "cpu" or "disk", whose weights wait on `meta`), else where its weights are."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    names = {id(m): n for n, m in model.named_modules()} if device_map else {}
+    out = []
+    for layer in layers:
+        name = names.get(id(layer))
+        where = device_map.get(name) if name is not None else None
+        if where is None:
+            where = str(next(layer.parameters()).device)
+        out.append(f"cuda:{where}" if isinstance(where, int) else str(where))
+    return out
+
+
 class Target:
     """A loaded causal LM and the hooks that read its tapped layers."""
 
@@ -73,7 +88,10 @@ class Target:
         self.num_layers = len(self.layers)
         self.embed_weight: torch.Tensor = model.get_input_embeddings().weight
         self.lm_head: nn.Module = model.get_output_embeddings()
+        # the hot device: embeddings, LM head, logits, the drafter and the tapped states live here, also
+        # when a device map spreads the decoder layers over several devices (`layer_devices`)
         self.device = self.embed_weight.device
+        self.layer_devices = placement_of(model, self.layers)
         self.vocab_rows = self.embed_weight.shape[0]
         self.hidden_size = self.embed_weight.shape[1]
         params = inspect.signature(model.forward).parameters
@@ -84,8 +102,29 @@ class Target:
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
         self.fast: FastPath | None = None  # engine.fast.FastPath once enable_fast_path() succeeded
+        self.offload_dir: Any = None  # a TemporaryDirectory holding disk-offloaded weights, if any
         # linear-attention (Qwen3.5) layers: transformers' cache cannot roll their state back, ours can
         self.hybrid = any(is_linear_attention(layer) for layer in self.layers)
+
+    @property
+    def split(self) -> bool:
+        """Whether the decoder layers are spread over devices other than the hot one."""
+        return set(self.layer_devices) != {str(self.device)}
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether some layers are offloaded to cpu/disk (run on the hot device, copied in per forward)."""
+        away = ("disk",) if self.device.type == "cpu" else ("disk", "cpu")
+        return any(d in away for d in self.layer_devices)
+
+    @property
+    def placement(self) -> str:
+        """Where the layers are, in words: 'cuda:0 18 layers, cuda:1 18 layers' (offloaded: slow)."""
+        counts: dict[str, int] = {}
+        for d in self.layer_devices:
+            counts[d] = counts.get(d, 0) + 1
+        text = ", ".join(f"{d} {n} layer{'s' if n != 1 else ''}" for d, n in counts.items())
+        return text + (" (offloaded layers: slow)" if self.offloaded else "")
 
     def enable_fast_path(self, context: int, *, compile_step=None, pad_to: int = 1,
                          on_fallback=None) -> str | None:
@@ -181,6 +220,7 @@ class Target:
             self._capturing = False
         hidden = None
         if taps:
-            hidden = torch.cat([self._captured[i] for i in self._taps], dim=-1)
+            # gathered on the hot device (the drafter's), each tap moved once
+            hidden = torch.cat([self._captured[i].to(self.device) for i in self._taps], dim=-1)
             self._captured.clear()
         return out.logits[0], hidden

@@ -126,7 +126,9 @@ class MemoryBudget:
     context_tokens: int
     dtype: str  # bf16, fp16 or fp32
     where: str  # "GPU memory" or "system memory", for messages
-    device: str = ""  # the device planned for: cuda:0, cpu, ...
+    device: str = ""  # the device planned for: cuda:0, cpu, ... (the hot device of a split)
+    strategy: str | None = None  # --device-map: the target is split over `devices`
+    devices: tuple[tuple[str, int | None], ...] = ()  # (device, bytes or None: unbounded), hot first
 
 
 def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, budget: MemoryBudget,
@@ -135,6 +137,8 @@ def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, bud
     from dflash_cli.models.plan import GIB, choose_quant, plan_memory
 
     planned = budget.dtype if quant == "none" else quant
+    if budget.strategy is not None:
+        return preflight_split(target_cfg, drafter_cfg, quant, budget, name)
     if quant == "auto":
         chosen = choose_quant(target_cfg, drafter_cfg, context_tokens=budget.context_tokens,
                               available_bytes=budget.available_bytes)
@@ -153,11 +157,45 @@ def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, bud
         hint="; ".join(plan.suggestions[:3]) or "use a smaller model")
 
 
-def memory_budget(device: str | None, dtype: str | None, context_tokens: int) -> MemoryBudget | None:
-    """What a pair must fit in on the device `generate --device` would pick: free GPU memory on CUDA,
-    available system memory on CPU (None: unknown)."""
-    from dflash_cli.engine.device import free_memory, pick_device, pick_dtype
+def preflight_split(target_cfg: dict, drafter_cfg: dict | None, quant: str, budget: MemoryBudget,
+                    name: str) -> str:
+    """preflight_memory for a target split over devices: per-device plans; `--quant auto` splits before
+    it quantizes harder, and offloads only when nothing fits on the GPUs."""
+    from dflash_cli.models.split import choose_split_quant, plan_split
 
+    assert budget.strategy is not None
+    devices = list(budget.devices)
+    if quant == "auto":
+        chosen = choose_split_quant(target_cfg, drafter_cfg, devices=devices, strategy=budget.strategy,
+                                    context_tokens=budget.context_tokens)
+        if chosen is not None:
+            return "none" if chosen in ("bf16", "fp16", "fp32") else chosen
+        quant = "nf4"
+    planned = budget.dtype if quant == "none" else quant
+    plan = plan_split(target_cfg, drafter_cfg, devices=devices, strategy=budget.strategy, quant=planned,
+                      context_tokens=budget.context_tokens)
+    if plan.fits:
+        return quant
+    raise MemoryPlanError(f"{name} does not fit split over {', '.join(d for d, _ in devices)} in {planned} at "
+                          f"{budget.context_tokens:,} tokens: {plan.problem}",
+                          hint="raise --max-memory, add disk to it, lower --max-context, or use --quant nf4")
+
+
+def memory_budget(device: str | None, dtype: str | None, context_tokens: int, device_map: str | None = None,
+                  max_memory: str | None = None) -> MemoryBudget | None:
+    """What a pair must fit in on the device `generate --device` would pick: free GPU memory on CUDA,
+    available system memory on CPU (None: unknown); with --device-map, every device of the split."""
+    from dflash_cli.engine.device import free_memory, pick_device, pick_dtype
+    from dflash_cli.engine.placement import resolve_split
+
+    split = resolve_split(device, device_map, max_memory)
+    if split is not None:
+        strategy, devices = split
+        hot = pick_device(devices[0][0] if devices[0][0] != "disk" else "cpu")
+        dt = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(pick_dtype(dtype, hot)), "fp32")
+        total = sum(b for _, b in devices if b is not None)
+        return MemoryBudget(total, context_tokens, dt, "memory over " + ", ".join(d for d, _ in devices), str(hot),
+                            strategy, tuple(devices))
     picked = pick_device(device)
     free = free_memory(picked)
     if free is None:

@@ -53,6 +53,13 @@ model_options = apply_all([
                  help="Compute dtype (auto: bf16 on GPUs and bf16-capable CPUs, else fp32)."),
     click.option("--device", default=S.DEFAULT_DEVICE, envvar=S.ENV["device"], show_envvar=True, show_default=True,
                  help="cuda, cuda:N, cpu or auto."),
+    click.option("--device-map", type=click.Choice(["none", "auto", "balanced", "sequential"]),
+                 default=S.DEFAULT_DEVICE_MAP, envvar=S.ENV["device_map"], show_envvar=True, show_default=True,
+                 help="Split the target's layers over the GPUs present (accelerate's strategies; auto = "
+                      "balanced), offloading to cpu, then disk, only as the last resort (slow)."),
+    click.option("--max-memory", envvar=S.ENV["max_memory"], show_envvar=True, metavar="DEV=SIZE,..",
+                 help="Memory each device may use under --device-map, e.g. 0=14GiB,1=14GiB,cpu=30GiB "
+                      "(default: the free memory of every GPU, then cpu and disk)."),
     click.option("--compile", "compile", type=click.Choice(["auto", "on", "off"]), default=S.DEFAULT_COMPILE,
                  envvar=S.ENV["compile"], show_envvar=True, show_default=True,
                  help="Compile the decode and verify forwards (auto: CUDA graphs on GPUs; not on CPUs, where it "

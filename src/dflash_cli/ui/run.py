@@ -90,7 +90,8 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: 
                                "or a Hub repo id), or set DFLASH_MODEL")
     pair = resolve_pair(opts["model"], opts.get("draft"), no_draft=opts["no_draft"],
                         on_status=out.info if not quiet else (lambda _: None), quant=opts["quant"],
-                        budget=memory_budget(opts["device"], opts["dtype"], opts["max_context"]))
+                        budget=memory_budget(opts["device"], opts["dtype"], opts["max_context"],
+                                             opts.get("device_map"), opts.get("max_memory")))
     check_block_size(opts.get("block_size"), pair.block_size)
     if opts["quant"] == "auto" and not quiet:
         out.info(f"--quant auto: {pair.quant if pair.quant != 'none' else 'no quantization'} fits")
@@ -98,12 +99,15 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: 
         runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None,
                                quant=pair.quant, dtype=opts["dtype"], device=opts["device"],
                                compile=opts.get("compile", "auto"), max_context=opts.get("max_context"),
+                               device_map=opts.get("device_map"), max_memory=opts.get("max_memory"),
                                on_notice=out.warn,
                                before_weights=None if prompt is None else
                                lambda tokenizer: check_prompt_fits(tokenizer, prompt, system, opts))
     runtime.pair = pair.drafter_entry
     if not quiet:
         where = f"{runtime.device} {runtime.dtype}" + (f" {runtime.quant}" if runtime.quant else "")
+        if runtime.target.split:
+            where += f" · layers on {runtime.target.placement}"
         block = f" (block {runtime.drafter.block_size})" if runtime.speculative else ""
         out.info(f"{pair.drafter_note}{block} · {where} · loaded in {runtime.load_seconds:.1f}s")
     return runtime

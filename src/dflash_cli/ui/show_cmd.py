@@ -80,11 +80,15 @@ def option_source(ctx: click.Context, param: str, config_key: str | None, env: s
 
 
 def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, context: int, quant: str,
-             device: str, endpoint: str | None) -> int:
+             device: str, endpoint: str | None, device_map: str | None = None,
+             max_memory: str | None = None) -> int:
+    from dflash_cli.engine.placement import resolve_split
     from dflash_cli.models.plan import format_plan, plan_memory
     from dflash_cli.models.registry import BUILTIN_MODELS
     from dflash_cli.models.resolve import resolve_spec
+    from dflash_cli.models.split import format_split, plan_split
 
+    split = resolve_split(device, device_map, max_memory)  # bad settings: one line, before anything else
     spec = resolve_spec(value, registry(), allow_unsupported=True, store=True)
     target, t_rev, drafter, d_rev, entry = (spec.target, spec.target_revision, spec.drafter, spec.drafter_revision,
                                             spec.entry)
@@ -104,6 +108,11 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
     if t_cfg is not None:
         mem_bytes, mem_what = plan_budget(device, context)
         plan = plan_memory(t_cfg, d_cfg, quant=quant, context_tokens=context, available_bytes=mem_bytes)
+    split_plan = None
+    if t_cfg is not None and split is not None:
+        quant_for_split = "bf16" if quant in ("auto", "none") else quant
+        split_plan = plan_split(t_cfg, d_cfg, devices=split[1], strategy=split[0], quant=quant_for_split,
+                                context_tokens=context)
     info = {
         "name": entry.alias if entry else spec.alias if builtin else None, "target": target, "target_revision": t_rev,
         "drafter": drafter, "drafter_revision": d_rev,
@@ -121,6 +130,13 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
                           "context_tokens": plan.context_tokens, "block_size": plan.block_size,
                           "components": plan.components, "total_bytes": plan.total, "fits": plan.fits,
                           "suggestions": plan.suggestions}
+    if split_plan is not None:
+        info["split"] = {"strategy": split_plan.strategy, "quant": split_plan.quant, "fits": split_plan.fits,
+                         "offloaded_layers": split_plan.offloaded_layers,
+                         "devices": [{"device": s.device, "available_bytes": s.available,
+                                      "first_layer": s.first_layer, "layers": s.layers, "weights_bytes": s.weights,
+                                      "kv_bytes": s.kv, "working_bytes": s.working, "total_bytes": s.total,
+                                      "offload": s.offload} for s in split_plan.shares]}
     if as_json:
         echo(json.dumps(info, indent=2))
         return EXIT_OK
@@ -160,6 +176,9 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         lines += ["  " + line for line in format_plan(plan)]
     else:
         lines.append("  unavailable: the target's config.json is needed")
+    if split_plan is not None:
+        lines += ["", f"per-device plan (--device-map {device_map})"]
+        lines += ["  " + line for line in format_split(split_plan)]
     echo(lines)
     return EXIT_OK
 
@@ -177,10 +196,16 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
 @click.option("--device", default=None, envvar=S.ENV["device"], show_envvar=True,
               help=f"Device whose free memory the plan is against [default: config file, else {S.DEFAULT_DEVICE}, "
                    "as generate].")
+@click.option("--device-map", type=click.Choice(["none", "auto", "balanced", "sequential"]), default=None,
+              envvar=S.ENV["device_map"], show_envvar=True,
+              help="Also plan the target split over the devices present, as generate would [default: config "
+                   "file, else none].")
+@click.option("--max-memory", envvar=S.ENV["max_memory"], show_envvar=True, metavar="DEV=SIZE,..",
+              help="Memory per device for --device-map, e.g. 0=14GiB,1=14GiB,cpu=30GiB.")
 @endpoint_option
 @common_options
 @click.pass_context
-def show(ctx, model, as_json, context, quant, device, endpoint, color, debug):
+def show(ctx, model, as_json, context, quant, device, device_map, max_memory, endpoint, color, debug):
     """Show a pair: target, drafter, notes, config summary and a memory plan.
 
     The config files are read from the cache, or fetched (config.json only) when online. The plan uses
@@ -198,4 +223,7 @@ def show(ctx, model, as_json, context, quant, device, endpoint, color, debug):
     quant = quant or str(values.get("quant") or DEFAULT_SHOW_QUANT)
     context = context or int(values.get("max_context") or S.DEFAULT_MAX_CONTEXT)
     device = device or str(values.get("device") or S.DEFAULT_DEVICE)
-    run_plain(color, debug, lambda out: run_show(out, sources, model, as_json, context, quant, device, endpoint))
+    device_map = device_map or str(values.get("device_map") or S.DEFAULT_DEVICE_MAP)
+    max_memory = max_memory or values.get("max_memory")
+    run_plain(color, debug, lambda out: run_show(out, sources, model, as_json, context, quant, device, endpoint,
+                                                 device_map, max_memory))
