@@ -254,7 +254,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     head = make_head(target.lm_head, sub_ids)
     vocab_ids = sub_ids.to(dev) if draft_vocab and sub_ids is not None else None
     if vocab_ids is not None:
-        call["draft_vocab_size"] = len(vocab_ids)
+        raw["training"]["draft_vocab_size"] = len(vocab_ids)
     cfg = TrainConfig(steps=steps, time_budget=time_budget, lr=lr, batch=min(batch, len(train_set)),
                       anchors=anchors, gamma=gamma, checkpoint_every=checkpoint_every, eval_every=eval_every,
                       seed=seed, warmup=min(50, max(1, (steps or 1000) // 20)), distill=distill)

@@ -47,9 +47,9 @@ def _parse_taps(_ctx, _param, value):
               help="Longest generated response per prompt.")
 @click.option("--gen-batch", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompts per batched generation.")
-@click.option("--gen-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MIN",
+@click.option("--gen-budget", type=click.FloatRange(min=0), default=None, metavar="MIN",
               help="Generate data for at most this many minutes in this run, then train on what is stored "
-                   "(a later run with the same folder answers the rest).")
+                   "(a later run with the same folder answers the rest); 0 = train on what is stored.")
 @click.option("--sub-vocab/--full-vocab", default=True, show_default=True,
               help="Loss over the tokens seen in the responses only (faster), or the whole vocabulary.")
 @click.option("--distill", type=click.FloatRange(0, 1), default=0.0, show_default=True,
@@ -81,6 +81,10 @@ def train(target, out_dir, prompts, layers, block_size, taps, init, lr, steps, t
 
     if steps is not None and time_budget is not None:
         raise click.UsageError("give --steps or --time-budget, not both")
+    if distill > 0 and distill_topk == 0:
+        raise click.UsageError("--distill needs the target's top-k distributions: add --distill-topk 32")
+    if draft_vocab and not sub_vocab:
+        raise click.UsageError("--draft-vocab needs the training vocabulary: drop --full-vocab")
     if prompts is not None:
         from dflash_cli.engine.errors import DFlashError
         from dflash_cli.train.prompt_sets import resolve_prompts
@@ -92,7 +96,7 @@ def train(target, out_dir, prompts, layers, block_size, taps, init, lr, steps, t
     kwargs = dict(prompts=prompts, layers=layers, block_size=block_size, taps=taps, init=init, lr=lr, steps=steps,
                   time_budget=time_budget * 60 if time_budget else None, batch=batch, anchors=anchors,
                   max_new_tokens=max_new_tokens, gen_batch=gen_batch,
-                  gen_time_budget=gen_budget * 60 if gen_budget else None, sub_vocab=sub_vocab,
+                  gen_time_budget=gen_budget * 60 if gen_budget is not None else None, sub_vocab=sub_vocab,
                   distill=distill, distill_topk=distill_topk, draft_vocab=draft_vocab,
                   drafter_format=drafter_format, device=device,
                   dtype=None if dtype == "auto" else dtype)

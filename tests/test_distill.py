@@ -1,0 +1,309 @@
+"""Distillation data and loss (top-k distributions, KL term), the optional draft vocabulary, --init."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import (
+    DEVICE,
+    VOCAB,
+    dflash2_config,
+    drafter_config,
+    random_drafter,
+    save_random_drafter,
+    save_target,
+    save_tiny_tokenizer,
+    target_config,
+)
+from safetensors.torch import load_file, save_file
+
+from dflash_cli.engine.errors import CheckpointError
+from dflash_cli.engine.load import attach_drafter, load_drafter, load_target, save_drafter
+
+PROMPTS = [f"prompt {i}: tell me about {w}" for i, w in enumerate("cats dogs rain sun code math tea wind".split())]
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("distill-target") / "qwen3"
+    save_target(folder, target_config("qwen3"), seed=1, scale=3.0)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+# -- top-k data ---------------------------------------------------------------------------------------
+
+def test_topk_rows_are_the_targets_own_distribution_at_each_response_token(tiny_target_dir):
+    from dflash_cli.train.data import generate_batch
+
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    prompts = [[5, 9, 30, 41], [70, 71, 72, 3, 8, 100, 12]]  # different lengths: left padding is exercised
+    examples = generate_batch(target, prompts, [1, 4], max_new_tokens=12, stop_ids=[2], pad_id=0, topk=5)
+    for prompt, e in zip(prompts, examples):
+        response = e.ids[e.prompt_len :]
+        assert e.top_ids is not None and e.top_logp is not None
+        assert e.top_ids.shape == e.top_logp.shape == (len(response), 5)
+        assert e.top_ids[:, 0].long().tolist() == response.tolist()  # greedy: the top-1 is the token chosen
+        # an independent unpadded forward over the whole sequence gives the same distributions
+        with torch.no_grad():
+            logits = target.model(e.ids[None].to(DEVICE)).logits[0, e.prompt_len - 1 : -1].float()
+        logp = torch.log_softmax(logits, dim=-1).cpu()
+        assert torch.equal(e.top_ids.long(), logp.topk(5).indices)
+        torch.testing.assert_close(e.top_logp.float(), logp.topk(5).values, atol=2e-3, rtol=1e-3)
+
+
+def test_topk_tables_are_stored_and_a_cache_keeps_its_k(tmp_path, tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    from dflash_cli.train.data import build_dataset, load_dataset
+
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    build_dataset(target, tokenizer, PROMPTS[:3], [1, 4], tmp_path / "data", max_new_tokens=6, batch_size=2, topk=4)
+    stored = load_dataset(tmp_path / "data")
+    assert len(stored) == 3
+    for e in stored:
+        assert e.top_ids is not None and e.top_ids.dtype == torch.int32 and e.top_ids.shape[1] == 4
+        assert e.top_logp is not None and e.top_logp.dtype == torch.float16
+        assert len(e.top_ids) == len(e.ids) - e.prompt_len
+    with pytest.raises(ValueError, match="top-4 distributions, not top-8"):
+        build_dataset(target, tokenizer, PROMPTS[:4], [1, 4], tmp_path / "data", max_new_tokens=6, topk=8)
+
+
+# -- the loss -----------------------------------------------------------------------------------------
+
+def test_topk_kl_against_a_hand_computed_value():
+    from dflash_cli.train.trainer import topk_kl
+
+    logits = [2.0, 1.0, 0.0, -1.0]
+    logq = torch.log_softmax(torch.tensor([logits]), dim=-1)
+    # the target's top-3 ids 0, 2, 3 with probabilities .6 / .3 / .05; id 3 is outside the sub-vocabulary
+    rows = torch.tensor([[0, 2, -1]])
+    top_logp = torch.log(torch.tensor([[0.6, 0.3, 0.05]]))
+    z = sum(math.exp(x) for x in logits)
+    q0, q2 = math.exp(2.0) / z, math.exp(0.0) / z
+    p0, p2 = 0.6 / 0.9, 0.3 / 0.9  # renormalised over the ids present
+    expected = p0 * math.log(p0 / q0) + p2 * math.log(p2 / q2)
+    assert topk_kl(logq, rows, top_logp).item() == pytest.approx(expected, rel=1e-5)
+    # nothing present (a padded slot): 0, not NaN
+    empty = topk_kl(logq, torch.tensor([[-1, -1, -1]]), torch.full((1, 3), -math.inf))
+    assert empty.item() == 0.0
+    # q equal to p on the ids present: 0
+    same = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    assert topk_kl(same, torch.tensor([[0, 1, 2]]), same).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def _examples(tiny_target_dir, topk):
+    from dflash_cli.train.data import generate_batch
+    from dflash_cli.train.trainer import make_head
+
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    examples = generate_batch(target, [[5, 9, 30, 41], [70, 71, 72, 3, 8]], [1, 3, 4], max_new_tokens=20,
+                              stop_ids=[], pad_id=0, topk=topk)
+    return target, examples, make_head(target.lm_head, None)
+
+
+def test_block_loss_mixes_cross_entropy_and_kl_per_slot(tiny_target_dir):
+    import random
+
+    from dflash_cli.train.trainer import block_loss, make_batch
+
+    target, examples, head = _examples(tiny_target_dir, topk=6)
+    drafter = random_drafter(drafter_config(target_config("qwen3"), block_size=4), seed=3).to(DEVICE)
+    drafter.init_rotary(torch.device(DEVICE))
+    batch = make_batch(examples, 3, 4, random.Random(0), DEVICE)
+    hard, _, _ = block_loss(drafter, target.embed_weight, head, batch, 7.0, None, 0.0)
+    kl, _, _ = block_loss(drafter, target.embed_weight, head, batch, 7.0, None, 1.0)
+    mixed, _, _ = block_loss(drafter, target.embed_weight, head, batch, 7.0, None, 0.25)
+    assert mixed.item() == pytest.approx(0.75 * hard.item() + 0.25 * kl.item(), rel=1e-5)
+    assert kl.item() > 0 and hard.item() > kl.item()  # a random drafter; the hard label has p = 1
+    mixed.backward()
+    assert all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.grad is not None)
+    no_top = batch._replace(top_ids=None, top_logp=None)
+    with pytest.raises(ValueError, match="needs top-k data"):
+        block_loss(drafter, target.embed_weight, head, no_top, 7.0, None, 0.5)
+
+
+def test_distilled_training_lowers_the_kl_and_the_drafter_stays_lossless(tmp_path, tiny_target_dir):
+    from dflash_cli.engine.generate import generate
+    from dflash_cli.engine.load import load_pair
+    from dflash_cli.train.api import train_drafter
+
+    events = []
+    out = train_drafter(tiny_target_dir, tmp_path / "out", prompts=PROMPTS, layers=2, block_size=8, steps=30,
+                        batch=4, anchors=8, max_new_tokens=40, eval_every=10, lr=1e-3, device=DEVICE,
+                        dtype="float32", distill=1.0, distill_topk=8, draft_vocab=True,
+                        on_progress=lambda kind, info: events.append((kind, info)))
+    losses = [p.loss for kind, p in events if kind == "train"]
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    training = json.loads((out / "config.json").read_text())["training"]
+    assert training["distill"] == 1.0 and training["distill_topk"] == 8
+    stored = load_file(str(out / "model.safetensors"))
+    assert stored["draft_vocab"].dtype == torch.int64 and training["draft_vocab_size"] == len(stored["draft_vocab"])
+    pair = load_pair(tiny_target_dir, out, device=DEVICE, dtype="float32")
+    assert pair.drafter is not None and pair.drafter.draft_vocab is not None
+    plain_target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    from transformers import AutoTokenizer
+
+    from dflash_cli.engine.text import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    accepted = 0
+    for prompt in (encode_prompt(tokenizer, PROMPTS[0]), encode_prompt(tokenizer, PROMPTS[5])):
+        plain = generate(plain_target, None, prompt, max_new_tokens=30, stop_ids=[])
+        spec = generate(pair.target, pair.drafter, prompt, max_new_tokens=30, stop_ids=[])
+        assert spec.tokens == plain.tokens
+        accepted += spec.stats.accepted
+    assert accepted > 0  # drafts from the draft vocabulary were accepted, not only rejected
+
+
+def test_distill_options_are_checked_before_anything_loads(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_cli.ui.cli import cli
+
+    missing = str(tmp_path / "no-such-target")
+    for args, message in ((["--distill", "0.5"], "--distill needs the target's top-k distributions"),
+                          (["--draft-vocab", "--full-vocab"], "--draft-vocab needs the training vocabulary")):
+        result = CliRunner().invoke(cli, ["train", "-m", missing, "-o", str(tmp_path / "o"), *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "Traceback" not in result.output
+
+
+# -- the draft vocabulary -----------------------------------------------------------------------------
+
+def _drafter_with_vocab(tmp_path, ids, cfg=None):
+    cfg = cfg or drafter_config(target_config("qwen3"))
+    folder = save_random_drafter(tmp_path / "d", cfg, seed=2, scale=3.0)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["draft_vocab"] = ids
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_drafts_come_from_the_draft_vocabulary_only(tmp_path, tiny_target_dir):
+    from dflash_cli.engine.sampling import Sampler
+
+    vocab_ids = torch.arange(3, VOCAB, 3)  # a third of the vocabulary
+    folder = _drafter_with_vocab(tmp_path, vocab_ids)
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    drafter = load_drafter(folder, device=DEVICE, dtype="float32")
+    full = load_drafter(folder, device=DEVICE, dtype="float32")
+    full.draft_vocab = None
+    attach_drafter(target, drafter)
+    context = target.forward(torch.tensor([[5, 9, 30, 41]], device=DEVICE), target.new_cache(), 0, taps=True)[1]
+    anchor = torch.tensor([7], device=DEVICE)
+    got = drafter.draft(context, anchor, 4, 8, drafter.new_cache(), target.embed_weight, target.lm_head)
+    _, logits = full.draft_logits(context, anchor, 4, 8, full.new_cache(), target.embed_weight, target.lm_head, None)
+    outside = torch.ones(VOCAB, dtype=torch.bool, device=DEVICE)
+    outside[vocab_ids] = False
+    want = logits.masked_fill(outside, -torch.inf).argmax(-1)
+    assert got.tolist() == want.tolist()
+    assert got.tolist() != logits.argmax(-1).tolist()  # the restriction changed something
+    sampled = drafter.draft(context, anchor, 4, 8, drafter.new_cache(), target.embed_weight, target.lm_head,
+                            sampler=Sampler(temperature=1.5, seed=3))
+    assert set(sampled.tolist()) <= set(vocab_ids.tolist())
+
+
+def test_a_draft_vocabulary_keeps_decoding_lossless(tmp_path, tiny_target_dir):
+    from dflash_cli.engine.generate import generate
+
+    folder = _drafter_with_vocab(tmp_path, torch.arange(0, VOCAB, 2))
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    drafter = load_drafter(folder, device=DEVICE, dtype="float32")
+    attach_drafter(target, drafter)
+    plain_target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    for prompt in ([5, 9, 30, 41], [70, 71, 72, 3, 8, 100]):
+        plain = generate(plain_target, None, prompt, max_new_tokens=40, stop_ids=[])
+        spec = generate(target, drafter, prompt, max_new_tokens=40, stop_ids=[])
+        assert spec.tokens == plain.tokens
+        assert spec.stats.drafted > 0
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.tensor([1.0, 2.0]), "non-empty 1-D integer tensor, got float32"),
+    (torch.tensor([[1, 2]]), "non-empty 1-D integer tensor"),
+    (torch.tensor([], dtype=torch.int64), "non-empty 1-D integer tensor"),
+    (torch.tensor([3, 2, 5]), "distinct token ids in increasing order"),
+    (torch.tensor([2, 2, 5]), "distinct token ids in increasing order"),
+    (torch.tensor([-1, 2]), f"ids outside the vocabulary [0, {VOCAB})"),
+    (torch.tensor([2, VOCAB]), f"ids outside the vocabulary [0, {VOCAB})"),
+])
+def test_a_bad_draft_vocabulary_is_refused_by_name(tmp_path, ids, message):
+    folder = _drafter_with_vocab(tmp_path, ids)
+    with pytest.raises(CheckpointError, match="tensor 'draft_vocab'") as e:
+        load_drafter(folder, device=DEVICE, dtype="float32")
+    assert message in str(e.value)
+
+
+def test_a_draft_vocabulary_is_for_v1_drafters_only(tmp_path):
+    folder = _drafter_with_vocab(tmp_path, torch.arange(4, 20), dflash2_config(target_config("qwen3")))
+    with pytest.raises(CheckpointError, match="DFlash v1 drafters only"):
+        load_drafter(folder, device=DEVICE, dtype="float32")
+
+
+def test_the_draft_vocabulary_round_trips_and_the_transformers_format_leaves_it_out(tmp_path):
+    folder = _drafter_with_vocab(tmp_path, torch.tensor([4, 9, 30], dtype=torch.int32))
+    drafter = load_drafter(folder, device=DEVICE, dtype="float32")
+    assert drafter.draft_vocab is not None and drafter.draft_vocab.tolist() == [4, 9, 30]
+    again = load_drafter(save_drafter(drafter, tmp_path / "again"), device=DEVICE, dtype="float32")
+    assert again.draft_vocab is not None and again.draft_vocab.tolist() == [4, 9, 30]
+    hf = load_drafter(save_drafter(drafter, tmp_path / "hf", format="transformers"), device=DEVICE, dtype="float32")
+    assert hf.draft_vocab is None
+
+
+# -- --init -------------------------------------------------------------------------------------------
+
+def test_init_fine_tunes_the_given_drafter(tmp_path, tiny_target_dir):
+    from dflash_cli.train.api import train_drafter
+
+    cfg = drafter_config(target_config("qwen3"), layers=1, block_size=6, taps=(1, 4))
+    cfg["dflash_config"]["mask_token_id"] = 151
+    start = save_random_drafter(tmp_path / "start", cfg, seed=5)
+    # lr 0: the weights written are the starting drafter's exactly, so they were loaded, not re-drawn
+    out = train_drafter(tiny_target_dir, tmp_path / "out", prompts=PROMPTS[:4], init=start, steps=2, batch=2,
+                        anchors=4, max_new_tokens=12, lr=0.0, device=DEVICE, dtype="float32")
+    written, original = load_file(str(out / "model.safetensors")), load_file(str(start / "model.safetensors"))
+    assert written.keys() == original.keys()
+    for name in original:
+        assert torch.equal(written[name], original[name]), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["block_size"] == 6
+    assert config["dflash_config"]["target_layer_ids"] == [1, 4] and config["dflash_config"]["mask_token_id"] == 151
+    assert config["training"]["init"] == str(start)
+
+
+def test_init_with_another_shape_is_one_clear_error(tmp_path, tiny_target_dir):
+    from click.testing import CliRunner
+
+    from dflash_cli.ui.cli import cli
+
+    start = save_random_drafter(tmp_path / "start", drafter_config(target_config("qwen3"), layers=1), seed=5)
+    result = CliRunner().invoke(cli, ["train", "-m", str(tiny_target_dir), "-o", str(tmp_path / "o"),
+                                      "--init", str(start), "--layers", "3", "--device", DEVICE])
+    assert result.exit_code != 0 and "--layers 3 differs from the --init drafter's 1" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_zero_generation_budget_trains_on_the_stored_answers_only(tmp_path, tiny_target_dir):
+    from click.testing import CliRunner
+
+    from dflash_cli.train.data import read_index
+    from dflash_cli.ui.cli import cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    common = ["train", "-m", str(tiny_target_dir), "-o", str(tmp_path / "o"), "--prompts", str(prompts),
+              "--block-size", "4", "--anchors", "4", "--max-new-tokens", "8", "--gen-batch", "2", "--batch", "2",
+              "--device", DEVICE, "--dtype", "float32"]
+    first = CliRunner().invoke(cli, [*common, "--steps", "1", "--gen-budget", "0.0001"])
+    assert first.exit_code == 0, first.output
+    answered = {i for s in read_index(tmp_path / "o" / "data")["shards"] for i in s["prompts"]}
+    assert 0 < len(answered) < len(PROMPTS)  # one batch: the budget is checked between batches
+    second = CliRunner().invoke(cli, [*common, "--steps", "2", "--gen-budget", "0"])
+    assert second.exit_code == 0, second.output
+    assert {i for s in read_index(tmp_path / "o" / "data")["shards"] for i in s["prompts"]} == answered
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["training"]["step"] == 2
