@@ -13,8 +13,9 @@
 #
 # `run` reassembles the GGUF (checked against SHA256), lets dflash-cli convert it as on any machine, then
 # runs `dflash-cli train` with GPU-sized batches and copies the drafter, its config and the training log to
-# $OUT (also when the call is cut short: whatever was written by then). Defaults: 30000 prompts of the demo
-# set, 3 minutes of generation, 4 of training, the whole train command capped at 8.5 minutes: inside one
+# $OUT (also when the call is cut short: whatever was written by then). Defaults: 30000 prompts of the mix
+# set, distilled from the target's top-32 distributions with a draft vocabulary (DISTILL=0 for hard labels
+# only), 3 minutes of generation, 4 of training, the whole train command capped at 8.5 minutes: inside one
 # call's 10 minutes and one session's 15 device minutes with the machine's start. Copy the result into
 # src/dflash_cli/demo/smollm2-135m-dflash/ and record the command and numbers in the README.
 # On a CPU, `run` works the same with smaller budgets (useful to check the script). RESUME=1 keeps the
@@ -42,7 +43,7 @@ case "${1:-}" in
     ls -la "$stash"
     ;;
   run)
-    prompts=${2:-demo:30000}; gen_min=${3:-3}; train_min=${4:-4}
+    prompts=${2:-mix:30000}; gen_min=${3:-3}; train_min=${4:-4}; distill=${DISTILL:-1}
     out=${OUT:-$here/.gpu-out}; work=${WORK:-/tmp/dflash-demo-train}
     [ "${RESUME:-0}" = 1 ] || rm -rf "$work"
     mkdir -p "$out" "$stash"
@@ -69,7 +70,7 @@ case "${1:-}" in
     fi
     timeout "${TRAIN_TIMEOUT:-510}" python3 -m dflash_cli train -m smollm2-135m -o "$work" --prompts "$prompts" --layers 2 --block-size 16 \
       --gen-batch "$gen_batch" --gen-budget "$gen_min" --batch "$batch" --anchors "$anchors" --lr "$lr" \
-      --time-budget "$train_min" 2>&1 | tee "$out/train.log"
+      --time-budget "$train_min" --distill "$distill" --distill-topk 32 --draft-vocab 2>&1 | tee "$out/train.log"
     ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;

@@ -64,6 +64,19 @@ def converted(smollm2_converted):
 
 @pytest.mark.slow
 @needs_smollm2
+def test_the_python_api_loads_the_built_in_demo_pair_by_name(converted, monkeypatch):
+    import dflash_cli
+    from dflash_cli.engine.drafter import DFlashDrafter
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(converted.cache))
+    runtime = dflash_cli.load("demo", dtype="float32", device="cpu")
+    assert runtime.target_dir == converted.folder and isinstance(runtime.drafter, DFlashDrafter)
+    result = dflash_cli.generate(runtime, "What is 2 + 3?", max_new_tokens=8)
+    assert result.stats.speculative and result.tokens
+
+
+@pytest.mark.slow
+@needs_smollm2
 def test_converted_folder_generates_a_coherent_chat_answer(converted):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -26,6 +26,13 @@ def load(model: str, draft: str | None = None, *, quant: str | None = None, dtyp
     device_map: None (one device), "auto", "balanced" or "sequential" splits the target's layers over the
     GPUs (cpu/disk offload last); max_memory: "0=14GiB,1=14GiB,cpu=30GiB" or {"cuda:0": bytes, ...}.
     """
+    from pathlib import Path
+
+    if not Path(model).expanduser().is_dir() or (draft is not None and not Path(draft).expanduser().is_dir()):
+        from dflash_cli.models.resolve import resolve_pair  # names, repo ids and the built-in demo, as the CLI
+
+        pair = resolve_pair(model, draft)
+        model, draft = str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None
     return load_runtime(model, draft, quant=quant, dtype=dtype, device=device, compile=compile,
                         max_context=max_context, device_map=device_map, max_memory=max_memory)
 
