@@ -88,6 +88,22 @@ def test_an_impossible_plan_is_refused_before_any_weights_download(fake, online,
     assert fits.quant == "none"  # the best quality that fits: no quantization
 
 
+def test_a_pair_too_big_for_one_of_several_gpus_is_pointed_at_a_split():
+    from conftest import target_config
+
+    from dflash_cli.models.resolve import MemoryBudget, MemoryPlanError, preflight_memory
+
+    target_cfg = target_config("qwen3")
+    hints = {}
+    for gpus in (1, 4):
+        with pytest.raises(MemoryPlanError) as err:
+            preflight_memory(target_cfg, None, "none", MemoryBudget(1 << 20, 8192, "bf16", "GPU memory", "cuda:0",
+                                                                    gpus=gpus), "tiny")
+        hints[gpus] = err.value.hint
+    assert hints[4].startswith("--device-map auto splits it over the 4 GPUs; ")
+    assert "--device-map" not in hints[1]
+
+
 def test_quant_auto_from_the_command_line(tiny_models, tmp_path):
     import shutil
 

@@ -129,6 +129,7 @@ class MemoryBudget:
     device: str = ""  # the device planned for: cuda:0, cpu, ... (the hot device of a split)
     strategy: str | None = None  # --device-map: the target is split over `devices`
     devices: tuple[tuple[str, int | None], ...] = ()  # (device, bytes or None: unbounded), hot first
+    gpus: int = 0  # GPUs on this machine (a pair too big for one of several can be split over them)
 
 
 def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, budget: MemoryBudget,
@@ -151,10 +152,11 @@ def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, bud
         return quant
     parts = (f"target {plan.target_weights / GIB:.1f} + drafter {plan.drafter_weights / GIB:.1f} + "
              f"KV caches {(plan.target_kv + plan.drafter_kv) / GIB:.1f} + working {plan.activations / GIB:.1f}")
+    split = [f"--device-map auto splits it over the {budget.gpus} GPUs"] if budget.gpus > 1 else []
     raise MemoryPlanError(
         f"{name} needs about {plan.total / GIB:.1f} GiB in {planned} at {budget.context_tokens:,} tokens "
         f"({parts}), but {budget.available_bytes / GIB:.1f} GiB of {budget.where} are free",
-        hint="; ".join(plan.suggestions[:3]) or "use a smaller model")
+        hint="; ".join(split + plan.suggestions[:3]) or "use a smaller model")
 
 
 def preflight_split(target_cfg: dict, drafter_cfg: dict | None, quant: str, budget: MemoryBudget,
@@ -185,6 +187,8 @@ def memory_budget(device: str | None, dtype: str | None, context_tokens: int, de
                   max_memory: str | None = None) -> MemoryBudget | None:
     """What a pair must fit in on the device `generate --device` would pick: free GPU memory on CUDA,
     available system memory on CPU (None: unknown); with --device-map, every device of the split."""
+    import torch
+
     from dflash_cli.engine.device import free_memory, pick_device, pick_dtype
     from dflash_cli.engine.placement import resolve_split
 
@@ -201,8 +205,9 @@ def memory_budget(device: str | None, dtype: str | None, context_tokens: int, de
     if free is None:
         return None
     dt = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(pick_dtype(dtype, picked)), "fp32")
+    gpus = torch.cuda.device_count() if picked.type == "cuda" else 0
     return MemoryBudget(free, context_tokens, dt, "GPU memory" if picked.type == "cuda" else "system memory",
-                        str(picked))
+                        str(picked), gpus=gpus)
 
 
 def find_config(kind: str, where: str, revision: str | None, endpoint: str | None) -> Path:
