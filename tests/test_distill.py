@@ -20,7 +20,7 @@ from conftest import (
 )
 from safetensors.torch import load_file, save_file
 
-from dflash_cli.engine.errors import CheckpointError
+from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
 from dflash_cli.engine.load import attach_drafter, load_drafter, load_target, save_drafter
 
 PROMPTS = [f"prompt {i}: tell me about {w}" for i, w in enumerate("cats dogs rain sun code math tea wind".split())]
@@ -69,8 +69,15 @@ def test_topk_tables_are_stored_and_a_cache_keeps_its_k(tmp_path, tiny_target_di
         assert e.top_ids is not None and e.top_ids.dtype == torch.int32 and e.top_ids.shape[1] == 4
         assert e.top_logp is not None and e.top_logp.dtype == torch.float16
         assert len(e.top_ids) == len(e.ids) - e.prompt_len
-    with pytest.raises(ValueError, match="top-4 distributions, not top-8"):
+    with pytest.raises(InvalidSettingError, match="top-4 distributions, not top-8"):
         build_dataset(target, tokenizer, PROMPTS[:4], [1, 4], tmp_path / "data", max_new_tokens=6, topk=8)
+    # asking for none goes on storing the folder's top-4
+    build_dataset(target, tokenizer, PROMPTS[:4], [1, 4], tmp_path / "data", max_new_tokens=6, topk=0)
+    assert all(e.top_ids is not None and e.top_ids.shape[1] == 4 for e in load_dataset(tmp_path / "data"))
+    # a folder of answers without distributions cannot start storing them
+    build_dataset(target, tokenizer, PROMPTS[:2], [1, 4], tmp_path / "plain", max_new_tokens=6)
+    with pytest.raises(InvalidSettingError, match="holds no distributions, not top-4"):
+        build_dataset(target, tokenizer, PROMPTS[:3], [1, 4], tmp_path / "plain", max_new_tokens=6, topk=4)
 
 
 # -- the loss -----------------------------------------------------------------------------------------
@@ -125,6 +132,31 @@ def test_block_loss_mixes_cross_entropy_and_kl_per_slot(tiny_target_dir):
     no_top = batch._replace(top_ids=None, top_logp=None)
     with pytest.raises(ValueError, match="needs top-k data"):
         block_loss(drafter, target.embed_weight, head, no_top, 7.0, None, 0.5)
+
+
+def test_a_one_hot_distribution_on_the_label_gives_the_cross_entropy(tiny_target_dir):
+    """Aligns the stored rows with the slots: the KL against a one-hot p on each position's own token is
+    exactly that slot's cross-entropy, only if slot k of the block at p reads the row of position p+k."""
+    import random
+
+    from dflash_cli.train.trainer import block_loss, make_batch
+
+    target, examples, head = _examples(tiny_target_dir, topk=6)
+    drafter = random_drafter(drafter_config(target_config("qwen3"), block_size=4), seed=3).to(DEVICE)
+    drafter.init_rotary(torch.device(DEVICE))
+    batch = make_batch(examples, 3, 4, random.Random(0), DEVICE)
+    assert batch.top_ids is not None and batch.top_logp is not None
+    top_ids = batch.top_ids.clone()
+    top_ids[:, :, 0] = batch.ids
+    top_logp = torch.full_like(batch.top_logp, -math.inf)
+    top_logp[:, :, 0] = 0.0
+    one_hot = batch._replace(top_ids=top_ids, top_logp=top_logp)
+    hard, _, _ = block_loss(drafter, target.embed_weight, head, one_hot, 7.0, None, 0.0)
+    kl, _, _ = block_loss(drafter, target.embed_weight, head, one_hot, 7.0, None, 1.0)
+    assert kl.item() == pytest.approx(hard.item(), rel=1e-5)
+    shifted = one_hot._replace(top_ids=top_ids.roll(1, dims=1))  # each row one position late
+    wrong, _, _ = block_loss(drafter, target.embed_weight, head, shifted, 7.0, None, 1.0)
+    assert wrong.item() != pytest.approx(hard.item(), rel=1e-3)
 
 
 def test_distilled_training_lowers_the_kl_and_the_drafter_stays_lossless(tmp_path, tiny_target_dir):
@@ -208,19 +240,26 @@ def test_drafts_come_from_the_draft_vocabulary_only(tmp_path, tiny_target_dir):
     assert set(sampled.tolist()) <= set(vocab_ids.tolist())
 
 
-def test_a_draft_vocabulary_keeps_decoding_lossless(tmp_path, tiny_target_dir):
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_draft_vocabulary_keeps_decoding_lossless(tmp_path, tiny_target_dir, fast):
+    """Greedy and seeded sampling alike, on transformers' forward and on the fast path (whose LM head is a
+    oneDNN-packed copy on a CPU: the draft head's rows come from the dense weight it keeps)."""
     from dflash_cli.engine.generate import generate
 
     folder = _drafter_with_vocab(tmp_path, torch.arange(0, VOCAB, 2))
     target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
     drafter = load_drafter(folder, device=DEVICE, dtype="float32")
     attach_drafter(target, drafter)
+    if fast:
+        assert target.enable_fast_path(256, pad_to=drafter.block_size) is None
+        assert DEVICE != "cpu" or type(target.logits_head).__name__ == "PackedLinear"
     plain_target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
     for prompt in ([5, 9, 30, 41], [70, 71, 72, 3, 8, 100]):
-        plain = generate(plain_target, None, prompt, max_new_tokens=40, stop_ids=[])
-        spec = generate(target, drafter, prompt, max_new_tokens=40, stop_ids=[])
-        assert spec.tokens == plain.tokens
-        assert spec.stats.drafted > 0
+        for sampling in ({}, {"temperature": 1.0, "seed": 11}):
+            plain = generate(plain_target, None, prompt, max_new_tokens=40, stop_ids=[], **sampling)
+            spec = generate(target, drafter, prompt, max_new_tokens=40, stop_ids=[], **sampling)
+            assert spec.tokens == plain.tokens, sampling
+            assert spec.stats.drafted > 0
 
 
 @pytest.mark.parametrize("ids, message", [
@@ -274,6 +313,19 @@ def test_init_fine_tunes_the_given_drafter(tmp_path, tiny_target_dir):
     assert config["num_hidden_layers"] == 1 and config["block_size"] == 6
     assert config["dflash_config"]["target_layer_ids"] == [1, 4] and config["dflash_config"]["mask_token_id"] == 151
     assert config["training"]["init"] == str(start)
+
+
+def test_init_with_a_drafter_of_another_target_is_refused_before_any_weights(tmp_path, tiny_target_dir,
+                                                                            monkeypatch):
+    import dflash_cli.train.api as api
+    from dflash_cli.engine.errors import DFlashError
+
+    wide = target_config("qwen3", hidden_size=96)
+    start = save_random_drafter(tmp_path / "start", drafter_config(wide), seed=5)
+    monkeypatch.setattr(api, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    with pytest.raises(DFlashError, match="hidden"):
+        api.train_drafter(tiny_target_dir, tmp_path / "out", prompts=PROMPTS[:4], init=start, steps=1,
+                          device=DEVICE, dtype="float32")
 
 
 def test_init_with_another_shape_is_one_clear_error(tmp_path, tiny_target_dir):

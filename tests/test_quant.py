@@ -41,6 +41,17 @@ def test_quantized_pair_loads_and_generates(folders, quant, layer_type):
     assert fast.stats.generated_tokens == 20 and fast.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+def test_a_quantized_target_can_offload_layers(folders, quant):
+    """A split the planner may choose: quantized layers in memory, the rest offloaded to disk."""
+    target, drafter = folders
+    pair = load_pair(target, drafter, device="cpu", dtype="bfloat16", quant=quant, drafter_quant=quant,
+                     layer_devices=["cpu"] * 4 + ["disk"] * 2)
+    assert pair.target.offloaded
+    out = generate(pair.target, pair.drafter, [5, 6, 7, 8], max_new_tokens=12, stop_ids=[])
+    assert out.stats.generated_tokens == 12
+
+
 def test_quantized_drafter_drafts_like_the_dense_one(folders):
     target, drafter = folders
     dense = load_pair(target, drafter, device="cpu", dtype="bfloat16")

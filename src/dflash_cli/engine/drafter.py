@@ -6,13 +6,15 @@ so weights load by key with no renaming. docs/format.md sections 2-4 specify it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_cli.engine.config import DrafterConfig
+from dflash_cli.engine.packed import PackedLinear, dense_weight
 from dflash_cli.engine.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -203,7 +205,7 @@ class DFlashDrafter(nn.Module):
         # LM head then runs on those rows only; the target still verifies over the whole vocabulary
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None)
-        self._draft_head: tuple[tuple, nn.Module] | None = None  # (key of the LM head it came from, head)
+        self._draft_head: tuple[Any, torch.Tensor, tuple, nn.Module] | None = None  # see draft_head()
 
     @property
     def block_size(self) -> int:
@@ -298,18 +300,19 @@ class DFlashDrafter(nn.Module):
         logits = self.postprocess_logits(head(h.to(lm_head_dtype(head) or embed_weight.dtype))).float()  # (keep, V')
         if sampler is None:
             return self.draft_vocab[logits.argmax(-1)]
-        full = logits.new_full((logits.shape[0], embed_weight.shape[0]), -torch.inf)
+        full = logits.new_full((logits.shape[0], dense_weight(lm_head).shape[0]), -torch.inf)  # the target's width
         full[:, self.draft_vocab] = logits  # ids outside the draft vocabulary get probability 0
         return sampler(full, start + 1)
 
     def draft_head(self, lm_head: nn.Module) -> nn.Module:
         """The target's LM head restricted to the draft vocabulary's rows (made once per LM head)."""
         assert self.draft_vocab is not None
-        from dflash_cli.engine.packed import PackedLinear, dense_weight
-
         weight = dense_weight(lm_head)
-        key = (id(weight), weight.device, weight.dtype)
-        if self._draft_head is None or self._draft_head[0] != key:
+        cached = self._draft_head
+        # made again for another head (a weak reference: a freed target's id may be reused), dtype, device
+        # or vocabulary
+        if (cached is None or cached[0]() is not weight or cached[1] is not self.draft_vocab
+                or cached[2] != (weight.shape[0], weight.device, weight.dtype)):
             rows = self.draft_vocab.to(weight.device)
             sub = nn.Linear(weight.shape[1], len(rows), bias=False, device=weight.device, dtype=weight.dtype)
             bias = getattr(lm_head, "bias", None)
@@ -318,8 +321,10 @@ class DFlashDrafter(nn.Module):
                 if bias is not None:
                     sub.bias = nn.Parameter(bias.detach()[rows].clone(), requires_grad=False)
             sub.requires_grad_(False)
-            self._draft_head = (key, PackedLinear.pack(sub) or sub)
-        return self._draft_head[1]
+            cached = (weakref.ref(weight), self.draft_vocab, (weight.shape[0], weight.device, weight.dtype),
+                      PackedLinear.pack(sub) or sub)
+            self._draft_head = cached
+        return cached[3]
 
     def draft_logits(self, context, anchor, start, block_len, cache, embed_weight, lm_head,
                      keep: int | None) -> tuple[torch.Tensor, torch.Tensor]:

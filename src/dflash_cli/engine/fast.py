@@ -390,7 +390,8 @@ class FastPath:
         self.packed = pack = compile_step is None and room_to_pack(model)
         self.projections = nn.ModuleList(layer_projections(layer, pack) for layer in model.get_decoder().layers)
         head = model.get_output_embeddings()
-        self.lm_head = (PackedLinear.pack(head) if pack else None) or head
+        # keep_source: a draft vocabulary takes its rows from the dense head (drafter.draft_head)
+        self.lm_head = (PackedLinear.pack(head, keep_source=True) if pack else None) or head
         self.fallback_reason: str | None = None
         self.taps: list[int] = []
         self._eager: dict[tuple[bool, bool], StaticForward] = {}

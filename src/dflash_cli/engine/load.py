@@ -157,7 +157,8 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
             offload_dir = tempfile.TemporaryDirectory(prefix="dflash-offload-")
             kwargs["offload_folder"] = offload_dir.name
     if quant:
-        kwargs["quantization_config"] = bnb_config(quant, dtype)
+        offload = layer_devices is not None and any(d in ("cpu", "disk") for d in layer_devices)
+        kwargs["quantization_config"] = bnb_config(quant, dtype, offload=offload)
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     # accelerate warns that offloaded weights wait on `meta`: the load line says so (Target.placement)
     logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)

@@ -23,12 +23,15 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.packed, self.bias = packed, bias
         self.sizes = [m.out_features for m in linears]
-        self.source = linears[0].weight if len(linears) == 1 else None  # the dense weight (shared, not copied)
+        self.source: torch.Tensor | None = None  # see pack(keep_source=)
         self.out_features = sum(self.sizes)
 
     @classmethod
-    def pack(cls, *linears: nn.Module) -> nn.Module | None:
-        """The linears packed into one, when oneDNN computes them exactly enough on this CPU; else None."""
+    def pack(cls, *linears: nn.Module, keep_source: bool = False) -> nn.Module | None:
+        """The linears packed into one, when oneDNN computes them exactly enough on this CPU; else None.
+
+        keep_source: keep a reference (not a copy) to a single linear's dense weight, for `dense_weight`;
+        only for weights that stay alive anyway (the target's LM head), or it would keep a second copy."""
         if any(type(m) is not nn.Linear for m in linears):
             return None
         plain = [m for m in linears if isinstance(m, nn.Linear)]  # all of them, typed as Linears
@@ -49,6 +52,8 @@ class PackedLinear(nn.Module):
                 ok = all(torch.allclose(g, m(probe), rtol=1e-4, atol=1e-4) for g, m in zip(got, plain))
         except (RuntimeError, AttributeError, NotImplementedError):
             return None
+        if ok and keep_source and len(plain) == 1:
+            packed.source = plain[0].weight.detach()  # a tensor, not a Parameter: not registered
         return packed if ok else None
 
     def forward(self, x: torch.Tensor):

@@ -25,16 +25,20 @@ def _quiet_bitsandbytes() -> None:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
-def bnb_config(name: str, compute_dtype: torch.dtype):
-    """A transformers `BitsAndBytesConfig` for `nf4` (4-bit NormalFloat) or `int8` (LLM.int8())."""
+def bnb_config(name: str, compute_dtype: torch.dtype, *, offload: bool = False):
+    """A transformers `BitsAndBytesConfig` for `nf4` (4-bit NormalFloat) or `int8` (LLM.int8()).
+
+    offload: some layers go to cpu/disk under a device map; transformers refuses that with bitsandbytes
+    unless those layers are allowed to stay unquantized (llm_int8_enable_fp32_cpu_offload)."""
     _quiet_bitsandbytes()
     from transformers import BitsAndBytesConfig
 
     if name == "nf4":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                  bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_use_double_quant=False)
+                                  bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_use_double_quant=False,
+                                  llm_int8_enable_fp32_cpu_offload=offload)
     if name == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload)
     raise InvalidSettingError(f"unknown quantization {name!r}", hint="use nf4, int8 or none")
 
 

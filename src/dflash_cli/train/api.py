@@ -23,7 +23,7 @@ from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import default_stop_ids
 from dflash_cli.engine.load import load_target, save_drafter
-from dflash_cli.train.data import build_dataset, load_examples
+from dflash_cli.train.data import build_dataset, load_examples, stored_topk
 from dflash_cli.train.trainer import (
     TrainConfig,
     checkpoint_config,
@@ -98,11 +98,15 @@ def init_drafter(raw: dict, device: torch.device, seed: int, final_norm: torch.T
     return drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; compute may autocast
 
 
-def read_init(init: str | Path, layers: int | None, block_size: int | None,
+def read_init(init: str | Path, target_dir: str | Path, layers: int | None, block_size: int | None,
               taps: Sequence[int] | None) -> DFlashDrafter:
-    """The drafter to fine-tune, on the CPU in fp32, checked against the shape options given with it."""
-    from dflash_cli.engine.load import load_drafter
+    """The drafter to fine-tune, on the CPU in fp32, checked against the target (from its config, before any
+    weights load) and the shape options given with it."""
+    from dflash_cli.engine.load import load_drafter, read_drafter_config
+    from dflash_cli.engine.pairing import check_pair, read_config
 
+    check_pair(read_config(Path(target_dir), "target"), read_drafter_config(Path(init)),
+               target_name=str(target_dir), drafter_name=str(init))
     drafter = load_drafter(init, device="cpu", dtype=torch.float32)
     drafter.draft_vocab = None  # the new training vocabulary decides it
     cfg = drafter.config
@@ -174,7 +178,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
         raise InvalidSettingError("--draft-vocab needs the training vocabulary", hint="drop --no-sub-vocab")
     if steps is None and time_budget is None:
         steps = 1000
-    start_from = read_init(init, layers, block_size, taps) if init is not None else None
+    stored_topk(Path(out_dir) / "data", distill_topk)  # a mismatch fails here, before the target loads
+    start_from = read_init(init, target_dir, layers, block_size, taps) if init is not None else None
     if start_from is not None:
         layers, block_size = start_from.config.num_hidden_layers, start_from.block_size
         taps = list(start_from.config.target_layer_ids or [])

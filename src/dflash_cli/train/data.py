@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.target import Target
 
 INDEX = "index.json"
@@ -156,11 +157,9 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
     if index.get("key", key)["taps"] != list(taps):
         raise ValueError(f"{cache_dir} holds features of taps {index['key']['taps']}, not {list(taps)}: "
                          "use another cache folder")
-    if index.get("key", key).get("topk", 0) != topk:
-        raise ValueError(f"{cache_dir} holds top-{index['key'].get('topk', 0)} distributions, not top-{topk}: "
-                         "use the same --distill-topk to resume, or another output folder")
-    index.setdefault("key", key)
-    index.setdefault("shards", [])
+    topk = key["topk"] = stored_topk(cache_dir, topk)
+    if not index.get("shards"):
+        index["key"], index["shards"] = key, []
     done = {int(i) for s in index["shards"] for i in s["prompts"]}
     todo = [i for i in range(len(prompts)) if i not in done]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (list(stop_ids) or [0])[0]
@@ -192,6 +191,19 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
             new = sum(len(s.ids) - s.prompt_len for s in seqs)
             on_progress(len(done), len(prompts), new, time.perf_counter() - t0)
     return sorted(done)
+
+
+def stored_topk(cache_dir: str | Path, topk: int) -> int:
+    """The k of top-k distributions to store in `cache_dir`: the folder's own once it holds answers (asking
+    for 0 goes on with it; asking for another k is an error), else `topk`."""
+    index = read_index(Path(cache_dir))
+    if not index.get("shards"):
+        return topk
+    stored = index["key"].get("topk", 0)
+    if topk not in (0, stored):
+        raise InvalidSettingError(f"{cache_dir} holds {f'top-{stored}' if stored else 'no'} distributions, "
+                                  f"not top-{topk}", hint="use the same --distill-topk, or another output folder")
+    return stored
 
 
 def read_index(cache_dir: Path) -> dict:
