@@ -245,6 +245,24 @@ def test_generate_on_a_cpu_and_disk_split_through_the_cli(tmp_path):
     assert "identical output (24/24 tokens)" in result.stderr
 
 
+def test_disk_offload_goes_to_the_cache_folder_not_the_temporary_one(tmp_path, monkeypatch):
+    """The system's temporary folder is often RAM (tmpfs): the offload folder is made under the cache folder
+    (transformers may leave it empty when it can read offloaded weights from the safetensors files
+    themselves) and removed with the target."""
+    import os
+    from pathlib import Path
+
+    import dflash_cli
+
+    target, drafter = save_tiny_pair(tmp_path)
+    runtime = dflash_cli.load(str(target), str(drafter), dtype="float32", device="cpu", max_context=64,
+                              device_map="sequential", max_memory="cpu=1200KiB,disk=1GiB")
+    where = Path(runtime.target.offload_dir.name)
+    assert where.parent == Path(os.environ["DFLASH_CACHE_DIR"]) / "offload" and where.is_dir()
+    runtime.target.offload_dir.cleanup()
+    assert not where.exists()
+
+
 def test_a_split_that_does_not_fit_is_refused_before_loading(tmp_path):
     target, drafter = save_tiny_pair(tmp_path)
     result = CliRunner().invoke(main, ["generate", "-m", str(target), "--no-draft", "--dtype", "float32",

@@ -127,7 +127,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         raise CheckpointError(f"cannot load the tokenizer from {target_dir}: {e}") from None
     if before_weights is not None:
         before_weights(tokenizer)
-    pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant, layer_devices=layer_devices)
+    pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant, layer_devices=layer_devices,
+                     offload_dir=S.cache_dir() / "offload")  # on disk: the system's temp folder may be RAM
     fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context, quantized=quant is not None,
                                  on_status=on_status, on_notice=on_notice)
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed

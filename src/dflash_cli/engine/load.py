@@ -126,7 +126,7 @@ def load_drafter(folder: str | Path, *, device: torch.device | str | None = None
 
 def load_target(folder: str | Path, *, device: torch.device | str | None = None,
                 dtype: torch.dtype | str | None = None, quant: str | None = None,
-                layer_devices: Sequence[str] | None = None) -> Target:
+                layer_devices: Sequence[str] | None = None, offload_dir: str | Path | None = None) -> Target:
     """Loads a causal LM from a local folder through transformers' AutoModelForCausalLM.
 
     Args:
@@ -137,6 +137,8 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
         quant: None, "int8" or "nf4" to quantize the linear layers with bitsandbytes.
         layer_devices: the device of each decoder layer ("cuda:1", "cpu", "disk"), as models/split.py
             plans them; accelerate offloads the layers on cpu (when the hot device is a GPU) and disk.
+        offload_dir: where disk-offloaded weights go (in a temporary folder inside it, removed with the
+            target); default: the system's temporary folder, which is often in RAM (tmpfs).
     """
     folder = Path(folder)
     device = pick_device(str(device) if device is not None else None)
@@ -150,12 +152,14 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
 
     kwargs: dict[str, Any] = dict(dtype=dtype, device_map=str(device), trust_remote_code=False,
                                   use_safetensors=True)
-    offload_dir = None
+    offloaded = None
     if layer_devices is not None:
         kwargs["device_map"] = split_map(folder, layer_devices, str(device))
         if "disk" in layer_devices:
-            offload_dir = tempfile.TemporaryDirectory(prefix="dflash-offload-")
-            kwargs["offload_folder"] = offload_dir.name
+            if offload_dir is not None:
+                Path(offload_dir).mkdir(parents=True, exist_ok=True)
+            offloaded = tempfile.TemporaryDirectory(prefix="dflash-offload-", dir=offload_dir)
+            kwargs["offload_folder"] = offloaded.name
     if quant:
         offload = layer_devices is not None and any(d in ("cpu", "disk") for d in layer_devices)
         kwargs["quantization_config"] = bnb_config(quant, dtype, offload=offload)
@@ -176,7 +180,7 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     model.eval().requires_grad_(False)
     logging.getLogger(__name__).debug("loaded %s as %s", folder, type(model).__name__)
     target = Target(model, name=str(folder))
-    target.offload_dir = offload_dir  # removed with the target
+    target.offload_dir = offloaded  # removed with the target
     return target
 
 
@@ -211,7 +215,7 @@ def attach_drafter(target: Target, drafter: DFlashDrafter, *, drafter_name: str 
 def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,
               device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
               quant: str | None = None, drafter_quant: str | None = None,
-              layer_devices: Sequence[str] | None = None) -> Pair:
+              layer_devices: Sequence[str] | None = None, offload_dir: str | Path | None = None) -> Pair:
     """Loads a target and (optionally) its drafter, checking the pairing from configs before any weights.
 
     With `layer_devices` (a split, see load_target) the drafter goes on the hot device `device`, beside
@@ -223,7 +227,8 @@ def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,
         drafter_cfg = read_drafter_config(Path(drafter_folder))
         check_pair(read_config(Path(target_folder), "target"), drafter_cfg,
                    target_name=str(target_folder), drafter_name=str(drafter_folder))
-    target = load_target(target_folder, device=device, dtype=dtype, quant=quant, layer_devices=layer_devices)
+    target = load_target(target_folder, device=device, dtype=dtype, quant=quant, layer_devices=layer_devices,
+                         offload_dir=offload_dir)
     drafter = None
     if drafter_folder is not None:
         drafter = load_drafter(drafter_folder, device=target.device, dtype=dtype, quant=drafter_quant)
