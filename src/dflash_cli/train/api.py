@@ -154,7 +154,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
         gen_time_budget: seconds of data generation in this run; prompts left unanswered wait for a
             later run, and training uses the answers stored so far.
         sub_vocab: compute the loss over the tokens occurring in the responses (and, with top-k data, the
-            alternatives the target gave >= 2%) only: much faster on big vocabularies.
+            alternatives the target gave >= 5%) only: much faster on big vocabularies.
         draft_vocab: also ship those ids as the drafter's draft vocabulary (docs/format.md section 3), so
             that drafting runs the LM head on them only; needs sub_vocab.
         distill: weight of the KL term against the target's top-k distribution (0 = hard labels only).

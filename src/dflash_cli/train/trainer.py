@@ -93,7 +93,7 @@ def make_head(lm_head: torch.nn.Module, sub_ids: torch.Tensor | None) -> Head:
     return Head(weight[sub].contiguous(), None if bias is None else bias.detach()[sub], lut)
 
 
-def sub_vocabulary(examples: list[Example], min_prob: float = 0.02) -> torch.Tensor:
+def sub_vocabulary(examples: list[Example], min_prob: float = 0.05) -> torch.Tensor:
     """Sorted ids of every token that occurs in the responses, plus, with top-k data, every alternative
     the target gave at least `min_prob` somewhere: the ids the loss targets, and the draft vocabulary."""
     parts = [e.ids[e.prompt_len :] for e in examples]
