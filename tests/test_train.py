@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -125,6 +126,9 @@ def test_cli_train_writes_a_drafter(tmp_path, tiny_target_dir, fmt):
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     taps = config["dflash_config"]["target_layer_ids"] if fmt == "dflash" else config["target_layer_ids"]
     assert taps == [1, 4] and config["training"]["step"] == 3
+    # not a terminal: plain log lines instead of a live bar
+    assert "generated 5/5 replies" in result.stderr
+    assert re.search(r"^step 3 loss \d+\.\d+ tau~\d\.\d\d \d+ tok/s, \d+\.\d min$", result.stderr, re.M)
     assert (config["model_type"] == "muse_glimmer_assistant") == (fmt == "transformers")
     drafter = load_drafter(tmp_path / "d", device=DEVICE, dtype="float32")
     assert drafter.config.source_format == fmt

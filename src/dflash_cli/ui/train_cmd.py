@@ -116,9 +116,12 @@ def run_train(out, target: str, out_dir: str, kwargs: dict) -> int:
     total = kwargs["steps"] or (None if kwargs["time_budget"] else 1000)
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console, transient=False) as bar:
+    # a live bar on a terminal; a log (file, pipe) gets a plain line per generated batch and per evaluation
+    log_lines = not console.is_terminal
+    with Progress(*columns, console=console, transient=False, disable=log_lines) as bar:
         tasks: dict[str, int] = {}
         gen_tokens = [0, 0.0]
+        last_tau: list[float | None] = [None]
 
         def on_progress(kind, info):
             if kind == "note":
@@ -126,6 +129,9 @@ def run_train(out, target: str, out_dir: str, kwargs: dict) -> int:
             elif kind == "data":
                 gen_tokens[0] += info["tokens"]
                 gen_tokens[1] += info["seconds"]
+                if log_lines:
+                    console.print(f"generated {info['done']}/{info['total']} replies, {gen_tokens[0]} tokens, "
+                                  f"{gen_tokens[0] / max(gen_tokens[1], 1e-9):.0f} tok/s", highlight=False)
                 if "data" not in tasks:
                     tasks["data"] = bar.add_task("generating", total=info["total"], info="")
                 bar.update(tasks["data"], completed=info["done"],
@@ -138,6 +144,10 @@ def run_train(out, target: str, out_dir: str, kwargs: dict) -> int:
                 done = info.step if total else min(info.seconds, kwargs["time_budget"])
                 bar.update(tasks["train"], completed=done,
                            info=f"step {info.step} loss {info.loss:.3f}{tau} {info.tokens_per_s:.0f} tok/s")
+                if log_lines and (info.tau != last_tau[0] or info.step % 100 == 0):
+                    last_tau[0] = info.tau
+                    console.print(f"step {info.step} loss {info.loss:.3f}{tau} {info.tokens_per_s:.0f} tok/s, "
+                                  f"{info.seconds / 60:.1f} min", highlight=False)
 
         folder = train_drafter(target, out_dir, on_progress=on_progress, **kwargs)
     import json
