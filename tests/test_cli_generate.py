@@ -140,8 +140,10 @@ def test_head_closing_the_pipe_ends_quietly(folders):
 
 
 def test_ctrl_c_prints_what_was_generated_and_exits_130(folders):
+    # default SIGINT in the child even when this run inherited it ignored (a background job of a script)
     proc = subprocess.Popen(_command(folders, "-n", "5000", "--temperature", "1", "--seed", "1", "long"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.read(1)  # generation has started (and cannot finish soon: ~500 tokens to go)
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=120)

@@ -205,8 +205,10 @@ def test_json_on_an_error_prints_no_partial_json(engine):
 @pytest.mark.parametrize("engine", [{"hang_after": 2}], indirect=True)
 def test_ctrl_c_mid_stream_closes_the_request_keeps_the_text_and_exits_130(engine):
     env = {**os.environ, "PYTHONPATH": SRC, "DFLASH_CONFIG": "", "DFLASH_API_KEY": ""}
+    # default SIGINT in the child even when this run inherited it ignored (a background job of a script)
     proc = subprocess.Popen([sys.executable, "-m", "dflash_cli", "generate", "--engine", engine.url, "hi"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.read(6)  # "Hello," : the server now holds the stream open
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=60)
