@@ -139,7 +139,8 @@ def test_best_heldout_checkpoint_is_the_drafter_written(tmp_path, tiny_target_di
 
     import dflash_cli.train.trainer as trainer
 
-    scripted = iter([(0.5, 1.5), (0.4, 2.5), (0.45, 2.0)])  # (held-out loss, tau) at steps 10, 20, 30
+    # (held-out loss, tau) at steps 10, 20, 30
+    scripted = iter(trainer.Estimate(loss, tau, {}) for loss, tau in [(0.5, 1.5), (0.4, 2.5), (0.45, 2.0)])
     monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: next(scripted))
     out = _train(tiny_target_dir, tmp_path / "out", 30)
     training = json.loads((out / "config.json").read_text())["training"]
@@ -158,7 +159,7 @@ def test_best_heldout_checkpoint_is_the_drafter_written(tmp_path, tiny_target_di
 def test_best_weights_of_another_step_are_not_used(tmp_path, tiny_target_dir, monkeypatch):
     import dflash_cli.train.trainer as trainer
 
-    scripted = iter([(0.5, 1.5), (0.4, 2.5), (0.45, 2.0)])
+    scripted = iter(trainer.Estimate(loss, tau, {}) for loss, tau in [(0.5, 1.5), (0.4, 2.5), (0.45, 2.0)])
     monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: next(scripted))
     out = _train(tiny_target_dir, tmp_path / "out", 30)
     # as if a run had stopped after saving newer best weights but before the checkpoint that records them
@@ -166,7 +167,7 @@ def test_best_weights_of_another_step_are_not_used(tmp_path, tiny_target_dir, mo
     from safetensors.torch import load_file, save_file
 
     save_file(load_file(str(best)), str(best), metadata={"step": "25"})
-    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: (0.44, 2.1))
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: trainer.Estimate(0.44, 2.1, {}))
     out = _train(tiny_target_dir, out, 31)
     training = json.loads((out / "config.json").read_text())["training"]
     assert training["saved_step"] == 31 and training["heldout_tau"] == 2.1  # the last weights, labelled as such

@@ -126,6 +126,10 @@ def _seconds_trained(checkpoint: Path) -> float:
     return json.loads(meta.read_text())["state"]["seconds"] if meta.exists() else 0.0
 
 
+# names the kind of held-out estimate: checkpoints whose estimates were of another kind don't compare with it
+HELDOUT_ESTIMATE = "replay"
+
+
 def split_heldout(n: int) -> tuple[list[int], list[int]]:
     """Every 10th prompt (at most 32) is held out for the acceptance estimate; none below 4 prompts."""
     held = [i for i in range(9, n, 10)][:32] if n >= 10 else ([n - 1] if n >= 4 else [])
@@ -195,12 +199,14 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                 draft_vocab=draft_vocab, distill=distill, distill_topk=distill_topk,
                 max_new_tokens=max_new_tokens, seed=seed, dtype=str(dt).removeprefix("torch."))
     if prompts is None or isinstance(prompts, (str, Path)):
-        from dflash_cli.train.prompt_sets import resolve_prompts
+        from dflash_cli.train.prompt_sets import prompt_categories, resolve_prompts
 
         prompt_list = resolve_prompts(None if prompts is None else str(prompts))
+        categories = prompt_categories(None if prompts is None else str(prompts))
         call["prompts"] = "built-in" if prompts is None else str(prompts)
     else:
         prompt_list, call["prompts"] = list(prompts), f"{len(prompts)} prompts given to the API"
+        categories = None
     if not prompt_list:
         raise InvalidSettingError("no prompts to train on")
 
@@ -234,6 +240,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     stored = {i: e for i, e in load_examples(out_dir / "data").items() if len(e.ids) - e.prompt_len >= 2}
     train_set = [stored[i] for i in train_ids if i in stored]
     held_set = [stored[i] for i in held_ids if i in stored]
+    held_sets = [categories[i] for i in held_ids if i in stored] if categories else None
     if not train_set:
         raise InvalidSettingError("the target produced no usable responses (each needs at least 2 tokens)")
 
@@ -269,7 +276,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
         on_progress("note", f"the training budget ({time_budget / 60:g} min, counted over all runs of this "
                             "folder) is already spent: pass a larger --time-budget to train on the new data")
     state = train_loop(drafter, target.embed_weight, target.lm_head, head, train_set, held_set, cfg, ckpt,
-                       heldout_key=",".join(map(str, held_ids)), autocast_dtype=autocast, draft_vocab=vocab_ids,
+                       heldout_key=HELDOUT_ESTIMATE + ":" + ",".join(map(str, held_ids)), autocast_dtype=autocast,
+                       draft_vocab=vocab_ids, heldout_sets=held_sets,
                        on_progress=(lambda p: on_progress("train", p)) if on_progress else None)
     saved = state.evals[-1] if state.evals else None
     if state.best is not None and state.best != saved and load_best_weights(ckpt, drafter, state.best):
@@ -280,6 +288,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                            final_loss=sum(state.losses[-10:]) / max(len(state.losses[-10:]), 1),
                            saved_step=saved[0] if saved else state.step,
                            heldout_tau=saved[2] if saved else None,
+                           heldout_tau_by_set=saved[3] if saved and len(saved) > 3 and saved[3] else None,
                            last_heldout_tau=state.evals[-1][2] if state.evals else None)
     drafter.config.raw.clear()
     drafter.config.raw.update(raw)

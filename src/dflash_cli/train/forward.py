@@ -13,6 +13,8 @@ import torch
 
 from dflash_cli.engine.drafter import DFlashDrafter, visibility
 
+IGNORE = -100  # the label of slots that predict nothing
+
 
 def block_ids(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id: int) -> torch.Tensor:
     """(N, A*B) block inputs [x_p, MASK x (B-1)] for each anchor p of each sequence."""
@@ -23,7 +25,7 @@ def block_ids(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id
 
 
 def block_labels(ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, block_size: int,
-                 ignore: int = -100) -> torch.Tensor:
+                 ignore: int = IGNORE) -> torch.Tensor:
     """(N, A, B) targets: slot k of anchor p predicts x_{p+k}; slot 0 and slots past the end are `ignore`."""
     k = torch.arange(block_size, device=ids.device)
     pos = anchors[:, :, None] + k  # (N, A, B)

@@ -190,19 +190,24 @@ def _chat(r: random.Random) -> str:
     return r.choice(forms)()
 
 
-def demo_prompts(n: int = 6000, seed: int = 0) -> list[str]:
-    """`n` distinct prompts in a fixed order for a seed; `demo_prompts(m)` is a prefix of `demo_prompts(n)`
-    for m < n. The mix leans to math as n grows (module docstring)."""
+def demo_prompts_with_categories(n: int = 6000, seed: int = 0) -> list[tuple[str, str]]:
+    """(category, prompt) pairs behind `demo_prompts`."""
     r = random.Random(seed)
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
     seen: set[str] = set()
     while len(out) < n:
         x = r.random()
-        p = _math(r) if x < 0.45 else _code(r) if x < 0.75 else _chat(r)
+        cat, p = ("math", _math(r)) if x < 0.45 else ("code", _code(r)) if x < 0.75 else ("chat", _chat(r))
         if p not in seen:
             seen.add(p)
-            out.append(p)
+            out.append((cat, p))
     return out
+
+
+def demo_prompts(n: int = 6000, seed: int = 0) -> list[str]:
+    """`n` distinct prompts in a fixed order for a seed; `demo_prompts(m)` is a prefix of `demo_prompts(n)`
+    for m < n. The mix leans to math as n grows (module docstring)."""
+    return [p for _, p in demo_prompts_with_categories(n, seed)]
 
 
 # ---- the `mix` set: a stable 40/30/30 mix of math, code and chat, with wider code and chat generators ----
@@ -595,6 +600,21 @@ def mix_prompts(n: int = 12000, seed: int = 0) -> list[str]:
 
 
 PROMPT_SETS = {"demo": demo_prompts, "mix": mix_prompts}
+CATEGORIZED_SETS = {"demo": demo_prompts_with_categories, "mix": mix_prompts_with_categories}
+
+
+def prompt_categories(spec: str | None) -> list[str] | None:
+    """Each prompt's category (math, code or chat) for a built-in set spec such as `mix:30000`, aligned
+    with `resolve_prompts(spec)`; None for prompt files and the small built-in set."""
+    from pathlib import Path
+
+    if spec is None or Path(spec).is_file():
+        return None
+    name, _, count = spec.partition(":")
+    if name not in CATEGORIZED_SETS or count and not (count.isdecimal() and int(count) > 0):
+        return None
+    pairs = CATEGORIZED_SETS[name](int(count)) if count else CATEGORIZED_SETS[name]()
+    return [cat for cat, _ in pairs]
 
 
 def resolve_prompts(spec: str | None) -> list[str]:

@@ -27,9 +27,8 @@ import torch.nn.functional as F
 
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.train.data import Example
-from dflash_cli.train.forward import block_ids, block_labels, training_forward
-
-IGNORE = -100
+from dflash_cli.train.estimate import accepted_runs, first_tokens, replay, replay_tau
+from dflash_cli.train.forward import IGNORE, block_ids, block_labels, training_forward
 
 
 @dataclass
@@ -186,36 +185,41 @@ def block_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: Head, batch: B
     return (loss * w).sum() / w.sum().clamp(min=1e-6), labels, h
 
 
+class Estimate(NamedTuple):
+    loss: float  # held-out loss at random anchors (the training loss's kind)
+    tau: float  # held-out acceptance estimate (train/estimate.py)
+    by_set: dict[str, float]  # the estimate per prompt category, when the prompts have categories
+
+
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, embed: torch.Tensor, full_head: torch.nn.Module, sub_head: Head,
              examples: list[Example], cfg: TrainConfig, autocast_dtype,
-             draft_vocab: torch.Tensor | None = None) -> tuple[float, float]:
-    """(held-out loss, tau estimate): greedy drafts at fixed anchors vs the target's own tokens.
-
-    tau = 1 + mean number of leading drafted tokens equal to the target's continuation (what greedy
-    speculative decoding would accept, bonus token included), drafting as the engine will: over the
-    draft vocabulary (`sub_head`, whose rows are the ids `draft_vocab`) when there is one, else with the
-    full LM head.
+             draft_vocab: torch.Tensor | None = None, sets: list[str] | None = None) -> Estimate:
+    """Held-out loss at fixed random anchors, and tau from greedy decoding replayed over each reply
+    (train/estimate.py), drafting as the engine will: over the draft vocabulary (`sub_head`, whose rows are
+    the ids `draft_vocab`) when there is one, else with the full LM head. `sets` names each example's
+    prompt category for the per-set estimates.
     """
     was_training = drafter.training
     drafter.eval()
     rng = random.Random(1234)
-    losses, accepted, blocks = [], 0, 0
+    losses = []
     device = embed.device
     for i in range(0, len(examples), cfg.batch):
         batch = make_batch(examples[i : i + cfg.batch], cfg.anchors, drafter.block_size, rng, device)
-        loss, labels, h = block_loss(drafter, embed, sub_head, batch, cfg.gamma, autocast_dtype, cfg.distill)
+        loss, _, _ = block_loss(drafter, embed, sub_head, batch, cfg.gamma, autocast_dtype, cfg.distill)
         losses.append(loss.item())
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            if draft_vocab is not None:
-                drafts = draft_vocab.to(device)[sub_head.logits(h).argmax(-1)].view_as(labels)
-            else:
-                drafts = full_head(h.to(full_head.weight.dtype)).argmax(-1).view_as(labels)
-        hit = (drafts[..., :-1] == labels[..., 1:]) & (labels[..., 1:] != IGNORE)
-        accepted += hit.long().cumprod(-1).sum().item()
-        blocks += labels.shape[0] * labels.shape[1]
+
+    def draft_ids(h: torch.Tensor) -> torch.Tensor:
+        if draft_vocab is not None:
+            return draft_vocab.to(device)[sub_head.logits(h).argmax(-1)]
+        return full_head(h.to(full_head.weight.dtype)).argmax(-1)
+
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        per_reply = [replay(accepted_runs(drafter, embed, draft_ids, first_tokens(e))) for e in examples]
     drafter.train(was_training)
-    return sum(losses) / max(len(losses), 1), 1.0 + accepted / max(blocks, 1)
+    tau, by_set = replay_tau(per_reply, sets)
+    return Estimate(sum(losses) / max(len(losses), 1), tau, by_set)
 
 
 def lr_at(cfg: TrainConfig, step: int, seconds: float) -> float:
@@ -230,13 +234,16 @@ def lr_at(cfg: TrainConfig, step: int, seconds: float) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+Evaluation = tuple[int, float, float, dict[str, float]]  # (step, held-out loss, tau, tau per prompt set)
+
+
 @dataclass
 class State:
     step: int = 0
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
-    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, held-out loss, tau)
-    best: tuple[int, float, float] | None = None  # the eval whose weights are in best.safetensors
+    evals: list[Evaluation] = field(default_factory=list)
+    best: Evaluation | None = None  # the eval whose weights are in best.safetensors
     heldout_key: str | None = None  # which held-out set the evals were measured on
 
 
@@ -244,7 +251,7 @@ def best_weights_path(checkpoint: Path) -> Path:
     return checkpoint.with_name("best.safetensors")
 
 
-def _better(new: tuple[int, float, float], old: tuple[int, float, float] | None) -> bool:
+def _better(new: Evaluation, old: Evaluation | None) -> bool:
     """Higher held-out tau wins; at equal tau, lower held-out loss."""
     return old is None or (new[2], -new[1]) > (old[2], -old[1])
 
@@ -270,7 +277,7 @@ def save_checkpoint(path: Path, drafter, optim, state: State, rng: random.Random
     tmp_meta.replace(path.with_name(path.name + ".json"))
 
 
-def _save_weights(path: Path, drafter, evaluation: tuple[int, float, float]) -> None:
+def _save_weights(path: Path, drafter, evaluation: Evaluation) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,8 +287,8 @@ def _save_weights(path: Path, drafter, evaluation: tuple[int, float, float]) -> 
     tmp.replace(path)
 
 
-def load_best_weights(checkpoint: Path, drafter, evaluation: tuple[int, float, float]) -> bool:
-    """Loads the weights saved at `evaluation` (step, loss, tau) into `drafter`. False, loading nothing,
+def load_best_weights(checkpoint: Path, drafter, evaluation: Evaluation) -> bool:
+    """Loads the weights saved at `evaluation` (step, ...) into `drafter`. False, loading nothing,
     when the file is missing or holds another step's weights (a run stopped between two saves)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -332,7 +339,7 @@ def load_checkpoint(path: Path, drafter, optim, rng: random.Random) -> State:
 def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Module, head: Head,
                train: list[Example], heldout: list[Example], cfg: TrainConfig, checkpoint: Path, *,
                heldout_key: str | None = None, autocast_dtype: torch.dtype | None = None,
-               draft_vocab: torch.Tensor | None = None,
+               draft_vocab: torch.Tensor | None = None, heldout_sets: list[str] | None = None,
                on_progress: Callable[[Progress], None] | None = None) -> State:
     """Trains `drafter` in place, resuming from `checkpoint` when it exists; saves it every N steps."""
     if cfg.steps is None and cfg.time_budget is None:
@@ -347,11 +354,11 @@ def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Mo
                               fused=device.type == "cuda")
     rng = random.Random(cfg.seed)
     state = load_checkpoint(checkpoint, drafter, optim, rng) if checkpoint.exists() else State()
-    if state.heldout_key != heldout_key:  # estimates on another held-out set are not comparable
-        state.best, state.heldout_key = None, heldout_key
     tau = eval_loss = None
-    if state.evals:
-        _, eval_loss, tau = state.evals[-1]
+    if state.heldout_key != heldout_key:  # estimates on another held-out set (or of another kind) don't compare
+        state.best, state.heldout_key = None, heldout_key
+    elif state.evals:
+        eval_loss, tau = state.evals[-1][1:3]
     run_start, run_slots = time.perf_counter(), 0
     base_seconds = state.seconds
     order: list[int] = []
@@ -380,8 +387,9 @@ def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Mo
         state.seconds = base_seconds + time.perf_counter() - run_start
         last = done()
         if heldout and (state.step % cfg.eval_every == 0 or last):
-            eval_loss, tau = evaluate(drafter, embed, lm_head, head, heldout, cfg, autocast_dtype, draft_vocab)
-            state.evals.append((state.step, eval_loss, tau))
+            eval_loss, tau, by_set = evaluate(drafter, embed, lm_head, head, heldout, cfg, autocast_dtype,
+                                              draft_vocab, heldout_sets)
+            state.evals.append((state.step, eval_loss, tau, by_set))
             if _better(state.evals[-1], state.best):
                 state.best = state.evals[-1]
                 _save_weights(best_weights_path(checkpoint), drafter, state.best)

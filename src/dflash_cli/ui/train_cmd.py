@@ -154,7 +154,8 @@ def run_train(out, target: str, out_dir: str, kwargs: dict) -> int:
 
     training = json.loads((folder / "config.json").read_text()).get("training", {})
     if training.get("heldout_tau") is not None:
-        out.info(f"held-out acceptance estimate tau {training['heldout_tau']:.2f} "
-                 f"(weights of step {training['saved_step']} of {training['step']})")
+        by_set = "".join(f", {name} {tau:.2f}" for name, tau in (training.get("heldout_tau_by_set") or {}).items())
+        out.info(f"held-out acceptance estimate tau {training['heldout_tau']:.2f}{by_set} "
+                 f"(greedy, full blocks; weights of step {training['saved_step']} of {training['step']})")
     out.info(f"drafter written to {folder} (load it with --draft {folder})", dim=False)
     return 0
