@@ -126,6 +126,15 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 HF_CONFIGS = Path(__file__).parent / "data" / "hf-configs"
 
 
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A random fp32 Qwen3 target (weights x3, so that greedy replies vary) with a tokenizer, for training."""
+    folder = tmp_path_factory.mktemp("train-target") / "qwen3"
+    save_target(folder, target_config("qwen3"), seed=1, scale=3.0)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
 def hybrid_config(moe: bool = False) -> dict:
     """Qwen3.5-4B's published config (vision tower included) scaled down to a tiny model: 3 Gated DeltaNet
     layers and 1 full-attention layer, as the real layer pattern starts; `moe` makes it Qwen3.5-MoE."""

@@ -14,8 +14,6 @@ from conftest import (
     drafter_config,
     random_drafter,
     save_random_drafter,
-    save_target,
-    save_tiny_tokenizer,
     target_config,
 )
 from safetensors.torch import load_file, save_file
@@ -24,14 +22,6 @@ from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
 from dflash_cli.engine.load import attach_drafter, load_drafter, load_target, save_drafter
 
 PROMPTS = [f"prompt {i}: tell me about {w}" for i, w in enumerate("cats dogs rain sun code math tea wind".split())]
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("distill-target") / "qwen3"
-    save_target(folder, target_config("qwen3"), seed=1, scale=3.0)
-    save_tiny_tokenizer(folder)
-    return folder
 
 
 # -- top-k data ---------------------------------------------------------------------------------------

@@ -8,20 +8,12 @@ import re
 
 import pytest
 import torch
-from conftest import DEVICE, drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
+from conftest import DEVICE, drafter_config, save_random_drafter, target_config
 
 from dflash_cli.engine.load import attach_drafter, load_drafter, load_target
 from dflash_cli.train.data import Example
 from dflash_cli.train.estimate import accepted_runs, first_tokens, replay, replay_tau
 from dflash_cli.train.trainer import TrainConfig, evaluate, make_head
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("estimate-target") / "qwen3"
-    save_target(folder, target_config("qwen3"), seed=1, scale=3.0)
-    save_tiny_tokenizer(folder)
-    return folder
 
 
 def test_replay_walks_the_greedy_path_and_stops_at_the_reply_end():

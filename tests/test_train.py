@@ -8,18 +8,10 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, drafter_config, save_random_drafter, save_target, save_tiny_tokenizer, target_config
+from conftest import DEVICE, drafter_config, save_random_drafter, target_config
 
 from dflash_cli.engine.load import attach_drafter, load_drafter, load_target
 from dflash_cli.train.forward import block_ids, block_labels, training_forward
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("train-target") / "qwen3"
-    save_target(folder, target_config("qwen3"), seed=1, scale=3.0)
-    save_tiny_tokenizer(folder)
-    return folder
 
 
 @pytest.mark.parametrize("layer_kind", ["full", "sliding"])
