@@ -349,3 +349,18 @@ def test_a_zero_generation_budget_trains_on_the_stored_answers_only(tmp_path, ti
     assert second.exit_code == 0, second.output
     assert {i for s in read_index(tmp_path / "o" / "data")["shards"] for i in s["prompts"]} == answered
     assert json.loads((tmp_path / "o" / "config.json").read_text())["training"]["step"] == 2
+
+
+def test_a_zero_generation_budget_with_nothing_stored_says_so(tmp_path, tiny_target_dir):
+    from click.testing import CliRunner
+
+    from dflash_cli.ui.cli import cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    result = CliRunner().invoke(cli, ["train", "-m", str(tiny_target_dir), "-o", str(tmp_path / "o"), "--prompts",
+                                      str(prompts), "--steps", "1", "--gen-budget", "0", "--device", DEVICE,
+                                      "--dtype", "float32"])
+    assert result.exit_code == 2
+    assert f"no stored replies in {tmp_path / 'o' / 'data'} to train on" in result.output
+    assert "give it minutes to generate some" in result.output and "Traceback" not in result.output

@@ -192,3 +192,18 @@ def test_unknown_drafter_architectures_are_refused_by_name(tiny_models, tmp_path
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="DFlash3DraftModel"):
         load_drafter(folder, device="cpu")
+
+
+def test_loading_a_target_leaves_the_logging_levels_as_it_found_them(tiny_models):
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    accelerate_log = logging.getLogger("accelerate.big_modeling")
+    accelerate_log.setLevel(logging.INFO)
+    verbosity = hf_logging.get_verbosity()
+    try:
+        load_target(tiny_models["qwen3"], device="cpu", dtype="float32")
+        assert accelerate_log.level == logging.INFO and hf_logging.get_verbosity() == verbosity
+    finally:
+        accelerate_log.setLevel(logging.NOTSET)

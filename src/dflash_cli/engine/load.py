@@ -165,7 +165,9 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
         kwargs["quantization_config"] = bnb_config(quant, dtype, offload=offload)
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     # accelerate warns that offloaded weights wait on `meta`: the load line says so (Target.placement)
-    logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)
+    accelerate_log = logging.getLogger("accelerate.big_modeling")
+    accelerate_level = accelerate_log.level
+    accelerate_log.setLevel(logging.ERROR)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # the UI shows its own progress
     try:
@@ -175,6 +177,7 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
         raise CheckpointError(f"cannot load target from {folder}: {first}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
+        accelerate_log.setLevel(accelerate_level)
         if bars:
             hf_logging.enable_progress_bar()
     model.eval().requires_grad_(False)

@@ -241,6 +241,9 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     train_set = [stored[i] for i in train_ids if i in stored]
     held_set = [stored[i] for i in held_ids if i in stored]
     held_sets = [categories[i] for i in held_ids if i in stored] if categories else None
+    if not train_set and not stored and gen_time_budget == 0:
+        raise InvalidSettingError(f"no stored replies in {out_dir / 'data'} to train on",
+                                  hint="--gen-budget 0 trains on stored replies only: give it minutes to generate some")
     if not train_set:
         raise InvalidSettingError("the target produced no usable responses (each needs at least 2 tokens)")
 
