@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -48,8 +49,9 @@ def test_estimate_counts_what_the_engine_would_accept_along_the_greedy_path(tmp_
     dcfg = drafter_config(target_config("qwen3"), block_size=6)
     drafter = load_drafter(save_random_drafter(tmp_path / "d", dcfg, seed=3), device=DEVICE, dtype="float32")
     vocab_rows = target.embed_weight.shape[0]
-    if with_draft_vocab:
+    if with_draft_vocab:  # and a drafter that scales its block's embeddings, as some published ones do
         drafter.draft_vocab = torch.tensor(sorted(random.Random(0).sample(range(vocab_rows), 60)), device=DEVICE)
+        drafter.config = dataclasses.replace(drafter.config, input_embedding_scale=3.0)
     attach_drafter(target, drafter)
     rng = random.Random(5)
     prompt_len, length = 7, 60
@@ -92,22 +94,34 @@ def test_estimate_counts_what_the_engine_would_accept_along_the_greedy_path(tmp_
     assert estimate.tau == pytest.approx(tokens / steps)
     assert estimate.by_set == {"code": pytest.approx(tokens / steps)}
 
+    # a reply longer than bench's default -n counts its first 128 tokens only
+    extra = 200 - (length - prompt_len)
+    long = Example(ids=torch.cat([example.ids, torch.randint(3, vocab_rows, (extra,))]),
+                   features=torch.cat([example.features, torch.randn(extra, features.shape[1]).to(torch.bfloat16)]),
+                   prompt_len=prompt_len)
+    cut, whole = (replay(accepted_runs(drafter, target.embed_weight, draft_ids, e)) for e in (first_tokens(long), long))
+    assert cut[0] == 127 and whole[0] == 199
+    estimate = evaluate(drafter, target.embed_weight, target.lm_head, head, [long], TrainConfig(batch=1, anchors=4),
+                        None, drafter.draft_vocab)
+    assert estimate.tau == pytest.approx(cut[0] / cut[1]) != pytest.approx(whole[0] / whole[1])
+
 
 def test_prompt_categories_align_with_the_built_in_sets(tmp_path):
     from dflash_cli.train.prompt_sets import (
         demo_prompts_with_categories,
         mix_prompts_with_categories,
-        prompt_categories,
         resolve_prompts,
+        resolve_prompts_with_categories,
     )
 
     for spec, pairs in [("mix:300", mix_prompts_with_categories(300)), ("demo:300", demo_prompts_with_categories(300))]:
-        assert [p for _, p in pairs] == resolve_prompts(spec)
-        cats = prompt_categories(spec)
+        prompts, cats = resolve_prompts_with_categories(spec)
+        assert prompts == resolve_prompts(spec) == [p for _, p in pairs]
         assert cats == [c for c, _ in pairs] and set(cats) == {"math", "code", "chat"}
     path = tmp_path / "p.txt"
     path.write_text("one\ntwo\n")
-    assert prompt_categories(str(path)) is None and prompt_categories(None) is None
+    assert resolve_prompts_with_categories(str(path)) == (["one", "two"], None)
+    assert resolve_prompts_with_categories(None) == (resolve_prompts(None), None)
 
 
 def test_cli_train_prints_the_estimate_per_prompt_set(tmp_path, tiny_target_dir):
@@ -122,7 +136,10 @@ def test_cli_train_prints_the_estimate_per_prompt_set(tmp_path, tiny_target_dir)
     assert result.exit_code == 0, result.output
     training = json.loads((tmp_path / "d" / "config.json").read_text())["training"]
     by_set = training["heldout_tau_by_set"]
-    assert by_set and set(by_set) <= {"math", "code", "chat"}
+    from dflash_cli.train.prompt_sets import resolve_prompts_with_categories
+
+    held = [resolve_prompts_with_categories("mix:40")[1][i] for i in (9, 19, 29, 39)]  # split_heldout's picks
+    assert set(by_set) == set(held)
     assert min(by_set.values()) <= training["heldout_tau"] <= max(by_set.values())
     shown = re.search(r"held-out acceptance estimate tau (\d\.\d\d)((?:, \w+ \d\.\d\d)+) \(greedy, full blocks",
                       result.output)

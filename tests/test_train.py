@@ -165,6 +165,22 @@ def test_best_weights_of_another_step_are_not_used(tmp_path, tiny_target_dir, mo
     assert training["saved_step"] == 31 and training["heldout_tau"] == 2.1  # the last weights, labelled as such
 
 
+def test_a_checkpoint_with_estimates_of_another_kind_reports_none_of_them(tmp_path, tiny_target_dir):
+    out = _train(tiny_target_dir, tmp_path / "out", 10)
+    meta_path = out / "checkpoint" / "latest.safetensors.json"
+    meta = json.loads(meta_path.read_text())
+    # as a checkpoint written before the replay estimate: 3-value evals on the bare held-out ids
+    meta["state"]["heldout_key"] = meta["state"]["heldout_key"].split(":", 1)[1]
+    meta["state"]["evals"], meta["state"]["best"] = [[10, 0.5, 1.19]], [10, 0.5, 1.19]
+    meta_path.write_text(json.dumps(meta))
+    training = json.loads((_train(tiny_target_dir, out, 10) / "config.json").read_text())["training"]
+    assert training["heldout_tau"] is None and training["last_heldout_tau"] is None  # no step, no estimate
+    out = _train(tiny_target_dir, out, 20)
+    training = json.loads((out / "config.json").read_text())["training"]
+    evals = json.loads((out / "training_log.json").read_text())["evals"]
+    assert [e[0] for e in evals] == [20] and training["heldout_tau"] == evals[0][2] != 1.19
+
+
 def test_generation_budget_stops_between_batches_and_a_later_run_finishes(tmp_path, tiny_target_dir):
     import time
 

@@ -199,10 +199,9 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
                 draft_vocab=draft_vocab, distill=distill, distill_topk=distill_topk,
                 max_new_tokens=max_new_tokens, seed=seed, dtype=str(dt).removeprefix("torch."))
     if prompts is None or isinstance(prompts, (str, Path)):
-        from dflash_cli.train.prompt_sets import prompt_categories, resolve_prompts
+        from dflash_cli.train.prompt_sets import resolve_prompts_with_categories
 
-        prompt_list = resolve_prompts(None if prompts is None else str(prompts))
-        categories = prompt_categories(None if prompts is None else str(prompts))
+        prompt_list, categories = resolve_prompts_with_categories(None if prompts is None else str(prompts))
         call["prompts"] = "built-in" if prompts is None else str(prompts)
     else:
         prompt_list, call["prompts"] = list(prompts), f"{len(prompts)} prompts given to the API"
@@ -241,8 +240,10 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     train_set = [stored[i] for i in train_ids if i in stored]
     held_set = [stored[i] for i in held_ids if i in stored]
     held_sets = [categories[i] for i in held_ids if i in stored] if categories else None
-    if not train_set and not stored and gen_time_budget == 0:
-        raise InvalidSettingError(f"no stored replies in {out_dir / 'data'} to train on",
+    if not train_set and gen_time_budget == 0:
+        raise InvalidSettingError(f"no stored replies in {out_dir / 'data'} to train on "
+                                  f"({len(stored)} usable, none outside the held-out set)" if stored else
+                                  f"no stored replies in {out_dir / 'data'} to train on",
                                   hint="--gen-budget 0 trains on stored replies only: give it minutes to generate some")
     if not train_set:
         raise InvalidSettingError("the target produced no usable responses (each needs at least 2 tokens)")

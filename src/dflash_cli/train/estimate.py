@@ -14,11 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.train.data import Example
-from dflash_cli.train.forward import IGNORE, block_ids, block_labels, training_forward
+from dflash_cli.train.forward import IGNORE, block_embeddings, block_labels, training_forward
 
 REPLY_TOKENS = 128  # `bench`'s default -n: the later tokens of long replies are often easier to draft
 
@@ -48,8 +47,7 @@ def accepted_runs(drafter: DFlashDrafter, embed: torch.Tensor, draft_ids: Callab
     for lo in range(example.prompt_len, n - 1, chunk):
         anchors = torch.arange(lo, min(lo + chunk, n - 1), device=device)[None]  # (1, A)
         labels = block_labels(ids, lengths, anchors, bsz, IGNORE)[0]  # (A, B); slot k is x_{p+k}
-        emb = F.embedding(block_ids(ids, anchors, bsz, drafter.mask_token_id), embed)
-        h = training_forward(drafter, features, emb.to(drafter.fc.weight.dtype), anchors)
+        h = training_forward(drafter, features, block_embeddings(drafter, ids, anchors, embed), anchors)
         h = h.view(anchors.shape[1], bsz, -1)
         run = torch.zeros(anchors.shape[1], dtype=torch.long, device=device)
         alive = torch.arange(anchors.shape[1], device=device)  # anchors whose drafts all matched so far

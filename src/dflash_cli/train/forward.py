@@ -10,6 +10,7 @@ of positions 0..p-1, so block a sees context rows j < p_a and nothing of the oth
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dflash_cli.engine.drafter import DFlashDrafter, visibility
 
@@ -22,6 +23,15 @@ def block_ids(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id
     out = ids.new_full((n, a, block_size), mask_id)
     out[:, :, 0] = ids.gather(1, anchors)
     return out.view(n, a * block_size)
+
+
+def block_embeddings(drafter: DFlashDrafter, ids: torch.Tensor, anchors: torch.Tensor,
+                     embed: torch.Tensor) -> torch.Tensor:
+    """(N, A*B, H) embedded blocks of `block_ids`, scaled as the engine scales a block it drafts."""
+    emb = F.embedding(block_ids(ids, anchors, drafter.block_size, drafter.mask_token_id), embed)
+    if drafter.config.input_embedding_scale != 1.0:
+        emb = emb * drafter.config.input_embedding_scale
+    return emb.to(drafter.fc.weight.dtype)
 
 
 def block_labels(ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, block_size: int,

@@ -603,18 +603,17 @@ PROMPT_SETS = {"demo": demo_prompts, "mix": mix_prompts}
 CATEGORIZED_SETS = {"demo": demo_prompts_with_categories, "mix": mix_prompts_with_categories}
 
 
-def prompt_categories(spec: str | None) -> list[str] | None:
-    """Each prompt's category (math, code or chat) for a built-in set spec such as `mix:30000`, aligned
-    with `resolve_prompts(spec)`; None for prompt files and the small built-in set."""
+def resolve_prompts_with_categories(spec: str | None) -> tuple[list[str], list[str] | None]:
+    """`resolve_prompts(spec)` and each prompt's category (math, code or chat) for the built-in `demo` and
+    `mix` sets; None for prompt files and the small built-in set."""
     from pathlib import Path
 
-    if spec is None or Path(spec).is_file():
-        return None
-    name, _, count = spec.partition(":")
-    if name not in CATEGORIZED_SETS or count and not (count.isdecimal() and int(count) > 0):
-        return None
-    pairs = CATEGORIZED_SETS[name](int(count)) if count else CATEGORIZED_SETS[name]()
-    return [cat for cat, _ in pairs]
+    name, _, count = (spec or "").partition(":")
+    if (spec is not None and not Path(spec).is_file() and name in CATEGORIZED_SETS
+            and (not count or count.isdecimal() and int(count) > 0)):
+        pairs = CATEGORIZED_SETS[name](int(count)) if count else CATEGORIZED_SETS[name]()
+        return [p for _, p in pairs], [cat for cat, _ in pairs]
+    return resolve_prompts(spec), None
 
 
 def resolve_prompts(spec: str | None) -> list[str]:

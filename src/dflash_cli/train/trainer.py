@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.train.data import Example
 from dflash_cli.train.estimate import accepted_runs, first_tokens, replay, replay_tau
-from dflash_cli.train.forward import IGNORE, block_ids, block_labels, training_forward
+from dflash_cli.train.forward import IGNORE, block_embeddings, block_labels, training_forward
 
 
 @dataclass
@@ -163,10 +163,10 @@ def block_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: Head, batch: B
     and the hidden states."""
     bsz = drafter.block_size
     labels = block_labels(batch.ids, batch.lengths, batch.anchors, bsz, IGNORE)
-    emb = F.embedding(block_ids(batch.ids, batch.anchors, bsz, drafter.mask_token_id), embed)
     dev = batch.ids.device
     with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        h = training_forward(drafter, batch.features, emb.to(drafter.fc.weight.dtype), batch.anchors)
+        h = training_forward(drafter, batch.features, block_embeddings(drafter, batch.ids, batch.anchors, embed),
+                             batch.anchors)
         logits = head.logits(h)
     mapped = head.map_labels(labels).flatten()
     logq = torch.log_softmax(logits.float().flatten(0, 1), dim=-1)
@@ -356,7 +356,7 @@ def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Mo
     state = load_checkpoint(checkpoint, drafter, optim, rng) if checkpoint.exists() else State()
     tau = eval_loss = None
     if state.heldout_key != heldout_key:  # estimates on another held-out set (or of another kind) don't compare
-        state.best, state.heldout_key = None, heldout_key
+        state.best, state.evals, state.heldout_key = None, [], heldout_key
     elif state.evals:
         eval_loss, tau = state.evals[-1][1:3]
     run_start, run_slots = time.perf_counter(), 0
