@@ -305,6 +305,19 @@ def test_init_fine_tunes_the_given_drafter(tmp_path, tiny_target_dir):
     assert config["training"]["init"] == str(start)
 
 
+def test_init_can_change_the_block_size_keeping_every_weight(tmp_path, tiny_target_dir):
+    from dflash_cli.train.api import train_drafter
+
+    start = save_random_drafter(tmp_path / "start", drafter_config(target_config("qwen3"), block_size=8), seed=5)
+    out = train_drafter(tiny_target_dir, tmp_path / "out", prompts=PROMPTS[:4], init=start, block_size=4, steps=2,
+                        batch=2, anchors=4, max_new_tokens=12, lr=0.0, device=DEVICE, dtype="float32")
+    written, original = load_file(str(out / "model.safetensors")), load_file(str(start / "model.safetensors"))
+    assert written.keys() == original.keys() and all(torch.equal(written[n], original[n]) for n in original)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"]["block_size"] == 4 and config["training"]["block_size"] == 4
+    assert load_drafter(out, device=DEVICE, dtype="float32").block_size == 4
+
+
 def test_init_with_a_drafter_of_another_target_is_refused_before_any_weights(tmp_path, tiny_target_dir,
                                                                             monkeypatch):
     import dflash_cli.train.api as api

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash_cli.engine.config import DrafterConfig, fallback_taps
+from dflash_cli.engine.config import DrafterConfig, drafter_dict, fallback_taps
 from dflash_cli.engine.device import pick_device, pick_dtype
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.errors import InvalidSettingError
@@ -98,10 +98,10 @@ def init_drafter(raw: dict, device: torch.device, seed: int, final_norm: torch.T
     return drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; compute may autocast
 
 
-def read_init(init: str | Path, target_dir: str | Path, layers: int | None, block_size: int | None,
+def read_init(init: str | Path, target_dir: str | Path, layers: int | None,
               taps: Sequence[int] | None) -> DFlashDrafter:
     """The drafter to fine-tune, on the CPU in fp32, checked against the target (from its config, before any
-    weights load) and the shape options given with it."""
+    weights load) and the shape options given with it (--block-size may differ)."""
     from dflash_cli.engine.load import load_drafter, read_drafter_config
     from dflash_cli.engine.pairing import check_pair, read_config
 
@@ -112,7 +112,8 @@ def read_init(init: str | Path, target_dir: str | Path, layers: int | None, bloc
     cfg = drafter.config
     if cfg.is_dflash2:
         raise InvalidSettingError(f"{init} is a DFlash 2 drafter", hint="train starts from DFlash v1 drafters only")
-    given = {"--layers": (layers, cfg.num_hidden_layers), "--block-size": (block_size, cfg.block_size),
+    # the block size may change: no weight depends on it (slots are positions, roped like any other)
+    given = {"--layers": (layers, cfg.num_hidden_layers),
              "--taps": (list(taps) if taps is not None else None, list(cfg.target_layer_ids or []))}
     for option, (value, theirs) in given.items():
         if value is not None and value != theirs:
@@ -183,9 +184,9 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     if steps is None and time_budget is None:
         steps = 1000
     stored_topk(Path(out_dir) / "data", distill_topk)  # a mismatch fails here, before the target loads
-    start_from = read_init(init, target_dir, layers, block_size, taps) if init is not None else None
+    start_from = read_init(init, target_dir, layers, taps) if init is not None else None
     if start_from is not None:
-        layers, block_size = start_from.config.num_hidden_layers, start_from.block_size
+        layers, block_size = start_from.config.num_hidden_layers, block_size or start_from.block_size
         taps = list(start_from.config.target_layer_ids or [])
     asked = (layers, block_size)
     layers = 2 if layers is None else layers
@@ -252,6 +253,11 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
         raw = dict(previous)
     elif start_from is not None:
         raw = {k: v for k, v in start_from.config.raw.items() if k != "training"}
+        if block_size != start_from.block_size:
+            raw = drafter_dict(raw)
+            raw["dflash_config"] = {**raw.get("dflash_config", {}), "block_size": block_size}
+            if "block_size" in raw:  # older drafters also keep it at the top level
+                raw["block_size"] = block_size
         call["init"] = str(init)
         call["init_training"] = start_from.config.raw.get("training")
     else:
