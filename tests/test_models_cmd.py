@@ -340,7 +340,7 @@ def test_show_and_list_the_built_in_model_before_and_after_its_first_run(env, tm
     before = json.loads(invoke("show", "demo", "--json").stdout)
     assert before["builtin"] and before["name"] == "demo" and before["memory"] is None
     assert "not converted yet" in before["configs"]["target"]
-    assert before["summary"]["drafter"]["block_size"] == 16  # the shipped drafter's config is read
+    assert before["summary"]["drafter"]["block_size"] == 8  # the shipped drafter's config is read
     assert invoke("list", "-q").stdout == ""
     # what the first run leaves behind: a converted checkpoint folder in dflash-cli's cache
     folder = smollm2_dir()

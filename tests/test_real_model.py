@@ -77,6 +77,6 @@ def test_the_shipped_demo_pair_loads_pairs_and_is_lossless(smollm2_converted, mo
     ids = torch.tensor([prompt])
     reference = loaded.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
                                              do_sample=False)[0, len(prompt):].tolist()
-    got = generate(loaded.target, loaded.drafter, prompt, max_new_tokens=40, block_size=16)
+    got = generate(loaded.target, loaded.drafter, prompt, max_new_tokens=40, block_size=loaded.drafter.block_size)
     assert got.tokens == reference
     assert got.stats.accepted > 0  # a trained drafter, not a random one: some drafts are accepted
