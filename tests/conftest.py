@@ -243,15 +243,16 @@ def save_tiny_pair(root: Path) -> tuple[Path, Path]:
 
 class TargetForwardLog:
     """Records how many tokens each target forward reads, measured inside the model (a pre-hook on the
-    first layer's input norm runs once per forward on transformers' forward and on the fast path alike),
-    so cache reuse is checked without trusting the engine's own bookkeeping."""
+    token embedding runs once per forward on transformers' forward and on the fast path alike; the drafter
+    reads the embedding's weight, not the module), so cache reuse is checked without trusting the engine's
+    own bookkeeping."""
 
     def __init__(self, target):
-        self.norm = target.layers[0].input_layernorm
+        self.embed = target.model.get_input_embeddings()
         self.sizes: list[int] = []
 
     def __enter__(self) -> TargetForwardLog:
-        self.handle = self.norm.register_forward_pre_hook(lambda _m, args: self.sizes.append(args[0].shape[-2]))
+        self.handle = self.embed.register_forward_pre_hook(lambda _m, args: self.sizes.append(args[0].shape[-1]))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -258,7 +258,7 @@ def test_ctrl_c_during_a_reply_keeps_the_partial_reply(runtimes, path):
             raise KeyboardInterrupt
 
     # a layer norm runs once per target forward on both the fast path and transformers' forward
-    handle = runtime.target.layers[0].post_attention_layernorm.register_forward_hook(interrupt_third_forward)
+    handle = runtime.target.layers[0].mlp.act_fn.register_forward_hook(interrupt_third_forward)
     try:
         run = drive(runtime, "Hello\rAgain\r", settings=GenerationSettings(max_tokens=40))
     finally:

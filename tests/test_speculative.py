@@ -150,7 +150,7 @@ def test_interrupt_mid_forward_leaves_caches_consistent(pair):
     oracle = oracle_for(pair, prompt, 40, acceptance=0.8, seed=1)
     state = DecodeState(pair.target, oracle)
     # mid-forward, on either path
-    handle = pair.target.layers[2].post_attention_layernorm.register_forward_hook(interrupt_on_call(5))
+    handle = pair.target.layers[2].mlp.act_fn.register_forward_hook(interrupt_on_call(5))
     got = []
     try:
         with pytest.raises(KeyboardInterrupt):

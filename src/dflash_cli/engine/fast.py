@@ -39,6 +39,7 @@ from dflash_cli.engine.linear_attention import (
 )
 from dflash_cli.engine.packed import PackedLinear, Parallel, room_to_pack
 from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
+from dflash_cli.engine.weightonly import Q4Codes, quantize_linears
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 HYBRID_FAMILIES = HYBRID_MODEL_TYPES
@@ -202,24 +203,52 @@ def _gated_mlp(mlp: nn.Module) -> bool:
     return all(hasattr(mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
-def layer_projections(layer: HFModule, pack: bool) -> nn.ModuleDict:
+def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
+                      codes: Callable[[nn.Module], Q4Codes | None] | None = None) -> nn.ModuleDict:
     """A layer's linear maps as qkv -> (q, k, v), o (or a linear-attention layer's inputs, out), and a gated
-    MLP's gate_up -> (gate, up), down; packed by oneDNN (fused where several) when `pack` and it works
-    here, else the layer's own modules. Other MLPs (mixtures of experts) run as their own module."""
+    MLP's gate_up -> (gate, up), down; weight-only quantized when `quant` is q4/q8 (engine/weightonly.py;
+    `codes(linear)` may give ready 4-bit codes), else packed by oneDNN (fused where several) when `pack` and
+    it works here, else the layer's own modules. Other MLPs (mixtures of experts) run as their own module."""
+
+    def fuse(*linears: nn.Module) -> nn.Module | None:
+        made: nn.Module | None = None
+        if quant is not None:
+            given = [codes(m) for m in linears] if codes is not None else None
+            made = quantize_linears(list(linears), quant, codes=given)
+        if made is None and pack:
+            made = PackedLinear.pack(*linears)
+        return made
 
     def group(*linears: nn.Module) -> nn.Module:
-        packed = PackedLinear.pack(*linears) if pack else None
-        return packed or (linears[0] if len(linears) == 1 else Parallel(*linears))
+        return fuse(*linears) or (linears[0] if len(linears) == 1 else Parallel(*linears))
 
     out: dict[str, nn.Module] = {}
     if is_linear_attention(layer):
-        out.update(linear_projections(layer, lambda *linears: PackedLinear.pack(*linears) if pack else None))
+        out.update(linear_projections(layer, fuse))
     else:
         attn = layer.self_attn
         out.update(qkv=group(attn.q_proj, attn.k_proj, attn.v_proj), o=group(attn.o_proj))
     if _gated_mlp(layer.mlp):
         out.update(gate_up=group(layer.mlp.gate_proj, layer.mlp.up_proj), down=group(layer.mlp.down_proj))
     return nn.ModuleDict(out)
+
+
+# RMSNorms that compute exactly F.rms_norm (x * rsqrt(mean(x^2) + eps) in fp32, then times the weight), run
+# as torch's one fused op instead of their eight small ones; others (Qwen3.5's 1 + weight) run as modules
+PLAIN_RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+
+
+def norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    if type(norm).__name__ not in PLAIN_RMS_NORMS:
+        return norm
+    weight, eps, size = norm.weight, float(norm.variance_epsilon), (norm.weight.shape[0],)
+    return lambda x: F.rms_norm(x, size, weight, eps)
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope over all channels, bit for bit, in four ops: rotate_half(x) * sin equals the halves of x
+    swapped (a roll) times sin with its first half negated."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -252,7 +281,12 @@ class StaticForward(nn.Module):
     absolute `positions` (n,), writes their K/V into the buffers, attends over buffer rows `key_positions`
     (0..L-1, L >= the last position + 1), and returns logits (n, V), the tapped layers' outputs
     (1, n, taps*H) or None, and for each linear-attention layer (hybrid targets) the tensors of its
-    BlockRecord (the layer reads `convs`/`states` and writes nothing).
+    BlockRecord (the layer reads `convs`/`states` and writes nothing). `exact_keys`: L is exactly the last
+    position + 1 (eager calls), so a single token attends over every key and needs no mask.
+
+    Attention folds each key/value head's group of query heads into its rows, (1, kv, group*n, hd), so the
+    fused attention kernels run without repeating K/V or a grouped-query fallback; a mask, when needed, is
+    the (n, L) causal mask repeated per group.
     """
 
     def __init__(self, model: HFModule, taps: list[int], projections: nn.ModuleList, lm_head: nn.Module, *,
@@ -269,23 +303,37 @@ class StaticForward(nn.Module):
         self.last_logit_only = last_logit_only
         attn = first_attention(model)
         self.head_dim = attn.head_dim
+        self.heads = model.config.num_attention_heads
+        self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         # Qwen3.5's attention doubles q_proj: a query and a sigmoid gate on the output per head
-        self.gated = attn.q_proj.out_features == 2 * model.config.num_attention_heads * self.head_dim
+        self.gated = attn.q_proj.out_features == 2 * self.heads * self.head_dim
+        self.input_norms = [norm_fn(layer.input_layernorm) for layer in self.layers]
+        self.post_norms = [norm_fn(layer.post_attention_layernorm) for layer in self.layers]
+        self.final_norm = norm_fn(self.norm)
+        self.qk_norms = [(norm_fn(layer.self_attn.q_norm), norm_fn(layer.self_attn.k_norm))
+                         if hasattr(getattr(layer, "self_attn", None), "q_norm") else None for layer in self.layers]
         # under a device map each layer runs where its weights are; the rest (embeddings, norm, LM head) on
         # the hot device, where the caller's ids and the drafter are
         self.devices = list(devices) if devices is not None else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
-                states: Sequence[torch.Tensor] = ()):
+                states: Sequence[torch.Tensor] = (), exact_keys: bool = False):
+        n = ids.shape[1]
         h = self.embed(ids)  # (1, n, H)
         cos, sin = self.rotary(h, positions[None])  # (1, n, rotary dims)
-        cos, sin = cos[:, None], sin[:, None]
-        mask = (key_positions[None, :] <= positions[:, None])[None, None]  # (1, 1, n, L)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (1, n, 1, rotary): rope before the heads move forward
+        if cos.shape[-1] == self.head_dim:
+            half = self.head_dim // 2
+            sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # for rope_rows
+        mask = None
+        if not (exact_keys and n == 1):
+            causal = key_positions[None, :] <= positions[:, None]  # (n, L)
+            mask = causal.repeat(self.heads // self.kv_heads, 1)[None, None]  # (1, 1, group*n, L)
         hot = here = h.device
         # the per-call inputs of the layers, copied once per forward to each device that needs them
-        inputs: dict[torch.device, tuple[torch.Tensor, ...]] = {hot: (positions, key_positions, mask, cos, sin)}
+        inputs: dict[torch.device, tuple[Any, ...]] = {hot: (positions, key_positions, mask, cos, sin)}
         wanted = set(self.taps)
         tapped: dict[int, torch.Tensor] = {}
         records: list[tuple[torch.Tensor, ...]] = []
@@ -295,19 +343,18 @@ class StaticForward(nn.Module):
                 here = self.devices[i]
                 h = move(h, here)
                 if here not in inputs:
-                    inputs[here] = tuple(move(t, here) for t in inputs[hot])
+                    inputs[here] = tuple(t if t is None else move(t, here) for t in inputs[hot])
             at, keys_at, mask_at, cos_at, sin_at = inputs[here]
             proj: Any = self.projections[i]  # the layer's layer_projections() ModuleDict
-            x = layer.input_layernorm(h)
+            x = self.input_norms[i](h)
             if is_linear_attention(layer):
                 j = len(records)
                 out, record = gated_delta_net(layer.linear_attn, proj, x, convs[j], states[j])
                 records.append((record.s0, record.k, record.cum_g, record.delta, record.conv_tail))
             else:
-                out = self._attention(layer.self_attn, proj, x, at, keys_at, mask_at, cos_at, sin_at,
-                                      keys[i], values[i])
+                out = self._attention(i, proj, x, at, keys_at, mask_at, cos_at, sin_at, keys[i], values[i])
             h = h + out
-            x = layer.post_attention_layernorm(h)
+            x = self.post_norms[i](h)
             if "gate_up" in proj:
                 gate, up = proj["gate_up"](x)
                 h = h + proj["down"](layer.mlp.act_fn(gate) * up)
@@ -317,34 +364,38 @@ class StaticForward(nn.Module):
                 # transformers' hidden_states[-1] is after the final norm: tap the same thing. Taps are
                 # gathered on the hot device (the drafter's), each moved once.
                 tap = h if here == hot else move(h, hot)
-                tapped[i] = self.norm(tap) if i == last else tap
+                tapped[i] = self.final_norm(tap) if i == last else tap
         if here != hot:
             h = move(h, hot)
         if self.last_logit_only:
             h = h[:, -1:]
-        logits = self.lm_head(self.norm(h)[0])  # (n, V); a 2-D input keeps CPU bf16 on the plain matmul
+        logits = self.lm_head(self.final_norm(h)[0])  # (n, V); a 2-D input keeps CPU bf16 on the plain matmul
         hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
         return logits, hidden, records
 
-    def _attention(self, attn, proj, x, positions, key_positions, mask, cos, sin, keys, values):
-        n = x.shape[1]
+    def _attention(self, i, proj, x, positions, key_positions, mask, cos, sin, keys, values):
+        n, hd, heads, kv = x.shape[1], self.head_dim, self.heads, self.kv_heads
         q, k, v = proj["qkv"](x)
         if self.gated:
-            q, gate = q.reshape(1, n, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(1, n, -1, 2 * hd).chunk(2, dim=-1)
             gate = gate.reshape(1, n, -1)
-        q = q.reshape(1, n, -1, self.head_dim)
-        k = k.reshape(1, n, -1, self.head_dim)
-        v = v.reshape(1, n, -1, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, n, hd)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        keys.index_copy_(2, positions, k)
-        values.index_copy_(2, positions, v)
+        q = q.reshape(1, n, heads, hd)
+        k = k.reshape(1, n, kv, hd)
+        qk_norms = self.qk_norms[i]
+        if qk_norms is not None:
+            q, k = qk_norms[0](q), qk_norms[1](k)
+        if cos.shape[-1] == hd:
+            q, k = rope_rows(q, cos, sin), rope_rows(k, cos, sin)
+        else:  # partial rotary (Qwen3.5): the first cos.shape[-1] channels
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+        keys.index_copy_(2, positions, k.transpose(1, 2))
+        values.index_copy_(2, positions, v.reshape(1, n, kv, hd).transpose(1, 2))
         kv_len = key_positions.shape[0]
-        out = F.scaled_dot_product_attention(q, keys[:, :, :kv_len], values[:, :, :kv_len], attn_mask=mask,
-                                             scale=self.scaling, enable_gqa=q.shape[1] != k.shape[1])
-        out = out.transpose(1, 2).reshape(1, n, -1)
+        # (1, n, heads, hd) -> (1, kv, group*n, hd): query head h belongs to key/value head h // group
+        folded = q.reshape(1, n, kv, heads // kv, hd).permute(0, 2, 3, 1, 4).reshape(1, kv, -1, hd)
+        out = F.scaled_dot_product_attention(folded, keys[:, :, :kv_len], values[:, :, :kv_len], attn_mask=mask,
+                                             scale=self.scaling)
+        out = out.reshape(1, kv, heads // kv, n, hd).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
         if self.gated:
             out = out * torch.sigmoid(gate)
         return proj["o"](out)
@@ -463,9 +514,9 @@ class FastPath:
                 out = self._run_compiled(ids, cache, start, taps, states)
             if out is None:
                 positions = torch.arange(start, end, device=ids.device)
-                keys_at = key_positions(end, cache.capacity - 1, ids.device)
+                keys_at = torch.arange(end, device=ids.device)  # eager: exactly the keys the tokens see
                 out = self._module(taps, last_logit_only)(ids, positions, keys_at, cache.keys, cache.values,
-                                                          *states)
+                                                          *states, exact_keys=True)
             logits, hidden, records = out
             if cache.linear is not None:
                 # the records cover the last chunk of the tokens run (compiled calls are one chunk)

@@ -1,0 +1,158 @@
+"""Weight-only 4-bit and 8-bit linears (`--quant q4` / `q8`), run by PyTorch's own kernels.
+
+q4: groups of 32 input channels, each with a scale and a zero (asymmetric, the layout of GGUF's Q4_1: a
+block of 32 weights w = d*q + m with 4-bit codes q), run by `aten._weight_int4pack_mm_for_cpu`, which
+reconstructs w = (q - 8) * scale + zero, so scale = d and zero = m + 8*d. q8: one symmetric scale per
+output channel, run by `aten._weight_int8pack_mm`. Both kernels read bf16 activations (fp32 activations run
+20x slower), so activations are cast to bf16 at the call and the output back to the caller's dtype. Each
+output row is computed on its own: a 1-row decode and a block verify give bit-identical rows, which keeps
+greedy speculative decoding equal to greedy plain decoding of the same quantized target.
+
+Quantizing is done once at load and takes about a second per billion weights; bitsandbytes (nf4/int8,
+engine/quant.py) stays the GPU choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+WEIGHT_QUANTS = ("q4", "q8")
+GROUP = 32  # GGUF Q4_1's block; Q4 needs in_features divisible by it
+
+
+@dataclass
+class Q4Codes:
+    """A (out, in) weight in 4 bits: codes 0..15 (int32, (out, in)) and per-group scale and zero ((out, in/G),
+    any float dtype) with w = (codes - 8) * scale + zero."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group: int = GROUP
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out, cols = self.codes.shape
+        shape = (out, cols // self.group, self.group)
+        w = (self.codes.reshape(shape).float() - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]
+        return w.reshape(out, cols).to(dtype)
+
+    @classmethod
+    def from_q4_1(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Codes:
+        """GGUF Q4_1 (w = d*q + m) as scale/zero codes: the same 4-bit codes, nothing requantized."""
+        d32, m32 = d.float(), m.float()
+        return cls(q.to(torch.int32), d32, m32 + 8 * d32)
+
+
+def quantize_q4(weight: torch.Tensor, group: int = GROUP) -> Q4Codes:
+    """Min/max 4-bit quantization per group (as Q4_1), the codes chosen against the bf16-rounded scale and
+    zero the kernel will use."""
+    out, cols = weight.shape
+    w = weight.detach().float().reshape(out, cols // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15).to(torch.bfloat16).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = (low + 8 * scale).to(torch.bfloat16).float()
+    codes = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15).to(torch.int32)
+    return Q4Codes(codes.reshape(out, cols), scale, zero, group)
+
+
+def _sizes_and_bias(linears: list[nn.Linear]) -> tuple[list[int], torch.Tensor | None]:
+    with_bias = [m.bias is not None for m in linears]
+    bias = torch.cat([m.bias.detach().float() for m in linears]) if all(with_bias) else None
+    return [m.out_features for m in linears], bias
+
+
+class WeightOnlyLinear(nn.Module):
+    """Base of Q4Linear/Q8Linear: one or more linears sharing an input, fused into one quantized weight.
+    Returns a tensor, or a tuple (one per linear) when several were fused; `source` keeps a single linear's
+    dense weight when asked (the LM head's rows for a draft vocabulary)."""
+
+    def __init__(self, sizes: list[int], bias: torch.Tensor | None):
+        super().__init__()
+        self.sizes = sizes
+        self.out_features = sum(sizes)
+        self.bias = bias
+        self.source: torch.Tensor | None = None
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor):
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        y = self.matmul(rows).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor)
+                   and t is not self.source)
+
+
+class Q4Linear(WeightOnlyLinear):
+    def __init__(self, codes: Q4Codes, sizes: list[int], bias: torch.Tensor | None):
+        super().__init__(sizes, bias)
+        self.group = codes.group
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.contiguous(), 1)
+        # (in/G, out, 2): the kernel's layout of (scale, zero) per group
+        self.scales_and_zeros = torch.stack([codes.scale, codes.zero], dim=-1).transpose(0, 1).to(
+            torch.bfloat16).contiguous()
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
+
+    @property
+    def in_features(self) -> int:
+        return self.scales_and_zeros.shape[0] * self.group
+
+
+class Q8Linear(WeightOnlyLinear):
+    def __init__(self, weight: torch.Tensor, sizes: list[int], bias: torch.Tensor | None):
+        super().__init__(sizes, bias)
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).to(torch.bfloat16).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        self.weight_int8 = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.scales = scale.to(torch.bfloat16)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+
+
+def quantize_linears(linears: list[nn.Module], kind: str, *, codes: list[Q4Codes | None] | None = None,
+                     keep_source: bool = False) -> WeightOnlyLinear | None:
+    """`linears` (sharing an input) as one q4/q8 layer; None when they cannot be (not plain Linears, not on
+    a CPU, or q4 with in_features not a multiple of 32). `codes`: ready 4-bit codes per linear (a GGUF's
+    own), used instead of quantizing that linear's weight."""
+    if any(type(m) is not nn.Linear for m in linears):
+        return None
+    plain = [m for m in linears if isinstance(m, nn.Linear)]
+    if any(m.weight.device.type != "cpu" for m in plain):
+        return None
+    with_bias = [m.bias is not None for m in plain]
+    if any(with_bias) and not all(with_bias):
+        return None
+    sizes, bias = _sizes_and_bias(plain)
+    layer: WeightOnlyLinear
+    with torch.no_grad():
+        if kind == "q4":
+            if plain[0].in_features % GROUP:
+                return None
+            given = codes or [None] * len(plain)
+            parts = [c if c is not None else quantize_q4(m.weight) for m, c in zip(plain, given)]
+            fused = Q4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale.float() for p in parts]),
+                            torch.cat([p.zero.float() for p in parts]))
+            layer = Q4Linear(fused, sizes, bias)
+        elif kind == "q8":
+            layer = Q8Linear(torch.cat([m.weight.detach() for m in plain]), sizes, bias)
+        else:
+            raise ValueError(f"unknown weight-only quantization {kind!r}")
+    if keep_source and len(plain) == 1:
+        layer.source = plain[0].weight.detach()
+    return layer
