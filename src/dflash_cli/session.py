@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_cli import settings as S
-from dflash_cli.engine.errors import CheckpointError, DFlashError
+from dflash_cli.engine.errors import CheckpointError, DFlashError, InvalidSettingError
 
 if TYPE_CHECKING:  # the engine imports torch: only for annotations here
     from dflash_cli.engine.drafter import Drafter
@@ -129,7 +129,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         before_weights(tokenizer)
     pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant, layer_devices=layer_devices,
                      offload_dir=S.cache_dir() / "offload")  # on disk: the system's temp folder may be RAM
-    fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context, quantized=quant is not None,
+    fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context, quantized=quant in ("int8", "nf4"),
                                  on_status=on_status, on_notice=on_notice)
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed
         from dflash_cli.engine.generate import warm_up
@@ -148,7 +148,6 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
     """Each decoder layer's device, as models/split.py plans the split (what `show` prints)."""
     import json
 
-    from dflash_cli.engine.errors import InvalidSettingError
     from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
     from dflash_cli.models.split import plan_split
 
@@ -183,7 +182,11 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     compiled, why = resolve_compile(compile, target.device, quantized=quantized)
     if compiled and target.split:
         compiled, why = False, "split over devices: not compiled"
+    weights = getattr(target, "weight_quant", None)
     if compile == "off" and not target.hybrid:
+        if weights:
+            raise InvalidSettingError(f"--quant {weights} runs on the fast path, which --compile off turns off",
+                                      hint="drop --compile off, or use --quant none")
         return "transformers forward (compile off)"
     if compile == "off":
         why = "compile off; a hybrid target always takes the fast path, whose linear-attention state rolls back"
@@ -195,13 +198,17 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
         step = compiler_for(target.device)
     reason = target.enable_fast_path(context, pad_to=block, compile_step=step, on_fallback=on_notice)
     if reason is not None:
+        if weights:
+            raise InvalidSettingError(f"--quant {weights} needs the fast path, which this target cannot take ({reason})",
+                                      hint="use --quant none")
         if compile == "on" and on_notice is not None:
             on_notice(f"--compile on: this target cannot take the fast path ({reason}); running uncompiled")
         return f"transformers forward ({reason})"
+    form = f", {target.fast.weight_form}" if target.fast.weight_form else ""
     if not compiled:
         if target.fast.packed and drafter is not None and room_to_pack(drafter):
             pack_linears(drafter)  # its layers run at the same few rows as the target's
-        return f"static cache, eager{', packed weights' if target.fast.packed else ''} ({why})"
+        return f"static cache, eager{form} ({why})"
     if on_status is not None:
         on_status("Compiling the decode and verify forwards (first run; kept on disk for the next) ...")
     started = time.perf_counter()

@@ -62,6 +62,25 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_capability() -> str:
+    """The vector instruction set torch's CPU kernels dispatch to here: "AVX512", "AVX2", "DEFAULT", ..."""
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def cpu_auto_quant(capability: str | None = None, fast_bf16: bool | None = None) -> tuple[str | None, str]:
+    """`--quant auto` on a CPU: the fastest target format measured for this kind of CPU, and why in words.
+
+    4-bit weight-only (q4) decodes fastest wherever torch's int4 kernel has a vectorised path (AVX2 and
+    AVX-512; benchmarks/README.md, "CPU formats"): a 1-token decode reads a quarter of the bf16 bytes. Other
+    CPUs keep 16/32-bit weights, which oneDNN packs."""
+    capability = capability or cpu_capability()
+    fast_bf16 = cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16
+    if capability in ("AVX2", "AVX512"):
+        rest = "bf16" if fast_bf16 else "fp32 (no native bf16)"
+        return "q4", f"{capability} CPU: 4-bit weight-only linears decode fastest; the rest in {rest}"
+    return None, f"{capability} CPU: no vectorised 4-bit kernel here, so 16/32-bit packed weights"
+
+
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """`name` if given, else bf16 on GPUs and on CPUs with native bf16, fp32 elsewhere."""
     if name and name != "auto":

@@ -18,6 +18,7 @@ from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
 from dflash_cli.engine.pairing import check_pair, check_target_config, read_config, safetensors_files
 from dflash_cli.engine.quant import bnb_config, check_quant, quantize_linears
 from dflash_cli.engine.target import Target
+from dflash_cli.engine.weightonly import Q4_CODES_FILE, WEIGHT_QUANTS
 
 
 def read_drafter_config(folder: Path) -> DrafterConfig:
@@ -109,6 +110,9 @@ def load_drafter(folder: str | Path, *, device: torch.device | str | None = None
     device = pick_device(str(device) if device is not None else None)
     dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device)
     quant = check_quant(quant)
+    if quant in WEIGHT_QUANTS:
+        raise InvalidSettingError(f"--quant {quant} is for targets; a drafter stays 16/32-bit",
+                                  hint="4-bit drafters lose most of their acceptance; leave the drafter unquantized")
     cfg = read_drafter_config(folder)
     files = safetensors_files(folder, "drafter")
     with torch.device("meta"):
@@ -134,7 +138,9 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
         device: defaults to cuda when available, else cpu. With `layer_devices`, the hot device: the
             embeddings, final norm and LM head go there (the drafter goes there too).
         dtype: compute dtype; defaults to bf16 on GPUs and fast-bf16 CPUs, else fp32.
-        quant: None, "int8" or "nf4" to quantize the linear layers with bitsandbytes.
+        quant: None, "int8" or "nf4" to quantize the linear layers with bitsandbytes (GPUs); "q4" or "q8" for
+            PyTorch's weight-only CPU kernels, applied when the fast path is enabled (engine/weightonly.py),
+            with the 4-bit codes of `Q4_CODES_FILE` when the folder has one (a GGUF's own).
         layer_devices: the device of each decoder layer ("cuda:1", "cpu", "disk"), as models/split.py
             plans them; accelerate offloads the layers on cpu (when the hot device is a GPU) and disk.
         offload_dir: where disk-offloaded weights go (in a temporary folder inside it, removed with the
@@ -144,6 +150,12 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     device = pick_device(str(device) if device is not None else None)
     dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device)
     quant = check_quant(quant)
+    weight_quant = quant if quant in WEIGHT_QUANTS else None
+    if weight_quant is not None:
+        quant = None
+        if device.type != "cpu" or layer_devices is not None:
+            raise InvalidSettingError(f"--quant {weight_quant} runs on one CPU (PyTorch's weight-only CPU kernels)",
+                                      hint="on a GPU use --quant nf4 or int8 (bitsandbytes)")
     config = read_config(folder, "target")
     check_target_config(config, str(folder))
     safetensors_files(folder, "target")
@@ -184,6 +196,9 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     logging.getLogger(__name__).debug("loaded %s as %s", folder, type(model).__name__)
     target = Target(model, name=str(folder))
     target.offload_dir = offloaded  # removed with the target
+    target.weight_quant = weight_quant
+    codes = folder / Q4_CODES_FILE
+    target.q4_codes_file = codes if weight_quant == "q4" and codes.is_file() else None
     return target
 
 

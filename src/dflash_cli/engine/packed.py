@@ -4,13 +4,19 @@ torch's CPU matmul goes through MKL, which is slow at the row counts a decode lo
 weight that oneDNN re-lays out once for this machine runs them much faster: measured on a 2-core AVX2
 machine, a 16-row 576x49152 LM head 2.6x and a 1-row one 2x (benchmarks/README.md). Fusing linears that
 share an input (q|k|v, gate|up) into one call also saves the per-call cost that dominates small layers.
-Packing makes a second copy of the weights, so it is done only in fp32 on a CPU and when memory allows.
+Packing makes a second copy of the weights, so it is done only on a CPU and when memory allows; bf16 weights
+pack only where oneDNN computes bf16 natively (AVX512-BF16 or AMX; elsewhere the reorder refuses them).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+# how close a packed layer must come to F.linear on a probe (bf16: oneDNN accumulates in fp32, F.linear too,
+# but the two round their blocks differently)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 class PackedLinear(nn.Module):
@@ -36,7 +42,8 @@ class PackedLinear(nn.Module):
             return None
         plain = [m for m in linears if isinstance(m, nn.Linear)]  # all of them, typed as Linears
         weights = [m.weight for m in plain]
-        if any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+        dtype = weights[0].dtype
+        if any(w.device.type != "cpu" or w.dtype != dtype for w in weights) or dtype not in TOLERANCE:
             return None
         with_bias = [m.bias is not None for m in plain]
         if any(with_bias) and not all(with_bias):
@@ -46,10 +53,11 @@ class PackedLinear(nn.Module):
                 weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
                 bias = torch.cat([m.bias.detach() for m in plain]) if all(with_bias) else None
                 packed = cls(plain, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias)
-                probe = torch.randn(3, plain[0].in_features)
+                probe = torch.randn(3, plain[0].in_features).to(dtype)
                 got = packed(probe)
                 got = got if isinstance(got, tuple) else (got,)
-                ok = all(torch.allclose(g, m(probe), rtol=1e-4, atol=1e-4) for g, m in zip(got, plain))
+                tol = TOLERANCE[dtype]
+                ok = all(torch.allclose(g.float(), m(probe).float(), rtol=tol, atol=tol) for g, m in zip(got, plain))
         except (RuntimeError, AttributeError, NotImplementedError):
             return None
         if ok and keep_source and len(plain) == 1:
@@ -68,8 +76,8 @@ class PackedLinear(nn.Module):
 def dense_weight(linear: nn.Module) -> torch.Tensor:
     """The (out, in) weight of a plain or a packed single linear."""
     weight = getattr(linear, "weight", None)
-    if weight is None and isinstance(linear, PackedLinear):
-        weight = linear.source
+    if weight is None:  # a packed or weight-only quantized single linear that kept its dense weight
+        weight = getattr(linear, "source", None)
     if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
         raise TypeError(f"{type(linear).__name__} has no dense weight to take rows from")
     return weight
@@ -87,11 +95,11 @@ class Parallel(nn.Module):
 
 
 def room_to_pack(model: nn.Module) -> bool:
-    """True when `model` is an fp32 CPU model and a second copy of its weights fits in half the free memory."""
+    """True when `model` is an fp32/bf16 CPU model and a second copy of its weights fits in half the free memory."""
     from dflash_cli.engine.device import free_memory
 
     params = list(model.parameters())
-    if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32:
+    if not params or params[0].device.type != "cpu" or params[0].dtype not in TOLERANCE:
         return False
     size = sum(p.numel() * p.element_size() for p in params)
     free = free_memory(params[0].device)

@@ -9,14 +9,14 @@ from torch import nn
 
 from dflash_cli.engine.errors import InvalidSettingError
 
-QUANTS = ("none", "int8", "nf4")
+QUANTS = ("none", "int8", "nf4", "q4", "q8")  # q4/q8: CPU weight-only kernels (engine/weightonly.py)
 
 
 def check_quant(name: str | None) -> str | None:
     if name in (None, "none"):
         return None
     if name not in QUANTS:
-        raise InvalidSettingError(f"unknown quantization {name!r}", hint="use nf4, int8 or none")
+        raise InvalidSettingError(f"unknown quantization {name!r}", hint="use q4, q8 (CPU), nf4, int8 (GPU) or none")
     return name
 
 

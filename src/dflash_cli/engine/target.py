@@ -103,6 +103,8 @@ class Target:
         self._capturing = False
         self.fast: FastPath | None = None  # engine.fast.FastPath once enable_fast_path() succeeded
         self.offload_dir: Any = None  # a TemporaryDirectory holding disk-offloaded weights, if any
+        self.weight_quant: str | None = None  # "q4"/"q8": the fast path runs the linears weight-only quantized
+        self.q4_codes_file: Any = None  # a Path of ready 4-bit codes (weightonly.Q4_CODES_FILE), if any
         # linear-attention (Qwen3.5) layers: transformers' cache cannot roll their state back, ours can
         self.hybrid = any(is_linear_attention(layer) for layer in self.layers)
 
@@ -135,8 +137,13 @@ class Target:
         reason = fast_path_unsupported(self.model)
         if reason is not None:
             return reason
+        codes = None
+        if self.weight_quant == "q4" and self.q4_codes_file is not None:
+            from dflash_cli.engine.weightonly import read_q4_codes
+
+            codes = read_q4_codes(self.q4_codes_file)
         self.fast = FastPath(self.model, context, pad_to=pad_to, compile_step=compile_step,
-                             on_fallback=on_fallback)
+                             on_fallback=on_fallback, weights=self.weight_quant, q4_codes=codes)
         self.fast.set_taps(self._taps)
         return None
 

@@ -21,6 +21,10 @@ from torch import nn
 
 WEIGHT_QUANTS = ("q4", "q8")
 GROUP = 32  # GGUF Q4_1's block; Q4 needs in_features divisible by it
+# a target folder may carry its linears' 4-bit codes (the built-in model: the GGUF's own Q4_1 blocks), as
+# "<module name>.codes" (uint8 (out, in/2), two codes per byte, the low nibble first), ".d" and ".m"
+# (fp16 (out, in/32)) with w = d * code + m
+Q4_CODES_FILE = "q4_1-codes.safetensors"
 
 
 @dataclass
@@ -156,3 +160,56 @@ def quantize_linears(linears: list[nn.Module], kind: str, *, codes: list[Q4Codes
     if keep_source and len(plain) == 1:
         layer.source = plain[0].weight.detach()
     return layer
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """(out, in) codes 0..15 as uint8 (out, in/2), the even column in the low nibble."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.int32)
+    out[:, 0::2] = (packed & 0xF).to(torch.int32)
+    out[:, 1::2] = (packed >> 4).to(torch.int32)
+    return out
+
+
+def write_q4_codes(path, codes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Writes Q4_1 codes per module name: (codes int (out, in), d, m (out, in/32)) as Q4_CODES_FILE."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (q, d, m) in codes.items():
+        tensors[f"{name}.codes"] = pack_nibbles(q).contiguous()
+        tensors[f"{name}.d"] = d.to(torch.float16).contiguous()
+        tensors[f"{name}.m"] = m.to(torch.float16).contiguous()
+    save_file(tensors, str(path), metadata={"format": "q4_1 codes: w = d * code + m, groups of 32"})
+
+
+def read_q4_codes(path) -> dict[str, Q4Codes]:
+    """Q4_CODES_FILE as Q4Codes per module name; a damaged file is a CheckpointError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from dflash_cli.engine.errors import CheckpointError
+
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e})",
+                              hint="delete it to quantize the weights at load instead") from None
+    out: dict[str, Q4Codes] = {}
+    for key in tensors:
+        if not key.endswith(".codes"):
+            continue
+        name = key.removesuffix(".codes")
+        packed, d, m = tensors[key], tensors.get(f"{name}.d"), tensors.get(f"{name}.m")
+        rows, cols = packed.shape[0], packed.shape[-1] * 2 if packed.dim() == 2 else -1
+        groups = (rows, cols // GROUP)
+        if (packed.dtype != torch.uint8 or packed.dim() != 2 or d is None or m is None
+                or tuple(d.shape) != groups or tuple(m.shape) != groups or cols % GROUP):
+            raise CheckpointError(f"{path}: the 4-bit codes of {name!r} are damaged (shapes or dtypes)",
+                                  hint="delete the file to quantize the weights at load instead")
+        out[name] = Q4Codes.from_q4_1(unpack_nibbles(packed), d, m)
+    return out

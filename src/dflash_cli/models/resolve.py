@@ -140,7 +140,12 @@ def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, bud
     planned = budget.dtype if quant == "none" else quant
     if budget.strategy is not None:
         return preflight_split(target_cfg, drafter_cfg, quant, budget, name)
-    if quant == "auto":
+    if quant == "auto" and budget.device == "cpu":
+        from dflash_cli.engine.device import cpu_auto_quant
+
+        quant = cpu_auto_quant()[0] or "none"
+        planned = budget.dtype if quant == "none" else quant
+    elif quant == "auto":
         chosen = choose_quant(target_cfg, drafter_cfg, context_tokens=budget.context_tokens,
                               available_bytes=budget.available_bytes)
         if chosen is not None:
@@ -249,12 +254,17 @@ def _fetch(repo: str, revision: str | None, endpoint: str | None, on_status: Cal
 
 def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False, endpoint: str | None = None,
                  on_status: Callable[[str], None] = lambda _: None, tqdm_class: Any = None,
-                 quant: str = "none", budget: MemoryBudget | None = None) -> ResolvedPair:
-    """Finds (and downloads if needed) the target and its drafter for a --model/--draft pair of values."""
+                 quant: str | None = "none", budget: MemoryBudget | None = None) -> ResolvedPair:
+    """Finds (and downloads if needed) the target and its drafter for a --model/--draft pair of values.
+
+    quant None (not given): "auto" for the built-in models (their weights are 4-bit to begin with, and q4
+    decodes fastest on the CPUs that run them), "none" for the rest."""
     from dflash_cli.engine.config import DrafterConfig
     from dflash_cli.engine.pairing import check_pair, check_target_config
 
     spec = resolve_spec(model)
+    if quant is None:
+        quant = "auto" if spec.kind == "builtin" else "none"
     if spec.kind == "builtin":
         from dflash_cli.models.smollm2 import ensure_smollm2
 

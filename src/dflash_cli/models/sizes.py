@@ -23,6 +23,8 @@ Bytes per quantization (``quant``):
 * ``nf4`` (bitsandbytes 4-bit): 0.5 byte per weight plus one absmax per 64-weight block, fp32
   (4 bytes, this project's setting: ``bnb_4bit_use_double_quant=False``) or, with double quantization,
   1 byte per block plus one fp32 per 256 blocks.
+* ``q4`` / ``q8`` (CPU weight-only kernels): the 16-bit weights as loaded plus the codes (q4: 0.5 byte per
+  weight and a bf16 scale and zero per 32; q8: 1 byte per weight and a bf16 scale per row).
 * Under int8/nf4 the embeddings, ``lm_head``, norms, routers and other plain parameters stay 16-bit.
   So do *fused* MoE expert tensors: transformers 5 stores them as 3-D ``nn.Parameter``s, not
   ``nn.Linear``, and bitsandbytes only replaces ``nn.Linear`` modules.
@@ -62,9 +64,11 @@ WEIGHT_MARGIN = 0.10
 NF4_BLOCK = 64
 NF4_DOUBLE_QUANT_GROUP = 256
 MXFP4_BLOCK = 32  # one uint8 scale per 32 fp4 values
+Q4_GROUP = 32  # q4: a bf16 scale and zero per 32 weights
 
 QUANT_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "none": "bf16", "fp16": "fp16", "float16": "fp16",
-                 "fp32": "fp32", "float32": "fp32", "int8": "int8", "nf4": "nf4"}
+                 "fp32": "fp32", "float32": "fp32", "int8": "int8", "nf4": "nf4",
+                 "q4": "q4", "q8": "q8"}
 #: `--quant auto` order: best quality first
 AUTO_ORDER = ("bf16", "int8", "nf4")
 
@@ -77,7 +81,7 @@ LINEAR_STATE_COPIES = 3  # per linear-attention layer: two buffers to roll back,
 def normalize_quant(quant: str | None) -> str:
     key = "bf16" if quant is None else str(quant).lower()
     if key not in QUANT_ALIASES:
-        raise ValueError(f"unknown quantization {quant!r}: use bf16, fp16, fp32, int8 or nf4")
+        raise ValueError(f"unknown quantization {quant!r}: use bf16, fp16, fp32, int8, nf4, q4 or q8")
     return QUANT_ALIASES[key]
 
 
@@ -260,6 +264,10 @@ def _linear_bytes(lin: _Linear, quant: str, double_quant: bool) -> int:
         w = 4 * per
     elif quant == "int8":
         w = per + 4 * lin.out  # int8 weights + fp32 row scales (SCB)
+    elif quant in ("q4", "q8"):
+        # weight-only CPU kernels (engine/weightonly.py): the 16-bit weights loaded stay beside the codes
+        codes = math.ceil(per / 2) + 4 * math.ceil(per / Q4_GROUP) if quant == "q4" else per + 2 * lin.out
+        w = 2 * per + codes
     elif quant == "nf4":
         blocks = math.ceil(per / NF4_BLOCK)
         absmax = (blocks + 4 * math.ceil(blocks / NF4_DOUBLE_QUANT_GROUP) + 4) if double_quant else 4 * blocks

@@ -42,9 +42,11 @@ model_options = apply_all([
     click.option("--draft", envvar=S.ENV["draft"], show_envvar=True, metavar="DRAFTER",
                  help="DFlash drafter folder for the target. Without one, decoding is plain (speculation off)."),
     click.option("--no-draft", is_flag=True, help="Plain decoding: do not load or use a drafter."),
-    click.option("--quant", type=click.Choice(["none", "int8", "nf4", "auto"]), default=S.DEFAULT_QUANT,
-                 envvar=S.ENV["quant"], show_envvar=True, show_default=True,
-                 help="Quantize the target with bitsandbytes; auto = the best quality that fits in memory."),
+    click.option("--quant", type=click.Choice(["none", "int8", "nf4", "q4", "q8", "auto"]), default=S.DEFAULT_QUANT,
+                 envvar=S.ENV["quant"], show_envvar=True, show_default="none; auto for the built-in models",
+                 help="Quantize the target: q4/q8 with PyTorch's weight-only CPU kernels, nf4/int8 with "
+                      "bitsandbytes (GPU); auto = on a CPU the fastest format measured for it (q4 on AVX2 and "
+                      "AVX-512), on a GPU the best quality that fits in memory."),
     click.option("--max-context", type=click.IntRange(min=16), default=S.DEFAULT_MAX_CONTEXT,
                  envvar=S.ENV["max_context"], show_envvar=True, show_default=True,
                  help="Most tokens (prompt + replies) to hold; sizes the memory check before loading."),
