@@ -323,7 +323,6 @@ class StaticForward(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
                 states: Sequence[torch.Tensor] = ()):
-        n = ids.shape[1]
         h = self.embed(ids)  # (1, n, H)
         cos, sin = self.rotary(h, positions[None])  # (1, n, rotary dims)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (1, n, 1, rotary): rope before the heads move forward
