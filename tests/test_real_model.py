@@ -55,10 +55,19 @@ def test_generate_with_the_builtin_smollm2(smollm2_converted, monkeypatch):
     from dflash_cli.ui.cli import cli
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(smollm2_converted.cache))  # reuse this run's conversion
-    result = CliRunner().invoke(cli, ["generate", "-m", "smollm2-135m", "--dtype", "float32", "-n", "30",
-                                      "What is the capital of France?"])
+    result = CliRunner().invoke(cli, ["generate", "-m", "smollm2-135m", "--dtype", "float32", "--quant", "none",
+                                      "-n", "30", "What is the capital of France?"])
     assert result.exit_code == 0, result.stderr
     assert "Paris" in result.stdout and "speculation off" in result.stderr
+    # by default the built-in model runs its GGUF's own 4-bit codes where q4 is the CPU's fastest format
+    # (its 4-bit answer here starts "L'Étoile", as llama.cpp's on the same GGUF does)
+    from dflash_cli.engine.device import cpu_auto_quant
+
+    result = CliRunner().invoke(cli, ["generate", "-m", "smollm2-135m", "-n", "8", "Name a colour."])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip()
+    chosen = cpu_auto_quant()[0]
+    assert (f" {chosen} ·" in result.stderr) if chosen else (" q4 " not in result.stderr)
 
 
 def test_the_shipped_demo_pair_loads_pairs_and_is_lossless(smollm2_converted, monkeypatch):

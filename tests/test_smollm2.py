@@ -77,6 +77,42 @@ def test_the_python_api_loads_the_built_in_demo_pair_by_name(converted, monkeypa
 
 @pytest.mark.slow
 @needs_smollm2
+def test_the_ggufs_own_4bit_codes_are_kept_and_run_by_q4(converted, monkeypatch):
+    """The converted folder keeps the GGUF's Q4_1 codes of all 210 linears, checked against the dequantized
+    weights; --quant q4 runs those codes (nothing quantized again) and decodes losslessly."""
+    import torch
+
+    from dflash_cli.engine.weightonly import Q4_CODES_FILE, read_q4_codes
+
+    codes = read_q4_codes(converted.folder / Q4_CODES_FILE)
+    assert len(codes) == 210 and smollm2._check_q4_codes(converted.folder) == []
+    # a flipped code is caught by the same check
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(converted.folder / Q4_CODES_FILE))
+    key = "model.layers.3.mlp.down_proj.codes"
+    tensors[key] = tensors[key].clone()
+    tensors[key][0, 0] ^= 0x0F
+    broken = converted.cache / "broken"
+    broken.mkdir(exist_ok=True)
+    save_file(tensors, str(broken / Q4_CODES_FILE))
+    (broken / "model.safetensors").symlink_to(converted.folder / "model.safetensors")
+    assert "model.layers.3.mlp.down_proj" in " ".join(smollm2._check_q4_codes(broken))
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(converted.cache))
+    runtime = dflash_cli.load("demo", quant="q4", device="cpu")
+    fast = runtime.target.fast
+    assert fast.codes_used == 210 and "210 linears" in runtime.fast_path
+    layer = fast.projections[3]["down"]
+    code = codes["model.layers.3.mlp.down_proj"]
+    assert torch.equal(layer.packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(code.codes, 1))
+    spec = dflash_cli.generate(runtime, "What is 12 * 9?", max_new_tokens=24)
+    plain = dflash_cli.generate(runtime, "What is 12 * 9?", max_new_tokens=24, block_size=1)
+    assert spec.tokens == plain.tokens and spec.stats.accepted > 0
+
+
+@pytest.mark.slow
+@needs_smollm2
 def test_converted_folder_generates_a_coherent_chat_answer(converted):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -132,8 +132,8 @@ class Q8Linear(WeightOnlyLinear):
 def quantize_linears(linears: list[nn.Module], kind: str, *, codes: list[Q4Codes | None] | None = None,
                      keep_source: bool = False) -> WeightOnlyLinear | None:
     """`linears` (sharing an input) as one q4/q8 layer; None when they cannot be (not plain Linears, not on
-    a CPU, or q4 with in_features not a multiple of 32). `codes`: ready 4-bit codes per linear (a GGUF's
-    own), used instead of quantizing that linear's weight."""
+    a CPU, or q4 with in_features not a multiple of 32 or out_features not of 16). `codes`: ready 4-bit
+    codes per linear (a GGUF's own), used instead of quantizing that linear's weight."""
     if any(type(m) is not nn.Linear for m in linears):
         return None
     plain = [m for m in linears if isinstance(m, nn.Linear)]
@@ -146,7 +146,7 @@ def quantize_linears(linears: list[nn.Module], kind: str, *, codes: list[Q4Codes
     layer: WeightOnlyLinear
     with torch.no_grad():
         if kind == "q4":
-            if plain[0].in_features % GROUP:
+            if plain[0].in_features % GROUP or sum(sizes) % 16:  # the kernel's packing wants N % 16 == 0
                 return None
             given = codes or [None] * len(plain)
             parts = [c if c is not None else quantize_q4(m.weight) for m, c in zip(plain, given)]

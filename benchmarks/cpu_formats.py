@@ -1,0 +1,166 @@
+"""The demo pair on this CPU in every target format, side by side with llama.cpp on the same weights.
+
+One run, greedy, the same chat-templated prompts and number of new tokens everywhere, decode tokens/s with
+the prefill excluded:
+
+- llama.cpp (llama-cpp-python, built by benchmarks/llama_cpp_setup.sh) on the built-in GGUF (Q4_1), plain
+  decoding, read from llama.cpp's own counters; skipped with a note when llama_cpp is not installed;
+- dflash-cli plain and speculative decoding of the demo target in fp32, bf16, q8 and q4 (the drafter
+  unchanged, 16/32-bit), with tau, the speedup over our own plain decoding in the same format, and whether
+  the speculative output equals our plain output (it must);
+- the unit costs of each format: a 1-token decode and an 8-token verify (the demo's block), in ms.
+
+    .venv/bin/python benchmarks/cpu_formats.py                       # math prompts, 128 tokens, about 4 min
+    .venv/bin/python benchmarks/cpu_formats.py --sets math code chat --limit 4 --json out.json
+
+Run it on idle cores: under load llama.cpp and torch both lose their time slices (benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FORMATS = {"fp32": dict(dtype="float32", quant=None), "bf16": dict(dtype="bfloat16", quant=None),
+           "q8": dict(dtype=None, quant="q8"), "q4": dict(dtype=None, quant="q4")}
+
+
+def cpu_line() -> str:
+    name, flags = platform.processor() or "?", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name in ("?", "", "x86_64"):
+                name = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "avx_vnni", "fma")
+                flags = " ".join(f for f in line.split(":", 1)[1].split() if f in wanted)
+                break
+    except OSError:
+        pass
+    cap = torch.backends.cpu.get_cpu_capability()
+    return f"{name}, {torch.get_num_threads()} threads, torch capability {cap}, flags: {flags or '?'}"
+
+
+def prompts_for(sets: list[str], limit: int, tokenizer) -> list[tuple[str, list[int]]]:
+    from dflash_cli.bench import load_prompt_set
+    from dflash_cli.engine.text import encode_prompt
+
+    out = []
+    for name in sets:
+        for p in load_prompt_set(name)[:limit]:
+            out.append((name, encode_prompt(tokenizer, p.prompt)))
+    return out
+
+
+def llama_cpp_rows(prompts, new_tokens: int, threads: int) -> tuple[list[float], str]:
+    try:
+        import llama_cpp
+    except ImportError:
+        return [], "llama_cpp not installed (bash benchmarks/llama_cpp_setup.sh builds it, once)"
+    from dflash_cli.models.smollm2 import gguf_path
+
+    llm = llama_cpp.Llama(str(gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm.create_completion(prompt=prompts[0][1], max_tokens=16, temperature=0.0, top_k=1)  # warm-up
+    rates = []
+    for _, ids in prompts:
+        llm.reset()
+        llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+        llm.create_completion(prompt=ids, max_tokens=new_tokens, temperature=0.0, top_k=1)
+        perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+        rates.append(perf.n_eval / (perf.t_eval_ms / 1000))
+    return rates, "Q4_1 GGUF as shipped (token embedding Q8_0)"
+
+
+def unit_costs(target, repeats: int = 30) -> tuple[float, float]:
+    cache = target.new_cache()
+    prompt = torch.randint(100, 2000, (1, 200))
+    target.forward(prompt, cache, 0, last_logit_only=True)
+
+    def timed(n: int) -> float:
+        x = torch.randint(100, 2000, (1, n))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            target.forward(x, cache, 200, taps=n > 1)
+            times.append(time.perf_counter() - t)
+            cache.crop(200)
+        return statistics.median(times) * 1000
+
+    return timed(1), timed(8)
+
+
+def run_format(name: str, spec: dict, prompts, new_tokens: int) -> dict:
+    import dflash_cli
+
+    started = time.perf_counter()
+    runtime = dflash_cli.load("demo", dtype=spec["dtype"], quant=spec["quant"], device="cpu")
+    load_s = time.perf_counter() - started
+    dflash_cli.generate(runtime, prompts[0][1], max_new_tokens=16)  # warm-up, both loops
+    dflash_cli.generate(runtime, prompts[0][1], max_new_tokens=16, block_size=1)
+    plain, spec_rates, taus, same = [], [], [], 0
+    for _, ids in prompts:
+        p = dflash_cli.generate(runtime, ids, max_new_tokens=new_tokens, block_size=1)
+        s = dflash_cli.generate(runtime, ids, max_new_tokens=new_tokens)
+        plain.append(p.stats.decode_tokens_per_second)
+        spec_rates.append(s.stats.decode_tokens_per_second)
+        taus.append(s.stats.acceptance_length)
+        same += p.tokens == s.tokens
+    dec1, ver8 = unit_costs(runtime.target)
+    return dict(format=name, dtype=runtime.dtype, forward=runtime.fast_path, load_seconds=load_s,
+                plain_tok_s=statistics.median(plain), spec_tok_s=statistics.median(spec_rates),
+                tau=statistics.mean(taus), identical=f"{same}/{len(prompts)}", decode_1_ms=dec1, verify_8_ms=ver8)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", nargs="+", default=["math"], help="built-in prompt sets (math, code, chat)")
+    ap.add_argument("--limit", type=int, default=6, help="prompts per set")
+    ap.add_argument("-n", "--new-tokens", type=int, default=128)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    ap.add_argument("--json", type=Path, help="also write every number here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    import dflash_cli
+
+    tokenizer = dflash_cli.load("demo", device="cpu", quant="q4").tokenizer
+    prompts = prompts_for(args.sets, args.limit, tokenizer)
+    print(f"CPU: {cpu_line()}", flush=True)
+    print(f"{len(prompts)} prompts ({', '.join(args.sets)}), {args.new_tokens} new tokens, greedy, "
+          f"chat template; {time.strftime('%Y-%m-%d')}", flush=True)
+    rates, note = llama_cpp_rows(prompts, args.new_tokens, threads)
+    base = statistics.median(rates) if rates else None
+    rows = [run_format(name, FORMATS[name], prompts, args.new_tokens) for name in args.formats]
+
+    def vs(x: float) -> str:
+        return f"{x / base:.2f}x" if base else "-"
+
+    print()
+    print("| engine, format | plain tok/s | vs llama.cpp | DFlash tok/s | vs llama.cpp | tau | DFlash/plain |"
+          " same output | decode 1 ms | verify 8 ms | verify/decode | load s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if base:
+        print(f"| llama.cpp {note} | {base:.1f} | 1.00x | | | | | | | | | |")
+    else:
+        print(f"| llama.cpp: {note} | | | | | | | | | | | |")
+    for r in rows:
+        print(f"| dflash-cli {r['format']} ({r['dtype']}) | {r['plain_tok_s']:.1f} | {vs(r['plain_tok_s'])} | "
+              f"{r['spec_tok_s']:.1f} | {vs(r['spec_tok_s'])} | {r['tau']:.2f} | "
+              f"{r['spec_tok_s'] / r['plain_tok_s']:.2f}x | {r['identical']} | {r['decode_1_ms']:.1f} | "
+              f"{r['verify_8_ms']:.1f} | {r['verify_8_ms'] / r['decode_1_ms']:.2f}x | {r['load_seconds']:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps(dict(cpu=cpu_line(), llama_cpp=dict(rates=rates, note=note), rows=rows,
+                                             sets=args.sets, new_tokens=args.new_tokens), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

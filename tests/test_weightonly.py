@@ -1,0 +1,242 @@
+"""Weight-only q4/q8 targets on the CPU: the kernels against the dequantized weights, the GGUF Q4_1 import,
+lossless speculative decoding of a quantized target, the per-CPU choice, and bf16 weights on the fast path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import VOCAB
+from test_speculative import random_prompts
+from torch import nn
+
+from dflash_cli.engine.device import cpu_auto_quant
+from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
+from dflash_cli.engine.generate import generate
+from dflash_cli.engine.load import load_drafter, load_pair
+from dflash_cli.engine.oracle import OracleDrafter
+from dflash_cli.engine.state import DecodeState
+from dflash_cli.engine.weightonly import (
+    Q4_CODES_FILE,
+    Q4Codes,
+    Q4Linear,
+    Q8Linear,
+    quantize_linears,
+    quantize_q4,
+    read_q4_codes,
+    write_q4_codes,
+)
+from dflash_cli.models.smollm2 import read_q4_1_blocks
+
+
+def linear(out_features: int, in_features: int, seed: int, bias: bool = False) -> nn.Linear:
+    torch.manual_seed(seed)
+    m = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        m.weight.normal_(0, 0.05)
+    return m
+
+
+def bf16_rows(n: int, width: int) -> torch.Tensor:
+    return torch.randn(n, width).to(torch.bfloat16).float()  # exactly representable in bf16
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_q4_linear_equals_the_matmul_of_its_dequantized_weight(rows):
+    m = linear(96, 128, seed=0)
+    layer = quantize_linears([m], "q4")
+    assert isinstance(layer, Q4Linear)
+    codes = quantize_q4(m.weight)
+    x = bf16_rows(rows, 128)
+    expected = x @ codes.dequantize().T  # scale and zero are bf16-rounded in the codes already
+    torch.testing.assert_close(layer(x), expected, rtol=1e-2, atol=2e-2)  # the output is rounded to bf16
+    # and the 4-bit weight is close to the dense one: min/max groups of 32 lose little
+    err = (codes.dequantize() - m.weight).abs().max()
+    assert err <= (m.weight.abs().max() * 2 / 15) / 2 + 1e-3
+
+
+def test_q8_linear_equals_the_matmul_of_its_dequantized_weight():
+    m = linear(70, 96, seed=1, bias=True)
+    layer = quantize_linears([m], "q8")
+    assert isinstance(layer, Q8Linear)
+    w = layer.weight_int8.float() * layer.scales.float()[:, None]
+    x = bf16_rows(5, 96)
+    torch.testing.assert_close(layer(x), x @ w.T + m.bias.detach(), rtol=1e-2, atol=2e-2)
+    assert (w - m.weight).abs().max() <= m.weight.abs().max() / 127
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_fused_linears_split_back_into_each_linears_output(kind):
+    parts = [linear(64, 64, seed=2), linear(32, 64, seed=3), linear(32, 64, seed=4)]
+    fused = quantize_linears(parts, kind)
+    x = bf16_rows(4, 64)
+    outs = fused(x)
+    assert isinstance(outs, tuple) and [o.shape[-1] for o in outs] == [64, 32, 32]
+    for part, out in zip(parts, outs):
+        alone = quantize_linears([part], kind)
+        assert torch.equal(out, alone(x))  # fusing changes nothing but the number of calls
+
+
+def test_a_block_and_single_rows_give_bit_identical_outputs():
+    """What keeps speculative decoding of a q4/q8 target lossless: each row is computed on its own."""
+    for kind in ("q4", "q8"):
+        layer = quantize_linears([linear(160, 64, seed=5)], kind)
+        x = torch.randn(16, 64)
+        whole = layer(x)
+        assert torch.equal(whole, torch.cat([layer(x[i:i + 1]) for i in range(16)]))
+
+
+def test_what_cannot_be_quantized_stays_as_it_is():
+    assert quantize_linears([linear(16, 48, seed=6)], "q4") is None  # 48 input channels: not groups of 32
+    assert quantize_linears([linear(8, 64, seed=6)], "q4") is None  # 8 outputs: the kernel packs 16 at a time
+    assert quantize_linears([nn.Identity()], "q4") is None
+    assert quantize_linears([linear(8, 48, seed=6)], "q8") is not None  # per channel: any width
+
+
+def q4_1_bytes(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """GGUF Q4_1 blocks as llama.cpp writes them: d, m (fp16), then 16 bytes, weights 0-15 in the low
+    nibbles and 16-31 in the high ones."""
+    rows, cols = codes.shape
+    blocks = codes.reshape(rows, cols // 32, 32).astype(np.uint8)
+    qs = blocks[..., :16] | (blocks[..., 16:] << 4)
+    head = np.concatenate([d.astype(np.float16)[..., None].view(np.uint8),
+                           m.astype(np.float16)[..., None].view(np.uint8)], axis=-1)
+    return np.concatenate([head.reshape(rows, cols // 32, 4), qs], axis=-1).reshape(rows, -1)
+
+
+def test_gguf_q4_1_blocks_keep_their_codes_and_values(tmp_path):
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, size=(16, 64))
+    d = rng.uniform(0.001, 0.02, size=(16, 2)).astype(np.float16)
+    m = rng.uniform(-0.1, 0.0, size=(16, 2)).astype(np.float16)
+    q, d_read, m_read = read_q4_1_blocks(q4_1_bytes(codes, d, m))
+    assert np.array_equal(q.numpy(), codes)
+    expected = codes.reshape(16, 2, 32) * d.astype(np.float32)[..., None] + m.astype(np.float32)[..., None]
+    as_kernel = Q4Codes.from_q4_1(q, d_read, m_read)
+    np.testing.assert_allclose(as_kernel.dequantize().numpy(), expected.reshape(16, 64), rtol=1e-6, atol=1e-7)
+    # the file round trip keeps the codes; the layer rounds (scale, zero) to bf16, at most half a bf16 ulp
+    write_q4_codes(tmp_path / Q4_CODES_FILE, {"model.layers.0.mlp.up_proj": (q, d_read, m_read)})
+    back = read_q4_codes(tmp_path / Q4_CODES_FILE)["model.layers.0.mlp.up_proj"]
+    assert torch.equal(back.codes, q)
+    layer = Q4Linear(back, [16], None)
+    x = bf16_rows(2, 64)
+    got, exact = layer(x), x @ torch.from_numpy(expected.reshape(16, 64)).float().T
+    assert (got - exact).abs().max() <= exact.abs().max() * 2**-7 + 1e-3
+
+
+def test_a_damaged_codes_file_is_a_checkpoint_error(tmp_path):
+    path = tmp_path / Q4_CODES_FILE
+    path.write_bytes(b"\x00" * 20)
+    with pytest.raises(CheckpointError, match="not a readable safetensors"):
+        read_q4_codes(path)
+    from safetensors.torch import save_file
+
+    save_file({"a.codes": torch.zeros(4, 16, dtype=torch.uint8), "a.d": torch.zeros(4, 2, dtype=torch.float16),
+               "a.m": torch.zeros(4, 2, dtype=torch.float16)}, str(path))
+    with pytest.raises(CheckpointError, match="damaged"):
+        read_q4_codes(path)  # 16 bytes are 32 codes: one group, not two
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from conftest import drafter_config, save_random_drafter, save_target, target_config
+
+    root = tmp_path_factory.mktemp("weightonly")
+    out = {}
+    for family in ("qwen3", "llama"):
+        cfg = target_config(family)
+        out[family] = (save_target(root / family, cfg, seed=1, scale=3.0),
+                       save_random_drafter(root / f"{family}-drafter", drafter_config(cfg), seed=2))
+    return out
+
+
+def quantized_pair(pairs, family, kind, dtype="float32", context=400):
+    pair = load_pair(*pairs[family], device="cpu", dtype=dtype, quant=kind)
+    assert pair.target.enable_fast_path(context, pad_to=pair.drafter.block_size) is None
+    assert pair.target.fast.weights == kind
+    head = pair.target.fast.lm_head
+    assert isinstance(head, Q8Linear)  # under q4 too: 4-bit groups cost an LM head too much
+    assert all(isinstance(p["qkv"], Q4Linear if kind == "q4" else Q8Linear) for p in pair.target.fast.projections)
+    return pair
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_greedy_speculative_equals_greedy_plain_decoding_of_the_same_quantized_target(pairs, family, kind):
+    pair = quantized_pair(pairs, family, kind)
+    for block_size in (2, 4, 8):
+        for prompt in random_prompts(2, seed=block_size):
+            plain = generate(pair.target, None, prompt, max_new_tokens=30, stop_ids=[]).tokens
+            # an oracle that knows the plain reply drafts it right 80% of the time: long accepted prefixes
+            oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=0.8, seed=block_size,
+                                   vocab_size=VOCAB)
+            got = generate(pair.target, oracle, prompt, max_new_tokens=30, block_size=block_size, stop_ids=[])
+            assert got.tokens == plain
+            assert got.stats.accepted > 0
+            random_drafts = generate(pair.target, pair.drafter, prompt, max_new_tokens=30, block_size=block_size,
+                                     stop_ids=[])
+            assert random_drafts.tokens == plain
+
+
+def test_a_stop_inside_a_block_and_a_second_turn_match_plain_decoding(pairs):
+    pair = quantized_pair(pairs, "llama", "q4")
+    prompt = [5, 6, 7, 8]
+    plain = generate(pair.target, None, prompt, max_new_tokens=24, stop_ids=[]).tokens
+    stop = plain[9]
+    expected = plain[:plain.index(stop) + 1]
+    oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=1.0, seed=0, vocab_size=VOCAB)
+    got = generate(pair.target, oracle, prompt, max_new_tokens=24, block_size=8, stop_ids=[stop])
+    assert got.tokens == expected
+    # chat-turn reuse: the second turn continues on the kept caches and equals a fresh plain run
+    state = DecodeState(pair.target, pair.drafter)
+    first = generate(pair.target, pair.drafter, prompt, max_new_tokens=12, stop_ids=[], state=state)
+    turn2 = state.tokens + [9, 10, 11]
+    second = generate(pair.target, pair.drafter, turn2, max_new_tokens=12, stop_ids=[], state=state)
+    assert second.stats.prefilled_tokens == 4  # the reply's last token (not yet in the cache) and the 3 new
+    assert first.tokens + [9, 10, 11] + second.tokens == \
+        (prompt + generate(pair.target, None, prompt, max_new_tokens=12, stop_ids=[]).tokens + [9, 10, 11]
+         + generate(pair.target, None, turn2, max_new_tokens=12, stop_ids=[]).tokens)[len(prompt):]
+
+
+def test_bf16_weights_run_the_fast_path_losslessly_on_any_cpu(pairs):
+    """bf16 weights are packed by oneDNN where the CPU computes bf16 natively and stay F.linear elsewhere;
+    either way (CI runs whichever this machine has) the speculative output equals plain decoding."""
+    pair = load_pair(*pairs["qwen3"], device="cpu", dtype="bfloat16")
+    assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
+    for prompt in random_prompts(3, seed=11):
+        plain = generate(pair.target, None, prompt, max_new_tokens=24, stop_ids=[]).tokens
+        oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=0.8, seed=1, vocab_size=VOCAB)
+        assert generate(pair.target, oracle, prompt, max_new_tokens=24, stop_ids=[]).tokens == plain
+
+
+@pytest.mark.parametrize("capability, fast_bf16, expected", [
+    ("AVX512", True, "q4"), ("AVX512", False, "q4"), ("AVX2", False, "q4"), ("DEFAULT", False, None),
+    ("NO AVX", False, None),
+])
+def test_auto_quant_on_a_cpu_follows_what_it_reports(capability, fast_bf16, expected):
+    chosen, why = cpu_auto_quant(capability, fast_bf16)
+    assert chosen == expected
+    assert capability in why
+    if expected:
+        assert ("bf16" in why) and (("no native bf16" in why) != fast_bf16)
+
+
+def test_auto_quant_in_the_preflight_picks_the_cpus_format(monkeypatch):
+    from test_plan import cfg
+
+    from dflash_cli.engine import device
+    from dflash_cli.models.resolve import MemoryBudget, preflight_memory
+
+    budget = MemoryBudget(64 * 2**30, 4096, "bf16", "system memory", "cpu")
+    smol = cfg("HuggingFaceTB__SmolLM2-135M-Instruct")
+    monkeypatch.setattr(device, "cpu_capability", lambda: "AVX2")
+    assert preflight_memory(smol, None, "auto", budget, "smol") == "q4"
+    monkeypatch.setattr(device, "cpu_capability", lambda: "DEFAULT")
+    assert preflight_memory(smol, None, "auto", budget, "smol") == "none"
+
+
+def test_weight_only_quantization_is_refused_where_it_cannot_run(pairs):
+    with pytest.raises(InvalidSettingError, match="drafter stays 16/32-bit"):
+        load_drafter(pairs["qwen3"][1], device="cpu", quant="q4")
+    with pytest.raises(InvalidSettingError, match="runs on one CPU"):
+        load_pair(*pairs["qwen3"], device="cpu", dtype="float32", quant="q4", layer_devices=["cpu"] * 6)
