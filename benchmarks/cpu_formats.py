@@ -12,6 +12,7 @@ the prefill excluded:
 
     .venv/bin/python benchmarks/cpu_formats.py                       # math prompts, 128 tokens, about 4 min
     .venv/bin/python benchmarks/cpu_formats.py --sets math code chat --limit 4 --json out.json
+    .venv/bin/python benchmarks/cpu_formats.py --before /tmp/old-checkout   # + an older checkout's default
 
 Run it on idle cores: under load llama.cpp and torch both lose their time slices (benchmarks/README.md).
 """
@@ -119,6 +120,20 @@ def run_format(name: str, spec: dict, prompts, new_tokens: int) -> dict:
                 tau=statistics.mean(taus), identical=f"{same}/{len(prompts)}", decode_1_ms=dec1, verify_8_ms=ver8)
 
 
+def before_row(args) -> dict:
+    """The --before checkout's default, run by this script in a subprocess on that checkout's code."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(args.before / "src"))
+    cmd = [sys.executable, __file__, "--rows-for", "before", "--sets", *args.sets, "--limit", str(args.limit),
+           "-n", str(args.new_tokens), "--threads", str(torch.get_num_threads())]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    row = json.loads(out.strip().splitlines()[-1])
+    row["format"] = f"before ({args.before.name}, its default)"
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", nargs="+", default=["math"], help="built-in prompt sets (math, code, chat)")
@@ -127,20 +142,27 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
     ap.add_argument("--json", type=Path, help="also write every number here")
+    ap.add_argument("--before", type=Path, help="a checkout of an earlier version: its default format (the "
+                    "API's dtype and quant defaults) is measured too, in a subprocess, as the first row")
+    ap.add_argument("--rows-for", help=argparse.SUPPRESS)  # internal: the --before subprocess
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     import dflash_cli
 
-    tokenizer = dflash_cli.load("demo", device="cpu", quant="q4").tokenizer
+    tokenizer = dflash_cli.load("demo", device="cpu").tokenizer
     prompts = prompts_for(args.sets, args.limit, tokenizer)
+    if args.rows_for:
+        print(json.dumps(run_format(args.rows_for, dict(dtype=None, quant=None), prompts, args.new_tokens)))
+        return
     print(f"CPU: {cpu_line()}", flush=True)
     print(f"{len(prompts)} prompts ({', '.join(args.sets)}), {args.new_tokens} new tokens, greedy, "
           f"chat template; {time.strftime('%Y-%m-%d')}", flush=True)
     rates, note = llama_cpp_rows(prompts, args.new_tokens, threads)
     base = statistics.median(rates) if rates else None
-    rows = [run_format(name, FORMATS[name], prompts, args.new_tokens) for name in args.formats]
+    rows = [before_row(args) for _ in [args.before] if args.before]
+    rows += [run_format(name, FORMATS[name], prompts, args.new_tokens) for name in args.formats]
 
     def vs(x: float) -> str:
         return f"{x / base:.2f}x" if base else "-"

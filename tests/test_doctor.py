@@ -62,6 +62,9 @@ def test_json_reports_the_environment():
     assert checks["cpu cores"]["data"]["logical"] >= 1
     assert checks["system memory"]["data"] > 0
     assert isinstance(checks["cpu bf16"]["data"], bool)
+    from dflash_cli.engine.device import cpu_auto_quant
+
+    assert checks["cpu format"]["data"]["quant"] == cpu_auto_quant()[0]
     for dist in ("transformers", "huggingface_hub", "accelerate", "safetensors", "tokenizers", "prompt_toolkit",
                  "rich", "click"):
         assert checks[dist]["value"] == importlib.metadata.version(dist), dist

@@ -266,6 +266,14 @@ def check_cpu() -> list[Check]:
                             "no (CPU runs use float32 by default)", data=bf16))
     except Exception as error:  # noqa: BLE001 - engine import needs torch
         checks.append(Check("cpu bf16", f"unknown ({type(error).__name__})", data=None))
+    try:
+        from dflash_cli.engine.device import cpu_auto_quant
+
+        chosen, why = cpu_auto_quant()
+        checks.append(Check("cpu format", f"{chosen or 'none'} for --quant auto and the built-in models ({why})",
+                            data={"quant": chosen, "why": why}))
+    except Exception as error:  # noqa: BLE001 - engine import needs torch
+        checks.append(Check("cpu format", f"unknown ({type(error).__name__})", data=None))
     return checks
 
 

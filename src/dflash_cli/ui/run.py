@@ -94,7 +94,7 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: 
                                              opts.get("device_map"), opts.get("max_memory")))
     check_block_size(opts.get("block_size"), pair.block_size)
     if opts["quant"] == "auto" and not quiet:
-        out.info(f"--quant auto: {pair.quant if pair.quant != 'none' else 'no quantization'} fits")
+        out.info(f"--quant auto: {auto_quant_reason(pair.quant, opts['device'])}")
     with out.spinner(f"Loading {opts['model']} ..."):
         runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None,
                                quant=pair.quant, dtype=opts["dtype"], device=opts["device"],
@@ -111,6 +111,15 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: 
         block = f" (block {runtime.drafter.block_size})" if runtime.speculative else ""
         out.info(f"{pair.drafter_note}{block} · {where} · loaded in {runtime.load_seconds:.1f}s")
     return runtime
+
+
+def auto_quant_reason(chosen: str, device: str | None) -> str:
+    """What --quant auto chose, and why: on a CPU the format measured fastest there, else what fits."""
+    from dflash_cli.engine.device import cpu_auto_quant, pick_device
+
+    if pick_device(device).type == "cpu":
+        return f"{chosen if chosen != 'none' else 'no quantization'} ({cpu_auto_quant()[1]})"
+    return f"{chosen if chosen != 'none' else 'no quantization'} fits"
 
 
 def connect_engine(out: Output, opts: dict[str, Any], *, quiet: bool):
