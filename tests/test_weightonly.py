@@ -210,11 +210,11 @@ def test_row_exact_attention_gives_each_row_the_same_bits_in_any_company():
         positions = torch.arange(end - n, end)
         q = torch.randn(1, kv, group, n, hd).to(torch.bfloat16)
         mask = (slots[None] <= positions[:, None]).repeat(group, 1)[None, None]
-        together = row_exact_attention(q.reshape(1, kv, group * n, hd), keys, values, mask, hd**-0.5)
+        together = row_exact_attention(q.reshape(1, kv, group * n, hd), keys, values, ~mask, hd**-0.5)
         together = together.reshape(1, kv, group, n, hd)
         for i in range(n):
             alone = row_exact_attention(q[:, :, :, i], keys, values,
-                                        (slots[None] <= positions[i:i + 1, None]).repeat(group, 1)[None, None],
+                                        (slots[None] > positions[i:i + 1, None]).repeat(group, 1)[None, None],
                                         hd**-0.5)
             assert torch.equal(alone, together[:, :, :, i])
         reference = torch.nn.functional.scaled_dot_product_attention(

@@ -39,7 +39,7 @@ from dflash_cli.engine.linear_attention import (
 )
 from dflash_cli.engine.packed import PackedLinear, Parallel, room_to_pack
 from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
-from dflash_cli.engine.weightonly import Q4Codes, quantize_linears
+from dflash_cli.engine.weightonly import Q4Codes, WeightOnlyLinear, quantize_linears
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 HYBRID_FAMILIES = HYBRID_MODEL_TYPES
@@ -265,7 +265,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 ROW_EXACT_ATTENTION = 64
 
 
-def row_exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def row_exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor,
                         scale: float) -> torch.Tensor:
     """Attention whose every output row is bit-identical however many rows are computed together.
 
@@ -278,7 +278,8 @@ def row_exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     Dense bf16 weights gain nothing from it: oneDNN's bf16 matmul itself rounds some shapes differently by
     row count (576x1536 at 3 and 16 rows, measured), so they keep the flash kernel and approximate
     losslessness, as before; fp32 keeps it too (its differences, ~1e-7, are below what a token choice sees)."""
-    scores = torch.matmul(q * scale, keys.transpose(-1, -2)).masked_fill_(~mask, float("-inf"))
+    scores = torch.matmul(q * scale if scale != 1.0 else q, keys.transpose(-1, -2))
+    scores.masked_fill_(blocked, float("-inf"))  # blocked: ~mask, the keys each row may not see
     return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values)
 
 
@@ -347,6 +348,7 @@ class StaticForward(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
                 states: Sequence[torch.Tensor] = ()):
+        n = ids.shape[1]
         h = self.embed(ids)  # (1, n, H)
         cos, sin = self.rotary(h, positions[None])  # (1, n, rotary dims)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (1, n, 1, rotary): rope before the heads move forward
@@ -355,6 +357,15 @@ class StaticForward(nn.Module):
             sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # for rope_rows
         causal = key_positions[None, :] <= positions[:, None]  # (n, L)
         mask = causal.repeat(self.heads // self.kv_heads, 1)[None, None]  # (1, 1, group*n, L)
+        exact = None
+        if self.row_exact and n <= ROW_EXACT_ATTENTION:
+            # per call, not per layer: the blocked keys, and rope tables for q|k at once with the attention
+            # scale folded into q's (so a plain layer ropes and scales q and k in four ops)
+            qk_rope = None
+            if cos.shape[-1] == self.head_dim:
+                qk_rope = tuple(torch.cat([t.expand(1, n, self.heads, -1) * self.scaling,
+                                           t.expand(1, n, self.kv_heads, -1)], dim=2) for t in (cos, sin))
+            exact = (~mask, qk_rope)
         hot = here = h.device
         # the per-call inputs of the layers, copied once per forward to each device that needs them
         inputs: dict[torch.device, tuple[torch.Tensor, ...]] = {hot: (positions, key_positions, mask, cos, sin)}
@@ -376,7 +387,7 @@ class StaticForward(nn.Module):
                 out, record = gated_delta_net(layer.linear_attn, proj, x, convs[j], states[j])
                 records.append((record.s0, record.k, record.cum_g, record.delta, record.conv_tail))
             else:
-                out = self._attention(i, proj, x, at, keys_at, mask_at, cos_at, sin_at, keys[i], values[i])
+                out = self._attention(i, proj, x, at, keys_at, mask_at, cos_at, sin_at, keys[i], values[i], exact)
             h = h + out
             x = self.post_norms[i](h)
             if "gate_up" in proj:
@@ -397,9 +408,16 @@ class StaticForward(nn.Module):
         hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
         return logits, hidden, records
 
-    def _attention(self, i, proj, x, positions, key_positions, mask, cos, sin, keys, values):
+    def _attention(self, i, proj, x, positions, key_positions, mask, cos, sin, keys, values, exact=None):
         n, hd, heads, kv = x.shape[1], self.head_dim, self.heads, self.kv_heads
-        q, k, v = proj["qkv"](x)
+        qkv, scale = proj["qkv"], self.scaling
+        if (exact is not None and exact[1] is not None and self.qk_norms[i] is None and not self.gated
+                and isinstance(qkv, WeightOnlyLinear)):
+            y = qkv.whole(x)  # (1, n, (heads + 2 kv) * hd): q and k side by side, roped (and q scaled) at once
+            qk = rope_rows(y[..., :(heads + kv) * hd].view(1, n, heads + kv, hd), *exact[1])
+            q, k, v, scale = qk[:, :, :heads], qk[:, :, heads:], y[..., (heads + kv) * hd:], 1.0
+            return self._attend(proj, q, k, v, positions, key_positions, mask, keys, values, exact, scale)
+        q, k, v = qkv(x)
         if self.gated:
             q, gate = q.reshape(1, n, -1, 2 * hd).chunk(2, dim=-1)
             gate = gate.reshape(1, n, -1)
@@ -412,18 +430,25 @@ class StaticForward(nn.Module):
             q, k = rope_rows(q, cos, sin), rope_rows(k, cos, sin)
         else:  # partial rotary (Qwen3.5): the first cos.shape[-1] channels
             q, k = rope(q, cos, sin), rope(k, cos, sin)
+        out = self._attend(proj, q, k, v, positions, key_positions, mask, keys, values, exact, scale,
+                           gate if self.gated else None)
+        return out
+
+    def _attend(self, proj, q, k, v, positions, key_positions, mask, keys, values, exact, scale, gate=None):
+        """Writes k, v (1, n, kv, hd) into the cache and attends q (1, n, heads, hd) over the key window."""
+        n, hd, heads, kv = q.shape[1], self.head_dim, self.heads, self.kv_heads
         keys.index_copy_(2, positions, k.transpose(1, 2))
         values.index_copy_(2, positions, v.reshape(1, n, kv, hd).transpose(1, 2))
         kv_len = key_positions.shape[0]
         # (1, n, heads, hd) -> (1, kv, group*n, hd): query head h belongs to key/value head h // group
         folded = q.reshape(1, n, kv, heads // kv, hd).permute(0, 2, 3, 1, 4).reshape(1, kv, -1, hd)
-        if self.row_exact and n <= ROW_EXACT_ATTENTION:
-            out = row_exact_attention(folded, keys[:, :, :kv_len], values[:, :, :kv_len], mask, self.scaling)
+        if exact is not None:
+            out = row_exact_attention(folded, keys[:, :, :kv_len], values[:, :, :kv_len], exact[0], scale)
         else:
             out = F.scaled_dot_product_attention(folded, keys[:, :, :kv_len], values[:, :, :kv_len],
-                                                 attn_mask=mask, scale=self.scaling)
+                                                 attn_mask=mask, scale=scale)
         out = out.reshape(1, kv, heads // kv, n, hd).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
-        if self.gated:
+        if gate is not None:
             out = out * torch.sigmoid(gate)
         return proj["o"](out)
 

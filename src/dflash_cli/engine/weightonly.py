@@ -84,14 +84,18 @@ class WeightOnlyLinear(nn.Module):
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor):
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused output (..., out_features), not split per linear."""
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         y = self.matmul(rows).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        y = y.view(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor):
+        y = self.whole(x)
         return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
 
     def weight_bytes(self) -> int:
