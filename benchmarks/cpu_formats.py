@@ -114,6 +114,9 @@ def run_format(name: str, spec: dict, prompts, new_tokens: int) -> dict:
         spec_rates.append(s.stats.decode_tokens_per_second)
         taus.append(s.stats.acceptance_length)
         same += p.tokens == s.tokens
+        if p.tokens != s.tokens and "--debug-same" in sys.argv:
+            at = next(i for i, (x, y) in enumerate(zip(p.tokens + [-1], s.tokens + [-2])) if x != y)
+            print(f"differs at token {at} of {len(p.tokens)} (prompt {len(ids)} tokens)", file=sys.stderr)
     dec1, ver8 = unit_costs(runtime.target)
     return dict(format=name, dtype=runtime.dtype, forward=runtime.fast_path, load_seconds=load_s,
                 plain_tok_s=statistics.median(plain), spec_tok_s=statistics.median(spec_rates),
@@ -145,7 +148,7 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="a checkout of an earlier version: its default format (the "
                     "API's dtype and quant defaults) is measured too, in a subprocess, as the first row")
     ap.add_argument("--rows-for", help=argparse.SUPPRESS)  # internal: the --before subprocess
-    args = ap.parse_args()
+    args, _ = ap.parse_known_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()

@@ -199,25 +199,27 @@ def test_a_stop_inside_a_block_and_a_second_turn_match_plain_decoding(pairs):
          + generate(pair.target, None, turn2, max_new_tokens=12, stop_ids=[]).tokens)[len(prompt):]
 
 
-def test_position_batched_attention_gives_each_position_the_bits_of_a_one_token_call():
-    from dflash_cli.engine.fast import position_batched_attention
+def test_row_exact_attention_gives_each_row_the_same_bits_in_any_company():
+    from dflash_cli.engine.fast import row_exact_attention
 
     torch.manual_seed(0)
-    kv, group, hd = 3, 3, 64
-    for window, n, end in ((256, 8, 40), (256, 16, 200), (256, 8, 256), (512, 4, 300)):
-        keys, values = torch.randn(2, 1, kv, window, hd).to(torch.bfloat16)
-        positions, slots = torch.arange(end - n, end), torch.arange(window)
-        q = torch.randn(1, n, kv * group, hd).to(torch.bfloat16)
-        visible = (slots[None] <= positions[:, None])[:, None, None, :].expand(n, 1, group, window)
-        together = position_batched_attention(q, keys, values, visible, hd**-0.5)
+    kv, group, hd, window = 2, 3, 64, 256
+    keys, values = torch.randn(2, 1, kv, window, hd).to(torch.bfloat16)
+    slots = torch.arange(window)
+    for n, end in ((8, 40), (16, 200), (4, 256)):
+        positions = torch.arange(end - n, end)
+        q = torch.randn(1, kv, group, n, hd).to(torch.bfloat16)
+        mask = (slots[None] <= positions[:, None]).repeat(group, 1)[None, None]
+        together = row_exact_attention(q.reshape(1, kv, group * n, hd), keys, values, ~mask, hd**-0.5)
+        together = together.reshape(1, kv, group, n, hd)
         for i in range(n):
-            alone = position_batched_attention(q[:, i:i + 1], keys, values, visible[i:i + 1], hd**-0.5)
-            assert torch.equal(alone[0, 0], together[0, i])
-        # and it is attention: the fp32 reference, head h on key/value head h // group
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q.float().transpose(1, 2), keys.float(), values.float(), attn_mask=visible[:, 0, 0][None, None],
-            scale=hd**-0.5, enable_gqa=True)
-        torch.testing.assert_close(together.float(), ref.transpose(1, 2).reshape(1, n, -1), rtol=0.05, atol=0.02)
+            alone = row_exact_attention(q[:, :, :, i], keys, values,
+                                        (slots[None] > positions[i:i + 1, None]).repeat(group, 1)[None, None],
+                                        hd**-0.5)
+            assert torch.equal(alone, together[:, :, :, i])
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(1, kv, group * n, hd).float(), keys.float(), values.float(), attn_mask=mask, scale=hd**-0.5)
+        torch.testing.assert_close(together.reshape(reference.shape).float(), reference, rtol=0.05, atol=0.02)
 
 
 def test_bf16_weights_run_the_fast_path_losslessly_on_any_cpu(pairs):

@@ -260,30 +260,31 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
 
 
-# With row-exact linears (q4/q8 on a CPU in bf16), decodes and verifies of at most this many tokens attend
-# with one batch entry per position. Why: torch's fused CPU attention (the flash kernel) rounds a row
-# differently in bf16 depending on the other rows of its call (1-token decodes against 8-token verifies
-# at the same positions differed in the last bit in about one row in twenty, enough to change a greedy
-# token now and then), but computes each batch entry on its own: with the position as the batch, every
-# position's rows are computed exactly as a 1-token decode computes them (0 of 504 rows differed,
-# measured), so a quantized target's speculative decoding gives exactly its plain decoding's tokens. A
-# decode costs the same as the folded call; an 8-token verify about 2x its attention (118 vs 62 us per
-# layer on 2 cores). Prompts keep the folded call (both runs prefill alike). Dense bf16 weights gain
-# nothing from it: oneDNN's bf16 matmul itself rounds some shapes differently by row count (576x1536 at
-# 3 and 16 rows, measured), so they keep the folded call and approximate losslessness, as before; fp32
-# keeps it too (its differences, ~1e-7, are below what a token choice sees).
-ROW_EXACT_ATTENTION = 32
+# with row-exact linears (q4/q8 on a CPU in bf16), calls of at most this many tokens (decodes, verifies)
+# attend through row_exact_attention; prompts keep the fused kernel (their scores would not fit)
+ROW_EXACT_ATTENTION = 64
 
 
-def position_batched_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """q (1, n, heads, hd) over keys/values (1, kv, L, hd) with one batch entry per position; mask (n, 1,
-    group, L). Returns (1, n, heads * hd), each position's rows bit-identical to a 1-position call's."""
-    n, heads, hd = q.shape[1], q.shape[2], q.shape[3]
-    kv = keys.shape[1]
-    out = F.scaled_dot_product_attention(q.reshape(n, kv, heads // kv, hd), keys.expand(n, -1, -1, -1),
-                                         values.expand(n, -1, -1, -1), attn_mask=mask, scale=scale)
-    return out.reshape(1, n, heads * hd)
+def row_exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Attention whose every output row is bit-identical however many rows are computed together.
+
+    torch's fused CPU attention (the flash kernel) rounds a row differently in bf16 depending on the other
+    rows of its call: 1-token decodes against 8-token verifies at the same positions differed in the last
+    bit in about one row in twenty, enough to change a greedy token now and then. The q4/q8 kernels compute
+    each row on its own, so with this three-op form (bf16 matmul, fp32 softmax, bf16 matmul), row-exact
+    over 1,470 (rows, window, length) cases measured, a quantized target's speculative decoding gives
+    exactly its plain decoding's tokens (15 of 15 prompts x 128 tokens identical on the demo, where the
+    flash kernel gave 3-4 of 15). It costs about 40 us more per layer call than the flash kernel. Running
+    the flash kernel with one batch entry per position instead (same speed as the folded call at one token)
+    was measured and rejected: its rounding depends on which thread computes an entry (the same query
+    duplicated in a batch of 4 gave two different results), so a decode and a verify still disagreed.
+    Dense bf16 weights gain nothing from it: oneDNN's bf16 matmul itself rounds some shapes differently by
+    row count (576x1536 at 3 and 16 rows, measured), so they keep the flash kernel and approximate
+    losslessness, as before; fp32 keeps it too (its differences, ~1e-7, are below what a token choice sees)."""
+    scores = torch.matmul(q * scale if scale != 1.0 else q, keys.transpose(-1, -2))
+    scores.masked_fill_(blocked, float("-inf"))  # blocked: ~mask, the keys each row may not see
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values)
 
 
 def layer_device(layer: nn.Module) -> torch.device:
@@ -361,15 +362,14 @@ class StaticForward(nn.Module):
         causal = key_positions[None, :] <= positions[:, None]  # (n, L)
         mask = causal.repeat(self.heads // self.kv_heads, 1)[None, None]  # (1, 1, group*n, L)
         exact = None
-        if self.row_exact and not self.last_logit_only and n <= ROW_EXACT_ATTENTION:
-            # per call, not per layer: each position's mask row for its group of query heads, and rope tables
-            # for q|k at once with the attention scale folded into q's (a plain layer ropes both in four ops)
+        if self.row_exact and n <= ROW_EXACT_ATTENTION:
+            # per call, not per layer: the blocked keys, and rope tables for q|k at once with the attention
+            # scale folded into q's (so a plain layer ropes and scales q and k in four ops)
             qk_rope = None
             if cos.shape[-1] == self.head_dim:
                 qk_rope = tuple(torch.cat([t.expand(1, n, self.heads, -1) * self.scaling,
                                            t.expand(1, n, self.kv_heads, -1)], dim=2) for t in (cos, sin))
-            group = self.heads // self.kv_heads
-            exact = (causal[:, None, None, :].expand(n, 1, group, causal.shape[1]), qk_rope)
+            exact = (~mask, qk_rope)
         hot = here = h.device
         # the per-call inputs of the layers, copied once per forward to each device that needs them
         inputs: dict[torch.device, tuple[torch.Tensor, ...]] = {hot: (positions, key_positions, mask, cos, sin)}
@@ -444,14 +444,14 @@ class StaticForward(nn.Module):
         keys.index_copy_(2, positions, k.transpose(1, 2))
         values.index_copy_(2, positions, v.reshape(1, n, kv, hd).transpose(1, 2))
         kv_len = key_positions.shape[0]
-        window_k, window_v = keys[:, :, :kv_len], values[:, :, :kv_len]
+        # (1, n, heads, hd) -> (1, kv, group*n, hd): query head h belongs to key/value head h // group
+        folded = q.reshape(1, n, kv, heads // kv, hd).permute(0, 2, 3, 1, 4).reshape(1, kv, -1, hd)
         if exact is not None:
-            out = position_batched_attention(q, window_k, window_v, exact[0], scale)
+            out = row_exact_attention(folded, keys[:, :, :kv_len], values[:, :, :kv_len], exact[0], scale)
         else:
-            # (1, n, heads, hd) -> (1, kv, group*n, hd): query head h belongs to key/value head h // group
-            folded = q.reshape(1, n, kv, heads // kv, hd).permute(0, 2, 3, 1, 4).reshape(1, kv, -1, hd)
-            out = F.scaled_dot_product_attention(folded, window_k, window_v, attn_mask=mask, scale=scale)
-            out = out.reshape(1, kv, heads // kv, n, hd).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
+            out = F.scaled_dot_product_attention(folded, keys[:, :, :kv_len], values[:, :, :kv_len],
+                                                 attn_mask=mask, scale=scale)
+        out = out.reshape(1, kv, heads // kv, n, hd).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return proj["o"](out)
