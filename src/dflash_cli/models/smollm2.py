@@ -348,17 +348,17 @@ def _convert(source: Path, out: Path, dtype: str) -> None:
             "is not installed. Install it with: pip install gguf"
         )
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = getattr(torch, dtype)
     with _quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        # fp32 is the fastest way to dequantize GGUF weights; the cast to `dtype` comes later.
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=torch.float32
-        )
+        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+        # One reader for the weights and the 4-bit codes (transformers' own GGUF model loader would parse
+        # the file's 100k vocabulary strings again and map its names: 10 of a cold start's 15 s).
+        state, codes = _read_gguf_weights(GGUFReader(str(source)), config)
 
-    config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     if hasattr(config, "_model_name_or_path"):  # GGUF general.name, e.g. "Smollm2 135M 8k Lc100K ..."
@@ -382,11 +382,15 @@ def _convert(source: Path, out: Path, dtype: str) -> None:
         # building the model does not disturb the caller's random state.
         with torch.random.fork_rng(devices=[]):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-        state = gguf_model.state_dict()
-        result = model.load_state_dict(state, strict=True)
+        if config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        try:
+            result = model.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise SmolLM2ConversionError(f"Weight mismatch while converting: {e}") from None
         if result.missing_keys or result.unexpected_keys:  # strict=True raises first; belt and braces
             raise SmolLM2ConversionError(f"Weight mismatch while converting: {result}")
-        del gguf_model, state
+        del state
         if config.tie_word_embeddings:
             model.tie_weights()
         model.eval()
@@ -401,7 +405,9 @@ def _convert(source: Path, out: Path, dtype: str) -> None:
         model.save_pretrained(out)  # transformers 5 writes safetensors only
         tokenizer.save_pretrained(out)
 
-    _write_q4_codes(source, out, config)
+    from dflash_cli.engine.weightonly import write_q4_codes
+
+    write_q4_codes(out / _Q4_CODES, codes)
 
     # Some writers create files 0600 (via a temp file); give every file the folder's umask-derived mode.
     file_mode = out.stat().st_mode & 0o666
@@ -427,33 +433,47 @@ def read_q4_1_blocks(data) -> tuple:
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
 
 
-def _write_q4_codes(source: Path, out: Path, config) -> None:
-    """Keeps the GGUF's own Q4_1 codes of every decoder linear beside the dequantized weights, under
-    transformers' module names and in its row order (q/k rows un-permuted as its GGUF loader does), so
-    `--quant q4` runs the very 4-bit codes llama.cpp runs instead of quantizing the weights again."""
+def _read_gguf_weights(reader, config) -> tuple[dict, dict]:
+    """The GGUF's tensors as transformers' LlamaForCausalLM state dict, dequantized to fp32 exactly as
+    transformers' own GGUF loader does (gguf's `dequantize`, q/k rows un-permuted by its Llama processor),
+    and the Q4_1 codes of every decoder linear under the same names and row order: what `--quant q4`
+    runs instead of quantizing the weights again (the same 4-bit codes llama.cpp runs)."""
     import numpy as np
-    from gguf import GGUFReader
+    import torch
+    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
-
-    from dflash_cli.engine.weightonly import write_q4_codes
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     processor = LlamaTensorProcessor(config={"num_attention_heads": heads, "num_key_value_heads": kv_heads})
-    codes = {}
-    for tensor in GGUFReader(str(source)).tensors:
-        parts = tensor.name.split(".")  # blk.<i>.<kind>.weight
-        if tensor.tensor_type.name != "Q4_1" or len(parts) != 4 or parts[2] not in _GGUF_LINEARS:
-            continue
-        q, d, m = read_q4_1_blocks(tensor.data)
-        if parts[2] in ("attn_q", "attn_k"):  # the same row order transformers gives the dense weight
-            order = processor._reverse_permute_weights(
-                np.arange(q.shape[0])[:, None], heads, heads if parts[2] == "attn_q" else kv_heads)[:, 0]
-            q, d, m = q[order], d[order], m[order]
-        codes[f"model.layers.{parts[1]}.{_GGUF_LINEARS[parts[2]]}"] = (q, d, m)
+    norms = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    state, codes = {}, {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")  # blk.<i>.<kind>.weight, or token_embd.weight / output_norm.weight
+        if tensor.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif tensor.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif tensor.name == "output.weight":
+            name = "lm_head.weight"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEARS:
+            name = f"model.layers.{parts[1]}.{_GGUF_LINEARS[parts[2]]}.weight"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
+            name = f"model.layers.{parts[1]}.{norms[parts[2]]}.weight"
+        else:
+            raise SmolLM2ConversionError(f"the GGUF holds an unexpected tensor {tensor.name!r}")
+        weights = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights
+        state[name] = torch.from_numpy(np.copy(weights))
+        if tensor.tensor_type.name == "Q4_1" and parts[2] in _GGUF_LINEARS:
+            q, d, m = read_q4_1_blocks(tensor.data)
+            if parts[2] in ("attn_q", "attn_k"):  # the row order transformers gives the dense weight
+                order = processor._reverse_permute_weights(
+                    np.arange(q.shape[0])[:, None], heads, heads if parts[2] == "attn_q" else kv_heads)[:, 0]
+                q, d, m = q[order], d[order], m[order]
+            codes[name.removesuffix(".weight")] = (q, d, m)
     expected = 7 * config.num_hidden_layers
     if len(codes) != expected:
         raise SmolLM2ConversionError(f"the GGUF holds Q4_1 codes for {len(codes)} linears, expected {expected}")
-    write_q4_codes(out / _Q4_CODES, codes)
+    return state, codes
 
 
 def _check_q4_codes(out: Path) -> list[str]:
