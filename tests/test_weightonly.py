@@ -266,3 +266,19 @@ def test_weight_only_quantization_is_refused_where_it_cannot_run(pairs):
         load_drafter(pairs["qwen3"][1], device="cpu", quant="q4")
     with pytest.raises(InvalidSettingError, match="runs on one CPU"):
         load_pair(*pairs["qwen3"], device="cpu", dtype="float32", quant="q4", layer_devices=["cpu"] * 6)
+
+
+def test_the_cli_runs_q4_and_refuses_it_without_the_fast_path(tiny_target_dir):
+    from click.testing import CliRunner
+
+    from dflash_cli.ui.cli import cli
+
+    ok = CliRunner().invoke(cli, ["generate", "-m", str(tiny_target_dir), "--quant", "q4", "-v", "-n", "6",
+                                  "--no-chat-template", "hello"])
+    assert ok.exit_code == 0, ok.stderr
+    assert "q4 weights" in ok.stderr and " q4 ·" in ok.stderr  # --verbose's forward line and the load line
+    refused = CliRunner().invoke(cli, ["generate", "-m", str(tiny_target_dir), "--quant", "q4", "--compile", "off",
+                                       "-n", "6", "--no-chat-template", "hello"])
+    assert refused.exit_code != 0
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert "--quant q4 runs on the fast path" in lines[0] and "Traceback" not in refused.stderr

@@ -20,7 +20,8 @@ def load(model: str, draft: str | None = None, *, quant: str | None = None, dtyp
          device_map: str | None = None, max_memory: str | dict[str, int] | None = None) -> Runtime:
     """A target (a local folder or a built-in model name), its drafter (or None) and its tokenizer.
 
-    quant: None, "int8" or "nf4" (bitsandbytes, CUDA); dtype: "float32", "bfloat16" or "float16";
+    quant: None, "q4" or "q8" (weight-only, CPU) or "int8"/"nf4" (bitsandbytes, CUDA); dtype: "float32",
+    "bfloat16" or "float16";
     device: "cpu", "cuda", ... (default: the best available); compile: "auto", "on" or "off";
     max_context: positions of the static cache (default settings.DEFAULT_MAX_CONTEXT, at most the model's);
     device_map: None (one device), "auto", "balanced" or "sequential" splits the target's layers over the
