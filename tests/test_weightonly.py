@@ -236,15 +236,24 @@ def test_bf16_weights_run_the_fast_path_losslessly_on_any_cpu(pairs):
 
 
 @pytest.mark.parametrize("capability, fast_bf16, expected", [
-    ("AVX512", True, "q4"), ("AVX512", False, "q4"), ("AVX2", False, "q4"), ("DEFAULT", False, None),
-    ("NO AVX", False, None),
+    ("AVX512", True, "q4"), ("AVX2", True, "q4"), ("AVX512", False, None), ("AVX2", False, None),
+    ("DEFAULT", False, None), ("DEFAULT", True, None), ("NO AVX", False, None),
 ])
 def test_auto_quant_on_a_cpu_follows_what_it_reports(capability, fast_bf16, expected):
     chosen, why = cpu_auto_quant(capability, fast_bf16)
     assert chosen == expected
     assert capability in why
-    if expected:
-        assert ("bf16" in why) and (("no native bf16" in why) != fast_bf16)
+    assert ("without native bf16" in why) == (capability in ("AVX512", "AVX2") and not fast_bf16)
+
+
+def test_weight_only_targets_compute_in_bf16_unless_told_otherwise():
+    from dflash_cli.engine.device import pick_dtype
+
+    cpu = torch.device("cpu")
+    for quant in ("q4", "q8"):
+        assert pick_dtype(None, cpu, quant) == torch.bfloat16 == pick_dtype("auto", cpu, quant)
+        assert pick_dtype("float32", cpu, quant) == torch.float32
+    assert pick_dtype(None, cpu, "nf4") == pick_dtype(None, cpu)
 
 
 def test_auto_quant_in_the_preflight_picks_the_cpus_format(monkeypatch):
@@ -256,7 +265,11 @@ def test_auto_quant_in_the_preflight_picks_the_cpus_format(monkeypatch):
     budget = MemoryBudget(64 * 2**30, 4096, "bf16", "system memory", "cpu")
     smol = cfg("HuggingFaceTB__SmolLM2-135M-Instruct")
     monkeypatch.setattr(device, "cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)
     assert preflight_memory(smol, None, "auto", budget, "smol") == "q4"
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)
+    assert preflight_memory(smol, None, "auto", budget, "smol") == "none"
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)
     monkeypatch.setattr(device, "cpu_capability", lambda: "DEFAULT")
     assert preflight_memory(smol, None, "auto", budget, "smol") == "none"
 

@@ -115,8 +115,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     started = time.perf_counter()
     split = resolve_split(device, device_map, max_memory)  # bad settings fail before anything loads
     dev = pick_device(hot_device(split[1]) if split else device)
-    dt = pick_dtype(dtype, dev)
     quant = None if quant in (None, "none") else quant
+    dt = pick_dtype(dtype, dev, quant)
     layer_devices = plan_layers(target_dir, drafter_dir, split, quant or _plan_dtype(dt), max_context) \
         if split else None
     from transformers import AutoTokenizer

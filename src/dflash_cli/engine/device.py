@@ -68,21 +68,27 @@ def cpu_capability() -> str:
 
 
 def cpu_auto_quant(capability: str | None = None, fast_bf16: bool | None = None) -> tuple[str | None, str]:
-    """`--quant auto` on a CPU: the fastest target format measured for this kind of CPU, and why in words.
+    """`--quant auto` on a CPU: the fastest lossless target format measured for this kind of CPU, and why.
 
-    4-bit weight-only (q4) decodes fastest wherever torch's int4 kernel has a vectorised path (AVX2 and
-    AVX-512; benchmarks/README.md, "CPU formats"): a 1-token decode reads a quarter of the bf16 bytes. Other
-    CPUs keep 16/32-bit weights, which oneDNN packs."""
+    4-bit weight-only (q4) decodes fastest where torch's int4 kernel is vectorised (AVX2, AVX-512) and the
+    CPU computes bf16 natively: q4 is lossless only with bf16 activations (benchmarks/README.md, "CPU
+    formats"), and without native bf16 those made speculative decoding slower than packed fp32 (71 against
+    89 tok/s on math, AVX2 code paths). Elsewhere 16/32-bit weights, which oneDNN packs."""
     capability = capability or cpu_capability()
     fast_bf16 = cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16
+    if capability in ("AVX2", "AVX512") and fast_bf16:
+        return "q4", f"{capability} CPU with native bf16: 4-bit weight-only linears decode fastest"
     if capability in ("AVX2", "AVX512"):
-        rest = "bf16" if fast_bf16 else "fp32 (no native bf16)"
-        return "q4", f"{capability} CPU: 4-bit weight-only linears decode fastest; the rest in {rest}"
+        return None, (f"{capability} CPU without native bf16: packed fp32 (q4 is exact only with bf16 "
+                      "activations, slow here; --quant q4 --dtype float32 is faster but not exact)")
     return None, f"{capability} CPU: no vectorised 4-bit kernel here, so 16/32-bit packed weights"
 
 
-def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """`name` if given, else bf16 on GPUs and on CPUs with native bf16, fp32 elsewhere."""
+def pick_dtype(name: str | None, device: torch.device, quant: str | None = None) -> torch.dtype:
+    """`name` if given, else bf16 on GPUs and on CPUs with native bf16, fp32 elsewhere; with a weight-only
+    `quant` (q4/q8) bf16 everywhere: their kernels read bf16 activations, and only bf16 activations keep
+    speculative decoding of such a target exact (fp32 ones are rounded to bf16 at every linear, where a
+    decode's and a verify's ~1e-7 differences become different values)."""
     if name and name != "auto":
         try:
             return DTYPES[name]
@@ -90,7 +96,7 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
             from dflash_cli.engine.errors import InvalidSettingError
 
             raise InvalidSettingError(f"unknown dtype {name!r}", hint="use float32, bfloat16 or float16") from None
-    if device.type == "cuda":
+    if device.type == "cuda" or quant in ("q4", "q8"):
         return torch.bfloat16
     if device.type == "cpu" and cpu_has_fast_bf16():
         return torch.bfloat16

@@ -148,8 +148,8 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     """
     folder = Path(folder)
     device = pick_device(str(device) if device is not None else None)
-    dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device)
     quant = check_quant(quant)
+    dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device, quant)
     weight_quant = quant if quant in WEIGHT_QUANTS else None
     if weight_quant is not None:
         quant = None
@@ -239,7 +239,7 @@ def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,
     With `layer_devices` (a split, see load_target) the drafter goes on the hot device `device`, beside
     the target's embeddings and LM head, which it uses on every draft."""
     device = pick_device(str(device) if device is not None else None)
-    dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device)
+    dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device, check_quant(quant))
     drafter_cfg = None
     if drafter_folder is not None:
         drafter_cfg = read_drafter_config(Path(drafter_folder))

@@ -293,8 +293,8 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
             if exact_rows:
                 same += f" (not expected with {runtime.quant}, whose rows are exact: please report it)"
             elif runtime.dtype != "float32" or runtime.quant:
-                same += f" (expected now and then in {runtime.quant or runtime.dtype}: a block forward and a " \
-                        "1-token forward round differently; float32 and q4/q8 are exact)"
+                same += f" (expected now and then in {runtime.quant or runtime.dtype} {runtime.dtype}: a block " \
+                        "forward and a 1-token forward round differently; float32, and q4/q8 in bf16, are exact)"
         out.info(f"compare: speculative {stats.decode_tokens_per_second:.1f} tok/s vs plain "
                  f"{cmp['baseline']['decode_tokens_per_second']:.1f} tok/s = {cmp['speedup']:.2f}x · {same}",
                  dim=False)
