@@ -63,11 +63,14 @@ def test_generate_with_the_builtin_smollm2(smollm2_converted, monkeypatch):
     # (its 4-bit answer here starts "L'Étoile", as llama.cpp's on the same GGUF does)
     from dflash_cli.engine.device import cpu_auto_quant
 
-    result = CliRunner().invoke(cli, ["generate", "-m", "smollm2-135m", "-n", "8", "Name a colour."])
+    result = CliRunner().invoke(cli, ["generate", "-m", "smollm2-135m", "-v", "-n", "8", "Name a colour."])
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip()
     chosen = cpu_auto_quant()[0]
-    assert (f" {chosen} ·" in result.stderr) if chosen else (" q4 " not in result.stderr)
+    if chosen:  # the GGUF's own codes, not weights quantized again
+        assert f" {chosen} ·" in result.stderr and "210 linears with the checkpoint's own 4-bit codes" in result.stderr
+    else:
+        assert " q4 " not in result.stderr
 
 
 def test_the_shipped_demo_pair_loads_pairs_and_is_lossless(smollm2_converted, monkeypatch):

@@ -86,6 +86,25 @@ def test_a_block_and_single_rows_give_bit_identical_outputs():
         assert torch.equal(whole, torch.cat([layer(x[i:i + 1]) for i in range(16)]))
 
 
+def test_constant_groups_survive_4_bits():
+    w = torch.cat([torch.full((16, 32), 0.02), torch.full((16, 32), -3.5), torch.zeros(16, 32)], dim=1)
+    back = quantize_q4(w).dequantize()
+    torch.testing.assert_close(back, w, rtol=2**-8, atol=1e-6)
+
+
+def test_the_planner_counts_the_8bit_lm_head_copy():
+    from test_plan import cfg
+
+    from dflash_cli.models.sizes import target_weight_bytes
+
+    tied, untied = cfg("HuggingFaceTB__SmolLM2-135M-Instruct"), cfg("Qwen__Qwen3-8B")
+    for config in (tied, untied):
+        bf16, q4 = target_weight_bytes(config, "bf16"), target_weight_bytes(config, "q4")
+        head_rows = config["vocab_size"] * config["hidden_size"]
+        assert q4.components["lm_head"] - bf16.components["lm_head"] == head_rows  # one byte per weight
+        assert q4.components["layers_linear"] > bf16.components["layers_linear"]  # the dense copy stays
+
+
 def test_what_cannot_be_quantized_stays_as_it_is():
     assert quantize_linears([linear(16, 48, seed=6)], "q4") is None  # 48 input channels: not groups of 32
     assert quantize_linears([linear(8, 64, seed=6)], "q4") is None  # 8 outputs: the kernel packs 16 at a time
@@ -150,7 +169,7 @@ def pairs(tmp_path_factory):
     return out
 
 
-def quantized_pair(pairs, family, kind, dtype="float32", context=400):
+def quantized_pair(pairs, family, kind, dtype="bfloat16", context=400):
     pair = load_pair(*pairs[family], device="cpu", dtype=dtype, quant=kind)
     assert pair.target.enable_fast_path(context, pad_to=pair.drafter.block_size) is None
     assert pair.target.fast.weights == kind
@@ -161,10 +180,10 @@ def quantized_pair(pairs, family, kind, dtype="float32", context=400):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-@pytest.mark.parametrize("kind, dtype", [("q4", "float32"), ("q8", "float32"), ("q4", "bfloat16")])
-def test_greedy_speculative_equals_greedy_plain_decoding_of_the_same_quantized_target(pairs, family, kind, dtype):
-    pair = quantized_pair(pairs, family, kind, dtype)
-    assert pair.target.fast.row_exact == (dtype == "bfloat16")
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_greedy_speculative_equals_greedy_plain_decoding_of_the_same_quantized_target(pairs, family, kind):
+    pair = quantized_pair(pairs, family, kind)
+    assert pair.target.fast.row_exact and pair.target.fast.dtype == torch.bfloat16
     for block_size in (2, 4, 8):
         for prompt in random_prompts(2, seed=block_size):
             plain = generate(pair.target, None, prompt, max_new_tokens=30, stop_ids=[]).tokens
@@ -295,3 +314,27 @@ def test_the_cli_runs_q4_and_refuses_it_without_the_fast_path(tiny_target_dir):
     assert refused.exit_code != 0
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert "--quant q4 runs on the fast path" in lines[0] and "Traceback" not in refused.stderr
+
+
+def test_auto_falls_back_to_unquantized_where_q4_cannot_run(tiny_target_dir, monkeypatch):
+    """--quant auto (the built-in models' default) never fails for a format the user did not ask for."""
+    from click.testing import CliRunner
+
+    from dflash_cli.engine import device
+    from dflash_cli.models import resolve
+    from dflash_cli.ui.cli import cli
+
+    monkeypatch.setattr(device, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)
+    args = ["generate", "-m", str(tiny_target_dir), "--quant", "auto", "-n", "6", "--no-chat-template", "hello"]
+    picked = CliRunner().invoke(cli, args)
+    assert picked.exit_code == 0, picked.stderr
+    assert "--quant auto: q4" in picked.stderr and " q4 ·" in picked.stderr
+    off = CliRunner().invoke(cli, args + ["--compile", "off"])
+    assert off.exit_code == 0, off.stderr
+    assert "--quant auto: q4 runs on the fast path, which --compile off turns off; running unquantized" in off.stderr
+    assert off.stdout.strip()
+    monkeypatch.setattr(resolve, "memory_budget", lambda *a, **k: None)  # free memory unknown (macOS, Windows)
+    unknown = CliRunner().invoke(cli, args)
+    assert unknown.exit_code == 0, unknown.stderr
+    assert " q4 ·" not in unknown.stderr

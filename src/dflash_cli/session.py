@@ -89,7 +89,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
                  device_map: str | None = None, max_memory: str | dict[str, int] | None = None,
                  on_status: Callable[[str], None] | None = None,
                  on_notice: Callable[[str], None] | None = None,
-                 before_weights: Callable[[Any], None] | None = None) -> Runtime:
+                 before_weights: Callable[[Any], None] | None = None, quant_auto: bool = False) -> Runtime:
     """Loads a target folder (and drafter folder), checking the pair before any weights load.
 
     Names, repo ids and built-in models are turned into folders before this, by models/resolve.py.
@@ -100,6 +100,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     that need only the tokenizer fail there, in a second rather than after a long load.
     `device_map` (auto/balanced/sequential) and `max_memory` ("0=14GiB,cpu=30GiB" or a dict) split the
     target's layers over devices as models/split.py plans them; the drafter goes on the hot device.
+    `quant_auto`: `quant` was --quant auto's choice, so a weight-only one (q4/q8) that cannot run here
+    (compile off, a target off the fast path) falls back to unquantized with a notice instead of an error.
     """
     from dflash_cli.engine.device import pick_device, pick_dtype
     from dflash_cli.engine.load import load_pair
@@ -130,7 +132,9 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant, layer_devices=layer_devices,
                      offload_dir=S.cache_dir() / "offload")  # on disk: the system's temp folder may be RAM
     fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context, quantized=quant in ("int8", "nf4"),
-                                 on_status=on_status, on_notice=on_notice)
+                                 on_status=on_status, on_notice=on_notice, weights_optional=quant_auto)
+    if quant in ("q4", "q8") and pair.target.weight_quant is None:  # --quant auto fell back
+        quant = None
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed
         from dflash_cli.engine.generate import warm_up
 
@@ -169,7 +173,7 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
 
 def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int | None, *, quantized: bool,
                      on_status: Callable[[str], None] | None = None,
-                     on_notice: Callable[[str], None] | None = None) -> str:
+                     on_notice: Callable[[str], None] | None = None, weights_optional: bool = False) -> str:
     """Puts `target` on the static-cache fast path when it can take it; returns what runs, in words.
 
     With compilation, every short forward the loop can call (decode 1, verify blocks of 2..B padded to
@@ -183,8 +187,16 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     if compiled and target.split:
         compiled, why = False, "split over devices: not compiled"
     weights = getattr(target, "weight_quant", None)
+
+    def drop_weights(why: str) -> None:
+        target.weight_quant = None
+        if on_notice is not None:
+            on_notice(f"--quant auto: {weights} {why}; running unquantized")
+
     if compile == "off" and not target.hybrid:
-        if weights:
+        if weights and weights_optional:
+            drop_weights("runs on the fast path, which --compile off turns off")
+        elif weights:
             raise InvalidSettingError(f"--quant {weights} runs on the fast path, which --compile off turns off",
                                       hint="drop --compile off, or use --quant none")
         return "transformers forward (compile off)"
@@ -198,7 +210,9 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
         step = compiler_for(target.device)
     reason = target.enable_fast_path(context, pad_to=block, compile_step=step, on_fallback=on_notice)
     if reason is not None:
-        if weights:
+        if weights and weights_optional:
+            drop_weights(f"needs the fast path, which this target cannot take ({reason})")
+        elif weights:
             raise InvalidSettingError(f"--quant {weights} needs the fast path, which this target cannot take "
                                       f"({reason})", hint="use --quant none")
         if compile == "on" and on_notice is not None:

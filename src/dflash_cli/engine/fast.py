@@ -233,8 +233,11 @@ def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
     return nn.ModuleDict(out)
 
 
-# RMSNorms that compute exactly F.rms_norm (x * rsqrt(mean(x^2) + eps) in fp32, then times the weight), run
-# as torch's one fused op instead of their eight small ones; others (Qwen3.5's 1 + weight) run as modules
+# RMSNorms that compute F.rms_norm's function (x * rsqrt(mean(x^2) + eps) in fp32, times the weight) run as
+# that one call instead of their eight small ops. In fp32 the result is the same; in bf16 transformers
+# rounds before multiplying by the weight and F.rms_norm after, so about a quarter of the outputs differ in
+# the last bit from transformers' forward (decoding is unaffected: a target always runs one path). Others
+# (Qwen3.5's 1 + weight) run as modules.
 PLAIN_RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
 
 
@@ -499,12 +502,13 @@ class FastPath:
         # the weights to the compiler.
         self.packed = pack = compile_step is None and room_to_pack(model)
         self.weights = weights
-        codes = _codes_lookup(model, q4_codes) if q4_codes else None
-        self.codes_used = len(q4_codes or {})
+        used: list[str] = []
+        codes = _codes_lookup(model, q4_codes, used) if q4_codes else None
         # quantized linears compute each row on their own; attention then must too (row_exact_attention)
         self.row_exact = bool(weights) and self.device.type == "cpu" and self.dtype != torch.float32
         self.projections = nn.ModuleList(layer_projections(layer, pack, weights, codes)
                                          for layer in model.get_decoder().layers)
+        self.codes_used = len(set(used))  # linears that run the checkpoint's own codes
         head = model.get_output_embeddings()
         # keep_source: a draft vocabulary takes its rows from the dense head (drafter.draft_head). Under q4 the
         # LM head is q8: 4-bit groups cost it 9% of its weight (the demo's tau fell from 1.7 to 1.1), as fast
@@ -631,8 +635,10 @@ class FastPath:
         return logits, hidden, records
 
 
-def _codes_lookup(model: nn.Module, codes: dict[str, Q4Codes]) -> Callable[[nn.Module], Q4Codes | None]:
-    """Finds a linear's ready 4-bit codes by its module name; codes of another shape are a CheckpointError."""
+def _codes_lookup(model: nn.Module, codes: dict[str, Q4Codes],
+                  used: list[str]) -> Callable[[nn.Module], Q4Codes | None]:
+    """Finds a linear's ready 4-bit codes by its module name (noting it in `used`); codes of another shape
+    are a CheckpointError."""
     from dflash_cli.engine.errors import CheckpointError
 
     names = {id(m): name for name, m in model.named_modules()}
@@ -644,6 +650,8 @@ def _codes_lookup(model: nn.Module, codes: dict[str, Q4Codes]) -> Callable[[nn.M
         if found is not None and weight is not None and tuple(found.codes.shape) != tuple(weight.shape):
             raise CheckpointError(f"the 4-bit codes of {name} have shape {list(found.codes.shape)}, "
                                   f"the weight {list(weight.shape)}", hint="delete the codes file")
+        if found is not None and name is not None:
+            used.append(name)
         return found
 
     return lookup

@@ -116,6 +116,7 @@ class ResolvedPair:
     quant: str  # the quantization to load with: the one asked for, or what --quant auto chose
     drafter_entry: PairEntry | None = None  # the registry pair whose drafter this is (its training facts)
     block_size: int | None = None  # the drafter's trained block size (None: no drafter)
+    quant_auto: bool = False  # `quant` is --quant auto's choice: a weight-only one may fall back to none
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,10 @@ def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, bud
 
         quant = cpu_auto_quant()[0] or "none"
         planned = budget.dtype if quant == "none" else quant
+        q4_plan = plan_memory(target_cfg, drafter_cfg, quant=quant, available_bytes=budget.available_bytes,
+                              context_tokens=budget.context_tokens) if quant != "none" else None
+        if q4_plan is not None and not q4_plan.fits:
+            quant, planned = "none", budget.dtype  # q4 keeps the 16-bit weights beside its codes: try without
     elif quant == "auto":
         chosen = choose_quant(target_cfg, drafter_cfg, context_tokens=budget.context_tokens,
                               available_bytes=budget.available_bytes)
@@ -297,10 +302,11 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
         drafter_cfg = read_config(drafter_kind, drafter_where, drafter_rev, endpoint)
         check_pair(target_cfg, DrafterConfig.from_dict(drafter_cfg, source=f"{drafter_where}/config.json"),
                    target_name=target_where, drafter_name=drafter_where)
+    quant_auto = quant == "auto"
     if budget is not None:
         quant = preflight_memory(target_cfg, drafter_cfg, quant, budget, model)
-        if quant == "auto":
-            quant = "none"
+    if quant == "auto":  # no budget to plan with (free memory unknown): nothing quantized
+        quant = "none"
 
     target_dir = Path(target_where) if target_kind == "folder" else _fetch(
         target_where, spec.target_revision, endpoint, on_status, tqdm_class)
@@ -310,7 +316,7 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     elif drafter_kind == "repo":
         drafter_dir = _fetch(drafter_where, drafter_rev, endpoint, on_status, tqdm_class)
     block = DrafterConfig.from_dict(drafter_cfg).block_size if drafter_cfg is not None else None
-    return ResolvedPair(target_dir, drafter_dir, spec, note, quant, drafter_entry, block)
+    return ResolvedPair(target_dir, drafter_dir, spec, note, quant, drafter_entry, block, quant_auto)
 
 
 def _names_drafter(draft: str, entry: PairEntry) -> bool:

@@ -24,7 +24,8 @@ Bytes per quantization (``quant``):
   (4 bytes, this project's setting: ``bnb_4bit_use_double_quant=False``) or, with double quantization,
   1 byte per block plus one fp32 per 256 blocks.
 * ``q4`` / ``q8`` (CPU weight-only kernels): the 16-bit weights as loaded plus the codes (q4: 0.5 byte per
-  weight and a bf16 scale and zero per 32; q8: 1 byte per weight and a bf16 scale per row).
+  weight and a bf16 scale and zero per 32; q8: 1 byte per weight and a bf16 scale per row), and an 8-bit
+  copy of the LM head (of the embedding when tied).
 * Under int8/nf4 the embeddings, ``lm_head``, norms, routers and other plain parameters stay 16-bit.
   So do *fused* MoE expert tensors: transformers 5 stores them as 3-D ``nn.Parameter``s, not
   ``nn.Linear``, and bitsandbytes only replaces ``nn.Linear`` modules.
@@ -344,7 +345,9 @@ def _estimate(c: _Counts, config: dict[str, Any], quant: str, double_quant: bool
         components = {"fc": c.fc * plain, "layers_linear": linear_bytes, "norms_other": c.norms_other * plain}
         params = {"fc": c.fc, "layers_linear": linear_w + linear_b, "norms_other": c.norms_other}
     else:
-        components = {"embeddings": c.embeddings * plain, "lm_head": c.lm_head * plain,
+        # q4/q8: the fast path also keeps an 8-bit copy of the LM head (the tied embedding's, if tied)
+        head_codes = (c.lm_head or c.embeddings) if quant in ("q4", "q8") else 0
+        components = {"embeddings": c.embeddings * plain, "lm_head": c.lm_head * plain + head_codes,
                       "layers_linear": linear_bytes, "experts": (c.experts + c.expert_biases) * plain,
                       "norms_other": c.norms_other * plain}
         params = {"embeddings": c.embeddings, "lm_head": c.lm_head, "layers_linear": linear_w + linear_b,

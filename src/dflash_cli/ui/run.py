@@ -97,7 +97,8 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: 
         out.info(f"--quant auto: {auto_quant_reason(pair.quant, opts['device'])}")
     with out.spinner(f"Loading {opts['model']} ..."):
         runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None,
-                               quant=pair.quant, dtype=opts["dtype"], device=opts["device"],
+                               quant=pair.quant, quant_auto=pair.quant_auto, dtype=opts["dtype"],
+                               device=opts["device"],
                                compile=opts.get("compile", "auto"), max_context=opts.get("max_context"),
                                device_map=opts.get("device_map"), max_memory=opts.get("max_memory"),
                                on_notice=out.warn,
@@ -292,9 +293,12 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
                 and runtime.target.fast.row_exact
             if exact_rows:
                 same += f" (not expected with {runtime.quant}, whose rows are exact: please report it)"
+            elif runtime.quant in ("q4", "q8"):
+                same += f" (expected now and then with {runtime.quant} on {runtime.dtype} activations, rounded " \
+                        "to bf16 at every linear; without --dtype float32 the output is exact)"
             elif runtime.dtype != "float32" or runtime.quant:
-                same += f" (expected now and then in {runtime.quant or runtime.dtype} {runtime.dtype}: a block " \
-                        "forward and a 1-token forward round differently; float32, and q4/q8 in bf16, are exact)"
+                same += f" (expected now and then in {runtime.quant or runtime.dtype}: a block forward and a " \
+                        "1-token forward round differently; float32, and q4/q8 in bf16, are exact)"
         out.info(f"compare: speculative {stats.decode_tokens_per_second:.1f} tok/s vs plain "
                  f"{cmp['baseline']['decode_tokens_per_second']:.1f} tok/s = {cmp['speedup']:.2f}x · {same}",
                  dim=False)
