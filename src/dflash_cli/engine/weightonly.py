@@ -88,10 +88,15 @@ class WeightOnlyLinear(nn.Module):
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """The fused output (..., out_features), not split per linear."""
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        # bf16 in, bf16 out is the common case: no cast calls then (each costs a dispatch on a 1-token decode)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype != torch.bfloat16:
+            rows = rows.to(torch.bfloat16)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        y = self.matmul(rows).to(x.dtype)
+        y = self.matmul(rows)
+        if x.dtype != torch.bfloat16:
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
