@@ -95,8 +95,22 @@ def test_compare_reports_speedup_and_identical_output(folders):
     assert data["speedup"] > 0 and data["baseline"]["generated_tokens"] == 15
 
 
+def test_compare_with_a_fixed_block_size_compares_against_plain_decoding(folders):
+    """--block-size shapes the speculative run only; the plain baseline has no blocks (it used to fail
+    after the whole speculative reply with 'a block size needs a drafter', losing a --json reply)."""
+    result = run(folders, "-n", "15", "--compare", "--block-size", "4", "Compare")
+    assert result.exit_code == 0, result.stderr
+    assert "identical output (15/15 tokens)" in result.stderr
+    data = as_json(run(folders, "-n", "15", "--compare", "--block-size", "4", "--json", "Compare"))
+    assert data["identical"] is True and data["block_size"] == 4
+    assert data["baseline"]["generated_tokens"] == 15 and data["baseline"]["steps"] == 14  # one token a step
+
+
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "-1", "x"], "--temperature"),
+    (["--temperature", "nan", "x"], "'nan' is not a finite number"),  # nan passes every range comparison
+    (["--top-p", "nan", "x"], "'nan' is not a finite number"),
+    (["--temperature", "inf", "x"], "'inf' is not a finite number"),
     (["--block-size", "99", "x"], "block size 99 is outside 1..8"),
     (["--quant", "fp3", "x"], "--quant"),
     (["-n", "0", "x"], "--max-tokens"),

@@ -68,13 +68,26 @@ model_options = apply_all([
                       "was measured not to pay). off also turns off the static-cache fast path."),
 ])
 
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (nan passes every comparison, so FloatRange lets it in)."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
 sampling_options = apply_all([
     click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=S.DEFAULT_MAX_TOKENS,
                  envvar=S.ENV["max_tokens"], show_envvar=True, show_default=True, help="Most tokens to generate."),
-    click.option("--temperature", type=click.FloatRange(min=0), default=S.DEFAULT_TEMPERATURE,
+    click.option("--temperature", type=FiniteFloatRange(min=0), default=S.DEFAULT_TEMPERATURE,
                  envvar=S.ENV["temperature"], show_envvar=True, show_default=True,
                  help="0 = greedy (identical to the target alone); > 0 samples, lossless in distribution."),
-    click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=S.DEFAULT_TOP_P,
+    click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True), default=S.DEFAULT_TOP_P,
                  envvar=S.ENV["top_p"], show_envvar=True, show_default=True, help="Nucleus sampling mass."),
     click.option("--top-k", type=click.IntRange(min=0), default=S.DEFAULT_TOP_K, envvar=S.ENV["top_k"],
                  show_envvar=True, show_default=True, help="Sample among the k likeliest tokens (0 = off)."),

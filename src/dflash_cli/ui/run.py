@@ -338,7 +338,8 @@ def _baseline(runtime: Any, conversation: Any, settings: Any) -> tuple[list[int]
         prompt = conversation.prompt_ids(settings)
     finally:
         conversation.messages = messages
-    result = generate(runtime.target, None, prompt, **settings.engine_kwargs())
+    # plain decoding has no blocks: --block-size shapes only the speculative side
+    result = generate(runtime.target, None, prompt, **{**settings.engine_kwargs(), "block_size": None})
     return result.tokens, result.stats
 
 

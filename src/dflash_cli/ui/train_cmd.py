@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from dflash_cli.ui.common import debug_option, guarded
+from dflash_cli.ui.common import FiniteFloatRange, debug_option, guarded
 
 
 def _parse_taps(_ctx, _param, value):
@@ -38,7 +38,7 @@ def _parse_taps(_ctx, _param, value):
                    "block size, taps and mask token).")
 @click.option("--lr", type=float, default=6e-4, show_default=True, help="Peak learning rate (AdamW, cosine decay).")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Total optimizer steps [default: 1000].")
-@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MIN",
+@click.option("--time-budget", type=FiniteFloatRange(min=0, min_open=True), default=None, metavar="MIN",
               help="Train for this many minutes instead of a step count (all runs of the folder together).")
 @click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="Sequences per step.")
 @click.option("--anchors", type=click.IntRange(min=1), default=16, show_default=True,
@@ -47,12 +47,12 @@ def _parse_taps(_ctx, _param, value):
               help="Longest generated response per prompt.")
 @click.option("--gen-batch", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompts per batched generation.")
-@click.option("--gen-budget", type=click.FloatRange(min=0), default=None, metavar="MIN",
+@click.option("--gen-budget", type=FiniteFloatRange(min=0), default=None, metavar="MIN",
               help="Generate data for at most this many minutes in this run, then train on what is stored "
                    "(a later run with the same folder answers the rest); 0 = train on what is stored.")
 @click.option("--sub-vocab/--full-vocab", default=True, show_default=True,
               help="Loss over the tokens seen in the responses only (faster), or the whole vocabulary.")
-@click.option("--distill", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+@click.option("--distill", type=FiniteFloatRange(0, 1), default=0.0, show_default=True,
               help="Weight of the KL term against the target's top-k distribution (0 = its greedy token only).")
 @click.option("--distill-topk", type=click.IntRange(min=0), default=0, show_default=True, metavar="K",
               help="Store the target's K most likely tokens per response position (needed by --distill).")
