@@ -58,6 +58,14 @@ def test_generate_streams_the_reply_to_stdout_and_sends_the_prompt(engine):
     assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say hi"}]
 
 
+def test_options_only_a_local_model_uses_are_said_to_be_ignored(engine):
+    result = generate(engine, "--block-size", "4", "--quant", "q4", "--device", "cpu", "-n", "3", "hi")
+    assert result.exit_code == 0, result.stderr
+    assert "--block-size, --quant, --device are ignored with --engine" in result.stderr
+    quiet = generate(engine, "-n", "3", "hi")  # defaults say nothing
+    assert "ignored" not in quiet.stderr
+
+
 def test_generate_reads_stdin_and_names_the_model(engine):
     engine.models.append("other")
     result = generate(engine, "-m", "other", "summarize", input="a document\n")

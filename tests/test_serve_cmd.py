@@ -100,6 +100,11 @@ def test_bad_tp_port_and_missing_block_size():
     assert bad_port.exit_code == 2 and bad_port.stderr.startswith("Error: --port 70000")
     one_error(run("gpt-oss-20b", "--engine", "vllm"), 2, "block size")
     assert run("qwen3-8b", "--engine", "tgi").exit_code == 2  # click's own choice check
+    # 0 is a value, not "the registry's": it used to fall back to 16 silently
+    one_error(run("qwen3-8b", "--engine", "vllm", "--block-size", "0"), 2, "--block-size 0")
+    # past the drafter's trained block (16): it used to print num_speculative_tokens 9998
+    one_error(run("qwen3-8b", "--engine", "vllm", "--block-size", "9999"), 2, "drafts blocks of 16")
+    assert '"num_speculative_tokens": 7' in run("qwen3-8b", "--engine", "vllm", "--block-size", "8").stdout
 
 
 def fake_engine(bin_dir: Path, name: str, record: Path) -> None:

@@ -130,6 +130,16 @@ def connect_engine(out: Output, opts: dict[str, Any], *, quiet: bool):
 
     if opts.get("draft") and not quiet:
         out.warn("--draft is ignored with --engine: the server runs its own drafter")
+    # what only a local model uses: said once, not dropped without a word
+    local = {"--block-size": opts.get("block_size") is not None,
+             "--quant": opts.get("quant") not in (None, "none"),
+             "--dtype": opts.get("dtype") not in (None, S.DEFAULT_DTYPE),
+             "--device": opts.get("device") not in (None, S.DEFAULT_DEVICE),
+             "--compile": opts.get("compile") not in (None, S.DEFAULT_COMPILE)}
+    ignored = [name for name, given in local.items() if given]
+    if ignored and not quiet:
+        out.warn(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored with --engine: "
+                 "the server loads and runs the model")
     with out.spinner(f"Connecting to {opts['engine']} ..."):
         runtime = RemoteRuntime(opts["engine"], opts.get("model"), S.api_key())
     if not quiet:

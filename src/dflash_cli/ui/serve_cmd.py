@@ -39,13 +39,16 @@ def serve_pair(value: str, block_size: int | None) -> Any:
     if not entry.drafter:
         raise InvalidSettingError(f"{entry.alias} has no DFlash drafter: there is nothing to serve speculatively",
                                   hint)
-    size = block_size or entry.block_size
-    if not size:
+    size = block_size if block_size is not None else entry.block_size  # 0 is a value, not "unset"
+    if size is None:
         raise InvalidSettingError(f"the registry does not give {entry.alias}'s block size",
                                   f"pass --block-size (block_size in {entry.drafter}'s config.json)")
     if size < 2:
         raise InvalidSettingError(f"--block-size {size}: a DFlash block holds at least 2 tokens",
                                   "use the drafter's trained block size")
+    if entry.block_size and size > entry.block_size:
+        raise InvalidSettingError(f"--block-size {size}: {entry.drafter} drafts blocks of {entry.block_size}",
+                                  f"use {entry.block_size} or less (it proposes block - 1 tokens per step)")
     return ServePair(entry.alias, entry.target, entry.drafter, int(size))
 
 
