@@ -66,6 +66,38 @@ def test_options_only_a_local_model_uses_are_said_to_be_ignored(engine):
     assert "ignored" not in quiet.stderr
 
 
+@pytest.mark.parametrize("url, why", [
+    ("http://127.0.0.1:99999", "Port out of range"),  # was "connection refused"
+    ("http://[::1", "Invalid IPv6 URL"),  # was an internal error
+    ("http://127.0.0.1:0", "port 0"),
+])
+def test_an_engine_url_that_cannot_be_a_server_is_a_usage_error(engine, url, why):
+    result = CliRunner().invoke(cli, ["generate", "--engine", url, "hi"], env={"DFLASH_API_KEY": ""})
+    assert result.exit_code == 2 and why in result.stderr and "Traceback" not in result.stderr
+
+
+def test_credentials_are_never_printed_or_saved(engine, tmp_path):
+    with_password = engine.url.replace("http://", "http://alice:s3cret@")
+    result = CliRunner().invoke(cli, ["generate", "--engine", with_password, "-n", "3", "hi"],
+                                env={"DFLASH_API_KEY": "", "DFLASH_MODEL": "", "DFLASH_CONFIG": ""})
+    assert result.exit_code == 0, result.stderr
+    assert "s3cret" not in result.stderr + result.stdout and "alice:***@" in result.stderr
+    from dflash_cli.remote import RemoteConversation, RemoteRuntime
+
+    runtime = RemoteRuntime(with_password)
+    RemoteConversation(runtime).save(tmp_path / "chat.json", settings_for_save())
+    assert "s3cret" not in (tmp_path / "chat.json").read_text()
+    bad_key = CliRunner().invoke(cli, ["generate", "--engine", engine.url, "hi"],
+                                 env={"DFLASH_API_KEY": "abc\ndef", "DFLASH_MODEL": "", "DFLASH_CONFIG": ""})
+    assert bad_key.exit_code == 2 and "abc" not in bad_key.stderr and "DFLASH_API_KEY" in bad_key.stderr
+
+
+def settings_for_save():
+    from dflash_cli.session import GenerationSettings
+
+    return GenerationSettings()
+
+
 def test_generate_reads_stdin_and_names_the_model(engine):
     engine.models.append("other")
     result = generate(engine, "-m", "other", "summarize", input="a document\n")

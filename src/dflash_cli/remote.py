@@ -37,12 +37,39 @@ class RemoteError(DFlashError):
 
 
 def engine_url(url: str) -> str:
-    """The server's root URL (http(s)://host:port[/prefix]), without a trailing /v1; a bad one is a usage error."""
+    """The server's root URL (http(s)://host:port[/prefix]), without a trailing /v1; a bad one is a usage error
+    (an unparseable host, a port outside 1..65535), named without its credentials."""
+    from urllib.parse import urlsplit
+
     text = url.strip().rstrip("/")
+    hint = "for example --engine http://localhost:8000"
     if not re.match(r"^https?://[^/\s]+", text):
-        raise InvalidSettingError(f"--engine {url!r} is not an http:// or https:// URL",
-                                  hint="for example --engine http://localhost:8000")
+        raise InvalidSettingError(f"--engine {redact_url(url)!r} is not an http:// or https:// URL", hint=hint)
+    try:
+        port = urlsplit(text).port  # parses the host too: "http://[::1" fails here
+    except ValueError as e:
+        raise InvalidSettingError(f"--engine {redact_url(url)!r} is not a valid URL ({e})", hint=hint) from None
+    if port == 0:
+        raise InvalidSettingError(f"--engine {redact_url(url)!r}: port 0 is not a server's port", hint=hint)
     return text[:-3] if text.endswith("/v1") else text
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password (and a lone user token) of its user-info replaced by ***, for printing and saving."""
+    return re.sub(r"^(\s*https?://)([^/@\s]*)@", lambda m: f"{m.group(1)}{_redacted(m.group(2))}@", url)
+
+
+def _redacted(userinfo: str) -> str:
+    user, sep, _ = userinfo.partition(":")
+    return f"{user}:***" if sep else "***"
+
+
+def check_api_key(api_key: str) -> None:
+    """An API key an HTTP header can carry (printable ASCII); the key itself is never printed."""
+    if not (api_key.isascii() and api_key.isprintable()):
+        raise InvalidSettingError("DFLASH_API_KEY holds characters an HTTP header cannot carry "
+                                  "(non-ASCII, a newline or another control character)",
+                                  hint="set the key again without them (it is not printed here)")
 
 
 def _message(response: Any) -> str:
@@ -257,9 +284,12 @@ class RemoteRuntime:
     def __init__(self, url: str, model: str | None = None, api_key: str | None = None, transport: Any = None):
         import httpx2
 
-        self.url = engine_url(url)
+        connect_to = engine_url(url)
+        self.url = redact_url(connect_to)  # what is printed and saved: never the password
+        if api_key:
+            check_api_key(api_key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx2.Client(base_url=self.url, headers=headers, transport=transport,
+        self.client = httpx2.Client(base_url=connect_to, headers=headers, transport=transport,
                                     timeout=httpx2.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT))
         started = time.perf_counter()
         self.models = self._models()
