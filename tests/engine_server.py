@@ -37,6 +37,7 @@ class FakeEngine:
     retry_after: str | None = None
     api_key: str | None = None
     hang_after: int | None = None
+    inject: str | None = None  # a raw chunk (JSON text) streamed after the first piece
     # what a request does to vLLM's counters: drafts, draft tokens, accepted, accepted per position
     vllm_step: tuple[int, int, int, tuple[int, ...]] = (3, 9, 6, (3, 2, 1))
     requests: list[dict] = field(default_factory=list)
@@ -182,6 +183,8 @@ class FakeEngine:
                         h.wfile.flush()
                 send(json.dumps(chunk([{"index": 0, "delta": {"content": piece}, "logprobs": None,
                                         "finish_reason": None}])))
+                if self.inject is not None and n == 0:
+                    send(self.inject)
             meta = {}
             if self.kind == "sglang":
                 n = len(self.pieces)

@@ -98,6 +98,34 @@ def settings_for_save():
     return GenerationSettings()
 
 
+@pytest.mark.parametrize("engine, field", [
+    ({"inject": '{"choices": "abc"}'}, "choices is 'abc'"),
+    ({"inject": '{"choices": [{"delta": {"content": 42}}]}'}, "choices[i].delta.content is 42"),
+    ({"inject": '{"choices": [], "usage": {"prompt_tokens": "many"}}'}, "usage.prompt_tokens is 'many'"),
+    ({"inject": '{"choices": [7]}'}, "choices[i] is 7"),
+    ({"inject": '{"choices": [], "meta_info": {"spec_verify_ct": "x"}}'}, "meta_info.spec_verify_ct is 'x'"),
+], indirect=["engine"])
+def test_a_stream_chunk_of_the_wrong_shape_names_its_field(engine, field):
+    """These used to end in 'unexpected ...: report it'; the reply so far is kept on stdout."""
+    result = generate(engine, "-n", "8", "hi")
+    assert result.exit_code == 1 and field in result.stderr and "Traceback" not in result.stderr
+    assert "report it" not in result.stderr and result.stdout.startswith("Hello")
+
+
+@pytest.mark.parametrize("engine", [{"inject": '{"choices": [{"delta": {"content": "ok\\ud800!"}}]}'}],
+                         indirect=True)
+def test_a_lone_surrogate_becomes_a_replacement_character(engine):
+    result = generate(engine, "-n", "8", "hi")
+    assert result.exit_code == 0, result.stderr
+    assert "Hellook\ufffd!" in result.stdout  # the text before it was lost
+
+
+@pytest.mark.parametrize("engine", [{"models": [1, 2]}], indirect=True)
+def test_model_ids_that_are_not_strings_are_one_line(engine):
+    result = generate(engine, "hi")
+    assert result.exit_code == 1 and "not OpenAI's format" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_generate_reads_stdin_and_names_the_model(engine):
     engine.models.append("other")
     result = generate(engine, "-m", "other", "summarize", input="a document\n")

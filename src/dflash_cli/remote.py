@@ -194,6 +194,9 @@ SGLANG_KEYS = ("spec_verify_ct", "spec_accept_length", "spec_num_proposed_drafts
                "spec_draft_token_num", "spec_accept_token_num")
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def find_meta_info(chunk: dict[str, Any]) -> dict[str, Any] | None:
     """SGLang's meta info in a stream chunk, wherever this server version puts it."""
     places = [chunk.get("meta_info"), chunk.get("usage")]
@@ -314,7 +317,10 @@ class RemoteRuntime:
         if response.status_code != 200:
             raise status_error(self.url, response)
         try:
-            return [m["id"] for m in response.json()["data"]]
+            ids = [m["id"] for m in response.json()["data"]]
+            if not all(isinstance(i, str) for i in ids):
+                raise TypeError("model ids are not strings")
+            return ids
         except (ValueError, KeyError, TypeError):
             raise RemoteError(f"the engine at {self.url} sent a /v1/models answer that is not OpenAI's format",
                               hint="--engine takes an OpenAI-compatible server (vLLM, SGLang)") from None
@@ -389,6 +395,16 @@ class RemoteRuntime:
         yield Step(tokens=(), text="", pieces=(), drafted=stats.drafted, accepted=stats.accepted, from_draft=(),
                    draft_seconds=0.0, verify_seconds=0.0, stats=stats, finish_reason=stats.finish_reason)
 
+    def _field(self, chunk_field: str, value: Any, *kinds: type, optional: bool = True) -> Any:
+        """`value` when it is one of `kinds` (None too when optional; bools are not numbers), else a one-line
+        RemoteError naming the field."""
+        if (value is None and optional) or (isinstance(value, kinds) and not isinstance(value, bool)):
+            return value
+        shown = repr(value)[:40]
+        wanted = " or ".join(k.__name__ for k in kinds)
+        raise RemoteError(f"the engine at {self.url} sent a stream chunk whose {chunk_field} is {shown}, not {wanted}",
+                          hint="the server is not speaking OpenAI's streaming format; the text so far was kept")
+
     def _chunk(self, data: str, counters: Counters) -> Step | None:
         try:
             chunk = json.loads(data)
@@ -402,20 +418,29 @@ class RemoteRuntime:
             message = error.get("message") if isinstance(error, dict) else str(error)
             raise RemoteError(f"the engine at {self.url} failed mid-reply: {message}",
                               hint="the server's log has the cause; the text received so far was kept")
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            counters.prompt_tokens = int(usage.get("prompt_tokens") or counters.prompt_tokens)
-            if usage.get("completion_tokens") is not None:
-                counters.completion_tokens = int(usage["completion_tokens"])
+        usage = self._field("usage", chunk.get("usage"), dict)
+        if usage is not None:
+            prompt = self._field("usage.prompt_tokens", usage.get("prompt_tokens"), int)
+            counters.prompt_tokens = prompt or counters.prompt_tokens
+            completion = self._field("usage.completion_tokens", usage.get("completion_tokens"), int)
+            if completion is not None:
+                counters.completion_tokens = completion
         meta = find_meta_info(chunk)
         if meta is not None:
+            for key, value in meta.items():
+                if key.startswith("spec_") and not isinstance(value, dict):
+                    self._field(f"meta_info.{key}", value, int, float)
             counters.meta = meta
         text = ""
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text += delta.get("content") or ""
-            if choice.get("finish_reason"):
-                counters.finish_reason = choice["finish_reason"]
+        for choice in self._field("choices", chunk.get("choices"), list) or []:
+            self._field("choices[i]", choice, dict, optional=False)
+            delta = self._field("choices[i].delta", choice.get("delta"), dict) or {}
+            content = self._field("choices[i].delta.content", delta.get("content"), str) or ""
+            # a lone UTF-16 surrogate (JSON "\ud800" with no pair) cannot be printed or saved: U+FFFD instead
+            text += _LONE_SURROGATE.sub("\ufffd", content)
+            finish = self._field("choices[i].finish_reason", choice.get("finish_reason"), str)
+            if finish:
+                counters.finish_reason = finish
         if not text:
             return None
         now = time.perf_counter()
