@@ -20,6 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import save_tiny_pair
+from engine_server import FakeEngine
 
 from dflash_cli.ui.chat import SafeFileHistory, open_history
 from dflash_cli.ui.cli import cli
@@ -313,3 +314,29 @@ def test_the_smollm2_conversion_draws_no_progress_bar(capfd):
         for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
             pass
     assert capfd.readouterr().err == ""
+
+
+@pytest.fixture
+def engine(request):
+    server = FakeEngine(**getattr(request, "param", {}))
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("engine", [{"pieces": ["safe ", "\x1b[31mRED", "\x1b]52;c;cGF3bmVk\x07", "\x9b2J",
+                                                " done"]}], indirect=True)
+def test_escape_codes_in_model_text_are_shown_not_obeyed_on_a_terminal(engine, monkeypatch):
+    """A server (or a model) streaming ESC, OSC 52 (set the clipboard), BEL or a one-byte CSI must not
+    recolour or drive the terminal; on a pipe the text goes out as written."""
+    import dflash_cli.ui.render as render
+
+    args = ["generate", "--engine", engine.url, "--color", "never", "hi"]
+    env = {"DFLASH_API_KEY": "", "DFLASH_MODEL": "", "DFLASH_CONFIG": ""}
+    piped = CliRunner().invoke(cli, args, env=env)
+    assert piped.exit_code == 0, piped.stderr
+    assert "\x1b[31mRED" in piped.stdout and "\x07" in piped.stdout  # a pipe gets the text as written
+    monkeypatch.setattr(render, "isatty", lambda stream: True)
+    shown = CliRunner().invoke(cli, args, env=env)
+    assert shown.exit_code == 0, shown.stderr
+    text = shown.stdout
+    assert not any(c in text for c in "\x1b\x07\x9b") and "safe \u241b[31mRED" in text and text.endswith(" done\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import sys
 import time
@@ -68,6 +69,16 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1000:.0f}ms" if s < 1 else f"{s:.2f}s"
 
 
+# C0 controls but tab and newline, DEL, and the C1 controls (0x9b is a one-byte CSI)
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
+
+
+def visible_controls(text: str) -> str:
+    """`text` with each control character replaced by its Unicode control picture (ESC -> \u241b) or, for
+    DEL and C1 controls, U+FFFD: what a terminal shows instead of obeying."""
+    return _CONTROLS.sub(lambda m: chr(0x2400 + ord(m.group())) if m.group() < "\x20" else "\ufffd", text)
+
+
 class Output:
     """The one place that writes to stdout and stderr."""
 
@@ -87,17 +98,20 @@ class Output:
 
     # -- stdout: generated text only ------------------------------------------------------------
     def text(self, step: Any) -> None:
-        """Writes one Step's text, coloured by provenance when enabled, and flushes."""
+        """Writes one Step's text, coloured by provenance when enabled, and flushes. On a terminal, control
+        characters in the text (escape sequences, BEL, carriage returns) are shown, not obeyed: model text,
+        local or remote, must not recolour the terminal, move its cursor or set its clipboard."""
         if not step.text:
             return
         if self._thinking is not None:
             return self._thinking_text(step)
+        shown = visible_controls if self.out_tty else str
         if self.provenance:
-            chunks = [f"{DRAFT_STYLE}{p}{RESET}" if drafted and p else p
+            chunks = [f"{DRAFT_STYLE}{shown(p)}{RESET}" if drafted and p else shown(p)
                       for p, drafted in zip(step.pieces, step.from_draft)]
             self._write_out("".join(chunks), step.text[-1])
         else:
-            self._write_out(step.text, step.text[-1])
+            self._write_out(shown(step.text), step.text[-1])
 
     def end_text(self) -> None:
         """Ends the reply on a fresh line, so prompts and files never run into the text."""
@@ -128,6 +142,7 @@ class Output:
         for thinking, s, drafted in segments:
             if not s or (thinking and self.hide_thinking):
                 continue
+            s = visible_controls(s) if self.out_tty else s
             style = (DRAFT_STYLE if drafted and self.provenance else "") + (DIM if thinking and self.color_out else "")
             chunks.append((f"{style}{s}{RESET}" if style else s, s[-1]))
         if chunks:
