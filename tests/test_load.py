@@ -99,6 +99,33 @@ def test_missing_folder_and_config(tmp_path):
         load_drafter(tmp_path / "empty", device="cpu")
 
 
+def test_a_truncated_target_is_one_checkpoint_error(tiny_models, tmp_path):
+    import shutil
+
+    from dflash_cli.engine.load import load_target
+
+    folder = tmp_path / "truncated"
+    shutil.copytree(tiny_models["llama"], folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="a weights file is damaged") as err:
+        load_target(folder, device="cpu")
+    assert "truncated" in err.value.hint
+
+
+@pytest.mark.parametrize("value", ["eight", 0, 1, True, 8.5])
+def test_a_block_size_that_is_not_a_block_is_one_checkpoint_error(tmp_path, value):
+    import json
+
+    cfg = drafter_config(target_config())
+    folder = save_random_drafter(tmp_path / "d", cfg)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.setdefault("dflash_config", {})["block_size"] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=f"block_size must be an integer of at least 2.*not {value!r}"):
+        load_drafter(folder, device="cpu")
+
+
 def test_hidden_size_of_another_model_names_both(tiny_models, tmp_path):
     cfg = drafter_config(target_config(hidden_size=96))
     folder = save_random_drafter(tmp_path / "wide", cfg)

@@ -222,6 +222,14 @@ def test_incomplete_folder_is_replaced_and_conversion_is_deterministic(converted
     marker = json.loads((folder / ".complete").read_text())
     assert marker["model_safetensors_sha256"] == converted.sha256
     assert is_converted(cache)
+    # a conversion damaged since (a truncated weights or codes file) is not trusted: converted again
+    for name in ("model.safetensors", "q4_1-codes.safetensors"):
+        path = folder / name
+        whole = path.read_bytes()
+        path.write_bytes(whole[: len(whole) - 1000])
+        assert not is_converted(cache), name
+        path.write_bytes(whole)
+        assert is_converted(cache)
 
 
 @pytest.mark.slow
@@ -296,8 +304,14 @@ def test_missing_wheel_raises_with_install_hint(monkeypatch, tmp_path):
 def test_complete_folder_is_used_even_without_the_wheel(monkeypatch, tmp_path):
     target = smollm2_dir(tmp_path)
     target.mkdir(parents=True)
+    import torch
+    from safetensors.torch import save_file
+
     for name in smollm2._REQUIRED_FILES:
-        (target / name).write_text("{}")
+        if name.endswith(".safetensors"):  # whole files, as their headers say
+            save_file({"w": torch.zeros(2)}, str(target / name))
+        else:
+            (target / name).write_text("{}")
     (target / ".complete").write_text(json.dumps({"format": smollm2._MARKER_FORMAT, "dtype": "bfloat16"}))
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

@@ -197,6 +197,10 @@ class DrafterConfig:
         if "sliding_attention" in types and window is None:
             raise CheckpointError(f"{source}: sliding_attention layers need a sliding_window")
         taps = drafter_taps(raw)
+        block = _dflash(raw).get("block_size", drafter_dict(raw).get("block_size", DEFAULT_BLOCK_SIZE))
+        if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+            raise CheckpointError(f"{source}: block_size must be an integer of at least 2 (an anchor and a draft), "
+                                  f"not {block!r}")
         softcap = dflash.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
         return cls(
             hidden_size=hidden,
@@ -208,7 +212,7 @@ class DrafterConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             hidden_act=str(raw.get("hidden_act", "silu")),
             attention_bias=bool(raw.get("attention_bias", False)),
-            block_size=drafter_block_size(raw),
+            block_size=block,
             mask_token_id=mask_id,
             layer_types=tuple(types),
             sliding_window=int(window) if window is not None else None,

@@ -182,8 +182,13 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     accelerate_log.setLevel(logging.ERROR)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # the UI shows its own progress
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except SafetensorError as e:
+        raise CheckpointError(f"cannot load target from {folder}: a weights file is damaged ({e})",
+                              hint="the download may be truncated: delete it and fetch it again") from None
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load target from {folder}: {first}") from e

@@ -188,6 +188,8 @@ def _is_complete(folder: Path, dtype: str, source: _SourceStamp | None) -> bool:
         return False
     if not all((folder / name).is_file() for name in _REQUIRED_FILES):
         return False
+    if not all(_safetensors_whole(folder / name) for name in ("model.safetensors", _Q4_CODES)):
+        return False  # truncated or damaged since: converted again
     if source is None or (marker.get("source_size"), marker.get("source_mtime_ns")) == (source.size, source.mtime_ns):
         return True
     # Another install of the wheel (a second venv, a reinstall) has a new path and mtime: the same bytes
@@ -196,6 +198,21 @@ def _is_complete(folder: Path, dtype: str, source: _SourceStamp | None) -> bool:
         return False  # the wheel was upgraded: convert again
     _write_json_atomically(folder / _MARKER, {**marker, "source": str(source.path), "source_mtime_ns": source.mtime_ns})
     return True
+
+
+def _safetensors_whole(path: Path) -> bool:
+    """Whether a safetensors file is as long as its own header says (a truncated copy is not): reads the
+    header only, a few kB."""
+    try:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            if not 2 <= size <= 100_000_000:
+                return False
+            header = json.loads(fh.read(size))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        return path.stat().st_size == 8 + size + end
+    except (OSError, ValueError, TypeError, KeyError, IndexError):
+        return False
 
 
 def is_converted(cache_dir: Path | str | None = None, *, dtype: str = "bfloat16") -> bool:
