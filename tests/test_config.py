@@ -54,7 +54,7 @@ def test_broken_config_is_named_with_its_line_and_never_rewritten(tmp_path):
     broken = 'model = "x"\nmax_tokens = = 3\n'
     (tmp_path / "config.toml").write_text(broken)
     result = run_cli(["generate", "hi"], {}, tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a usage error, as the same mistake in a flag or DFLASH_* is
     assert str(tmp_path / "config.toml") in result.stderr and "line 2" in result.stderr
     assert "Traceback" not in result.stderr
     assert (tmp_path / "config.toml").read_text() == broken
@@ -68,5 +68,15 @@ def test_broken_config_is_named_with_its_line_and_never_rewritten(tmp_path):
 def test_bad_keys_and_types(tmp_path, text, message):
     path = tmp_path / "config.toml"
     path.write_text(text)
-    with pytest.raises(S.ConfigError, match=message.replace("[", r"\[")):
+    with pytest.raises(S.ConfigError, match=message.replace("[", r"\[")) as err:
         S.load_config(path)
+    assert err.value.exit_code == 2
+
+
+def test_a_bad_value_exits_2_from_the_file_as_from_the_environment(tmp_path):
+    (tmp_path / "config.toml").write_text("temperature = -3\n")
+    from_file = run_cli(["generate", "hi"], {}, tmp_path)
+    assert from_file.returncode == 2 and "line 1" in from_file.stderr and "temperature" in from_file.stderr
+    (tmp_path / "config.toml").write_text("")
+    from_env = run_cli(["generate", "hi"], {"DFLASH_TEMPERATURE": "-3"}, tmp_path)
+    assert from_env.returncode == 2 and "DFLASH_TEMPERATURE" in from_env.stderr

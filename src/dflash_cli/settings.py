@@ -94,9 +94,11 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
 
 
 class ConfigError(Exception):
-    """The config file cannot be used. It is never rewritten by dflash-cli."""
+    """The config file cannot be used. It is never rewritten by dflash-cli. A bad value or a malformed file
+    is a usage error (exit 2), as the same value in a flag or a DFLASH_* variable is; a file that cannot be
+    read at all is exit 1."""
 
-    def __init__(self, message: str, hint: str | None = None, exit_code: int = 1):
+    def __init__(self, message: str, hint: str | None = None, exit_code: int = 2):
         super().__init__(message)
         self.hint = hint
         self.exit_code = exit_code
@@ -148,7 +150,7 @@ def load_config(path: Path | None = None) -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}", hint) from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file {path}: {e}", hint) from None
+        raise ConfigError(f"cannot read config file {path}: {e}", hint, exit_code=1) from None
     pairs = data.pop("pairs", {})
     if not isinstance(pairs, dict):
         raise ConfigError(f"config file {path}: [pairs] must be a table of tables", hint)
