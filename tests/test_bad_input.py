@@ -66,6 +66,19 @@ def test_prompt_argument_with_invalid_utf8_bytes_is_decoded_with_one_warning(fol
     assert json.loads(result.stdout)["prompt_tokens"] == same["prompt_tokens"]
 
 
+@pytest.mark.parametrize("given, text", [
+    ("caf\udce9", "caf\ufffd"),  # what Python makes of argv byte 0xe9: U+FFFD, not "?"
+    ("\udcff\udcfe ok", "\ufffd\ufffd ok"),
+    (b"caf\xe9 \xf0\x9f\x98\x80", "caf\ufffd \U0001f600"),  # the valid emoji is kept
+    ("plain \U0001f600", "plain \U0001f600"),
+])
+def test_undecodable_bytes_become_replacement_characters_in_the_text(given, text):
+    from dflash_cli.ui.run import decode_utf8
+
+    got, replaced = decode_utf8(given)
+    assert got == text and replaced == ("\ufffd" in text)
+
+
 @pytest.mark.parametrize("source", ["stdin", "file", "system"])
 def test_invalid_utf8_from_stdin_a_file_or_the_system_prompt_is_replaced_once(folders, tmp_path, source):
     data = bytes(range(256))  # every byte value: binary input

@@ -95,6 +95,19 @@ def test_greedy_speculation_equals_transformers_generate(pair, block_size):
             assert 1.3 < got.stats.acceptance_length < block_size
 
 
+@pytest.mark.parametrize("length", [63, 64, 65, 127, 128, 129])
+def test_prompts_on_a_chunk_boundary_match_transformers(pair, length):
+    """Prompts are run in 64-token chunks: a prompt that ends exactly on (or one past) a chunk boundary,
+    then a few speculative steps that roll the state back, give transformers' own greedy tokens. Random
+    lengths (1-89) almost never land there."""
+    rng = random.Random(length)
+    prompt = [rng.randrange(3, 140) for _ in range(length)]
+    reference = hf_greedy(pair.target, prompt, 12)
+    assert generate(pair.target, None, prompt, max_new_tokens=12, stop_ids=[]).tokens == reference
+    got = generate(pair.target, oracle(pair, prompt, 0.6), prompt, max_new_tokens=12, stop_ids=[], block_size=4)
+    assert got.tokens == reference
+
+
 def test_state_after_every_step_equals_a_fresh_plain_run(pair):
     prompt = prompts(1, seed=7)[0]
     drafter = oracle(pair, prompt, 0.6, seed=4)
