@@ -239,7 +239,7 @@ def test_a_bad_config_value_is_blamed_on_its_line_of_the_file(tmp_path, text, me
     path = tmp_path / "config.toml"
     path.write_text(text)
     result = cli_with_config(tmp_path, path, "generate", "hi")
-    assert result.returncode == 1
+    assert result.returncode == 2  # a usage error, as the same value in a flag or DFLASH_* is
     assert error_lines(result.stderr) == [f"Error: config file {path}{message}" +
                                           result.stderr.split(message, 1)[1].split("\n")[0]]
     assert "env var" not in result.stderr and path.read_text() == text
