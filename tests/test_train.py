@@ -83,6 +83,46 @@ def test_train_lowers_loss_and_writes_a_loadable_lossless_drafter(tmp_path, tiny
         assert spec.tokens == plain.tokens
 
 
+CHECKPOINT_PATH = "checkpoint/latest.safetensors"
+
+
+def test_output_folders_that_would_mislead_or_overwrite_are_refused_before_loading(tmp_path, tiny_target_dir):
+    import shutil
+
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.train.api import train_drafter
+
+    def train(out, **kw):
+        return train_drafter(tiny_target_dir, out, prompts=PROMPTS, layers=2, block_size=8, steps=1, batch=2,
+                             device=DEVICE, dtype="float32", **kw)
+
+    with pytest.raises(InvalidSettingError, match=r"has 6 layers \(0..5\), so \[99\] cannot be tapped"):
+        train(tmp_path / "taps", taps=[1, 99])
+    assert not (tmp_path / "taps").exists()  # found before anything was written
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(InvalidSettingError, match="cannot create the output folder"):
+        train(blocker / "out")
+    downloaded = tmp_path / "downloaded"
+    downloaded.mkdir()
+    (downloaded / "config.json").write_text("{}")
+    (downloaded / "model.safetensors").write_bytes(b"not ours")
+    with pytest.raises(InvalidSettingError, match="already holds a model that no train run wrote"):
+        train(downloaded)
+    assert (downloaded / "model.safetensors").read_bytes() == b"not ours"
+    # data another target generated: resuming on it would label the drafter with the wrong target
+    out = _train(tiny_target_dir, tmp_path / "out", 2)
+    other = tmp_path / "other-target"
+    shutil.copytree(tiny_target_dir, other)
+    with pytest.raises(InvalidSettingError, match="holds training data that .* generated, not"):
+        train_drafter(other, out, prompts=PROMPTS, layers=2, block_size=8, steps=3, device=DEVICE, dtype="float32")
+    # and everything written gets an ordinary file's mode (safetensors alone writes 0600)
+    from dflash_cli.engine.files import umask_mode
+
+    for path in [out / "model.safetensors", *(out / "data").glob("*.safetensors"), out / CHECKPOINT_PATH]:
+        assert path.stat().st_mode & 0o777 == umask_mode(), path
+
+
 def test_train_resumes_from_checkpoint_without_regenerating(tmp_path, tiny_target_dir, monkeypatch):
     import dflash_cli.train.data as data
 

@@ -267,8 +267,7 @@ def save_drafter(drafter: DFlashDrafter, folder: str | Path, *, format: str = "d
     """
     import json
 
-    from safetensors.torch import save_file
-
+    from dflash_cli.engine.files import save_tensors
     from dflash_cli.engine.hf_format import to_transformers_config, to_transformers_state_dict
 
     if format not in ("dflash", "transformers"):
@@ -285,5 +284,5 @@ def save_drafter(drafter: DFlashDrafter, folder: str | Path, *, format: str = "d
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder

@@ -188,14 +188,14 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def write_q4_codes(path, codes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     """Writes Q4_1 codes per module name: (codes int (out, in), d, m (out, in/32)) as Q4_CODES_FILE."""
-    from safetensors.torch import save_file
+    from dflash_cli.engine.files import save_tensors
 
     tensors: dict[str, torch.Tensor] = {}
     for name, (q, d, m) in codes.items():
         tensors[f"{name}.codes"] = pack_nibbles(q).contiguous()
         tensors[f"{name}.d"] = d.to(torch.float16).contiguous()
         tensors[f"{name}.m"] = m.to(torch.float16).contiguous()
-    save_file(tensors, str(path), metadata={"format": "q4_1 codes: w = d * code + m, groups of 32"})
+    save_tensors(tensors, path, metadata={"format": "q4_1 codes: w = d * code + m, groups of 32"})
 
 
 def read_q4_codes(path) -> dict[str, Q4Codes]:

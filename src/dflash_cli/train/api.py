@@ -23,7 +23,7 @@ from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import default_stop_ids
 from dflash_cli.engine.load import load_target, save_drafter
-from dflash_cli.train.data import build_dataset, load_examples, stored_topk
+from dflash_cli.train.data import build_dataset, load_examples, read_index, stored_topk
 from dflash_cli.train.trainer import (
     TrainConfig,
     checkpoint_config,
@@ -34,6 +34,41 @@ from dflash_cli.train.trainer import (
 )
 
 CHECKPOINT = Path("checkpoint") / "latest.safetensors"
+
+
+def check_output_folder(out_dir: Path, target_dir: Path, taps: Sequence[int] | None) -> None:
+    """Refuses, in one line and before anything loads or is written: taps the target does not have, an
+    output folder that cannot be written, one whose training data another target generated (resuming would
+    train on it and label the drafter with this target), and one holding a model no train run wrote there
+    (a downloaded drafter, which training would overwrite)."""
+    import os
+
+    from dflash_cli.engine.config import text_config
+    from dflash_cli.engine.pairing import read_config
+
+    layers = int(text_config(read_config(target_dir, "target")).get("num_hidden_layers") or 0)
+    bad = [t for t in taps or () if not 0 <= t < layers]
+    if layers and bad:
+        raise InvalidSettingError(f"--taps {','.join(map(str, taps or ()))}: {target_dir} has {layers} layers "
+                                  f"(0..{layers - 1}), so {bad} cannot be tapped", hint="tap layers the target has")
+    index = read_index(out_dir / "data") if (out_dir / "data").is_dir() else {}
+    stored = (index.get("key") or {}).get("target") if index.get("shards") else None
+    if stored is not None and Path(stored).expanduser().resolve() != target_dir.expanduser().resolve():
+        raise InvalidSettingError(f"{out_dir} holds training data that {stored} generated, not {target_dir}",
+                                  hint=f"train this target into another folder (-o), or pass -m {stored} to resume")
+    ours = (out_dir / CHECKPOINT).exists() or (out_dir / "data").is_dir()
+    theirs = (out_dir / "config.json").is_file() or any(out_dir.glob("*.safetensors")) if out_dir.is_dir() else False
+    if theirs and not ours:
+        raise InvalidSettingError(f"{out_dir} already holds a model that no train run wrote there: training would "
+                                  "overwrite it", hint="write the new drafter to another folder (-o)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidSettingError(f"cannot create the output folder {out_dir}: {e.strerror or e}",
+                                  hint="choose a folder you can write (-o)") from None
+    if not os.access(out_dir, os.W_OK):
+        raise InvalidSettingError(f"cannot write into the output folder {out_dir}",
+                                  hint="choose a folder you can write (-o)")
 
 
 def default_taps(num_target_layers: int, layers: int) -> list[int]:
@@ -183,7 +218,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
         raise InvalidSettingError("--draft-vocab needs the training vocabulary", hint="drop --no-sub-vocab")
     if steps is None and time_budget is None:
         steps = 1000
-    stored_topk(Path(out_dir) / "data", distill_topk)  # a mismatch fails here, before the target loads
+    check_output_folder(Path(out_dir), Path(target_dir), taps)  # all before the target loads
+    stored_topk(Path(out_dir) / "data", distill_topk)
     start_from = read_init(init, target_dir, layers, taps) if init is not None else None
     if start_from is not None:
         layers, block_size = start_from.config.num_hidden_layers, block_size or start_from.block_size

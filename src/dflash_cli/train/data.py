@@ -148,7 +148,7 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
     """
     import time
 
-    from safetensors.torch import save_file
+    from dflash_cli.engine.files import save_tensors
 
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +183,7 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
             tensors[f"feat.{j}"] = s.features
             if s.top_ids is not None and s.top_logp is not None:
                 tensors[f"top_ids.{j}"], tensors[f"top_logp.{j}"] = s.top_ids, s.top_logp
-        save_file(tensors, str(cache_dir / name))
+        save_tensors(tensors, cache_dir / name)
         index["shards"].append({"file": name, "prompts": chunk, "prompt_lens": [s.prompt_len for s in seqs]})
         _write_index(cache_dir, index)  # after the shard: an interrupted run never indexes a partial file
         done.update(chunk)

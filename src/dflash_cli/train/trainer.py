@@ -258,7 +258,7 @@ def _better(new: Evaluation, old: Evaluation | None) -> bool:
 
 def save_checkpoint(path: Path, drafter, optim, state: State, rng: random.Random) -> None:
     """A resumable checkpoint without pickle: tensors in `path` (safetensors), the rest in path.json."""
-    from safetensors.torch import save_file
+    from dflash_cli.engine.files import save_tensors
 
     path.parent.mkdir(parents=True, exist_ok=True)
     optim_state = optim.state_dict()
@@ -270,7 +270,7 @@ def save_checkpoint(path: Path, drafter, optim, state: State, rng: random.Random
     meta = {"state": state.__dict__, "rng": _jsonable(rng.getstate()), "config": drafter.config.raw,
             "param_groups": optim_state["param_groups"]}
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
+    save_tensors(tensors, tmp)
     tmp_meta = path.with_name(path.name + ".json.tmp")
     tmp_meta.write_text(json.dumps(meta))
     tmp.replace(path)
@@ -278,12 +278,12 @@ def save_checkpoint(path: Path, drafter, optim, state: State, rng: random.Random
 
 
 def _save_weights(path: Path, drafter, evaluation: Evaluation) -> None:
-    from safetensors.torch import save_file
+    from dflash_cli.engine.files import save_tensors
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}, str(tmp),
-              metadata={"step": str(evaluation[0])})
+    save_tensors({k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}, tmp,
+                 metadata={"step": str(evaluation[0])})
     tmp.replace(path)
 
 
