@@ -38,6 +38,8 @@ class FakeEngine:
     api_key: str | None = None
     hang_after: int | None = None
     inject: str | None = None  # a raw chunk (JSON text) streamed after the first piece
+    hang: tuple[str, ...] = ()  # GET paths that never answer (until the server closes)
+    gets: list[str] = field(default_factory=list)
     # what a request does to vLLM's counters: drafts, draft tokens, accepted, accepted per position
     vllm_step: tuple[int, int, int, tuple[int, ...]] = (3, 9, 6, (3, 2, 1))
     requests: list[dict] = field(default_factory=list)
@@ -96,6 +98,10 @@ class FakeEngine:
         return True
 
     def handle_get(self, h) -> None:
+        self.gets.append(h.path)
+        if h.path in self.hang:
+            self.release.wait(30)
+            return
         if h.path == "/metrics":
             return self.metrics(h)
         if not self.authorized(h):

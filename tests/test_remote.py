@@ -126,6 +126,30 @@ def test_model_ids_that_are_not_strings_are_one_line(engine):
     assert result.exit_code == 1 and "not OpenAI's format" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("engine", [{"hang": ("/v1/models",)}], indirect=True)
+def test_a_hung_model_list_is_said_within_its_timeout(engine, monkeypatch):
+    import dflash_cli.remote as remote
+
+    monkeypatch.setattr(remote, "MODELS_TIMEOUT", 0.3)  # 30 s by default (it was the reply's 600 s)
+    result = generate(engine, "hi")
+    assert result.exit_code == 1 and "did not list its models within" in result.stderr
+
+
+@pytest.mark.parametrize("engine", [{"hang": ("/metrics",)}], indirect=True)
+def test_a_hung_metrics_endpoint_is_asked_once_not_twice_per_reply(engine, monkeypatch):
+    import dflash_cli.remote as remote
+
+    monkeypatch.setattr(remote, "METRICS_TIMEOUT", 0.2)
+    runtime = remote.RemoteRuntime(engine.url)
+    conversation = runtime.conversation()
+    from dflash_cli.session import GenerationSettings
+
+    for _ in range(2):
+        steps = list(conversation.ask("hi", GenerationSettings(max_tokens=4)))
+        assert "".join(s.text for s in steps) == "Hello, world!"
+    assert engine.gets.count("/metrics") == 1  # it gave up after the first hang
+
+
 def test_generate_reads_stdin_and_names_the_model(engine):
     engine.models.append("other")
     result = generate(engine, "-m", "other", "summarize", input="a document\n")

@@ -30,6 +30,8 @@ from dflash_cli.session import ChatHistory
 
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 600.0  # a long prompt's prefill on a busy server; Ctrl-C ends a wait sooner
+MODELS_TIMEOUT = 30.0  # listing the models is instant on a live server: a hung one is said within this
+METRICS_TIMEOUT = 2.0  # the statistics give up quickly, and are not asked for again after a failure
 
 
 class RemoteError(DFlashError):
@@ -294,6 +296,7 @@ class RemoteRuntime:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx2.Client(base_url=connect_to, headers=headers, transport=transport,
                                     timeout=httpx2.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT))
+        self.metrics_failed = False
         started = time.perf_counter()
         self.models = self._models()
         self.model = model or self._only_model()
@@ -313,7 +316,15 @@ class RemoteRuntime:
             raise transport_error(self.url, e) from None
 
     def _models(self) -> list[str]:
-        response = self._get("/v1/models")
+        import httpx2
+
+        try:
+            response = self.client.get("/v1/models", timeout=MODELS_TIMEOUT)
+        except httpx2.TimeoutException:
+            raise RemoteError(f"the engine at {self.url} did not list its models within {MODELS_TIMEOUT:.0f} s",
+                              hint="the server may still be starting or be hung; see its log") from None
+        except httpx2.TransportError as e:
+            raise transport_error(self.url, e) from None
         if response.status_code != 200:
             raise status_error(self.url, response)
         try:
@@ -335,9 +346,12 @@ class RemoteRuntime:
         """vLLM's spec_decode counters now ({} when the server has no /metrics or exports none)."""
         import httpx2
 
+        if self.metrics_failed:
+            return {}
         try:
-            response = self.client.get("/metrics", timeout=CONNECT_TIMEOUT)
+            response = self.client.get("/metrics", timeout=METRICS_TIMEOUT)
         except httpx2.HTTPError:
+            self.metrics_failed = True  # a hung /metrics would add its timeout to every reply
             return {}
         return parse_spec_counters(response.text) if response.status_code == 200 else {}
 
