@@ -39,6 +39,7 @@ class FakeEngine:
     hang_after: int | None = None
     inject: str | None = None  # a raw chunk (JSON text) streamed after the first piece
     hang: tuple[str, ...] = ()  # GET paths that never answer (until the server closes)
+    no_stream: bool = False  # answer a streamed request with one JSON completion
     gets: list[str] = field(default_factory=list)
     # what a request does to vLLM's counters: drafts, draft tokens, accepted, accepted per position
     vllm_step: tuple[int, int, int, tuple[int, ...]] = (3, 9, 6, (3, 2, 1))
@@ -151,6 +152,10 @@ class FakeEngine:
             return self.error(h, self.status, message, "ServerError", headers)
         if body.get("model") not in self.models:
             return self.error(h, 404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        if self.no_stream:
+            return self.send_json(h, 200, {"id": "chatcmpl-0", "object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "".join(self.pieces)},
+                 "finish_reason": "stop"}]})
         self.stream(h, body)
 
     def stream(self, h, body: dict) -> None:

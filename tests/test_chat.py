@@ -138,6 +138,17 @@ def test_help_unknown_command_and_exit(runtime):
     assert run.messages == [] and run.stdout == ""
 
 
+def test_block_size_without_a_drafter_says_so_not_a_range_error(runtime):
+    import dataclasses
+
+    plain = dataclasses.replace(runtime, drafter=None, drafter_dir=None)
+    settings = GenerationSettings(max_tokens=12)
+    run = drive(plain, "/set parameter block_size 4\r/set parameter block_size none\r", settings=settings)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("Error: ")]
+    assert errors == ["Error: block_size needs a drafter: speculation is off in this chat"], run.stderr
+    assert settings.block_size is None  # "none" (the default) is still accepted
+
+
 def test_ctrl_d_exits_zero(runtime):
     run = drive(runtime, "\x04")
     assert run.code == 0 and run.messages == []

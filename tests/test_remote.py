@@ -150,6 +150,13 @@ def test_a_hung_metrics_endpoint_is_asked_once_not_twice_per_reply(engine, monke
     assert engine.gets.count("/metrics") == 1  # it gave up after the first hang
 
 
+@pytest.mark.parametrize("engine", [{"no_stream": True}], indirect=True)
+def test_a_server_that_does_not_stream_is_named_as_such_not_a_cut_stream(engine):
+    result = generate(engine, "hi")
+    assert result.exit_code == 1 and "answered with one JSON object, not a stream" in result.stderr
+    assert "cut" not in result.stderr
+
+
 def test_generate_reads_stdin_and_names_the_model(engine):
     engine.models.append("other")
     result = generate(engine, "-m", "other", "summarize", input="a document\n")

@@ -387,6 +387,11 @@ class RemoteRuntime:
                     response.read()
                     raise status_error(self.url, response, self.model,
                                        self.models if response.status_code == 404 else None)
+                kind = response.headers.get("content-type", "")
+                if "json" in kind and "event-stream" not in kind:
+                    raise RemoteError(f"the engine at {self.url} answered with one JSON object, not a stream "
+                                      "(it ignored \"stream\": true)",
+                                      hint="--engine needs a server that streams (OpenAI's server-sent events)")
                 for line in response.iter_lines():
                     if not line.startswith("data:"):
                         continue  # SSE comments, event names, the blank lines between events

@@ -405,6 +405,15 @@ class ChatSession:
             return False
         field, parse, check, expected = PARAMETERS[name]
         value: Any = None
+        if field == "block_size" and getattr(self.runtime, "drafter", None) is None \
+                and raw.lower() not in ("none", "default"):
+            if getattr(self.runtime, "url", None):  # a remote engine
+                self.out.error("block_size is the engine's to choose: it runs its own drafter",
+                               "set it where the server starts (serve-cmd --block-size)")
+            else:
+                self.out.error("block_size needs a drafter: speculation is off in this chat",
+                               "start the chat with --draft DRAFTER (or a model the registry pairs with one)")
+            return False
         if not (field in ("seed", "block_size") and raw.lower() in ("none", "default")):
             try:
                 value = parse(raw)
