@@ -145,3 +145,20 @@ def test_exec_without_the_engine_installed(tmp_path, empty_config):
     lines = ran.stderr.splitlines()
     assert lines[0] == "Error: vllm is not on PATH: install vllm to run this command"
     assert lines[1].startswith("Hint: pip install vllm") and len(lines) == 2
+
+
+def test_exec_sglang_with_a_python_that_lacks_it_prints_the_install_line(tmp_path, empty_config):
+    """sglang runs as `python3 -m sglang.launch_server`: without the module that was Python's own error."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python3"  # a real Python (this one, which has no sglang) found first on PATH
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src"),
+           "DFLASH_CONFIG": str(empty_config)}
+    ran = subprocess.run([sys.executable, "-m", "dflash_cli", "serve-cmd", "qwen3-8b", "--engine", "sglang",
+                          "--exec"], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 1 and ran.stdout == ""
+    lines = ran.stderr.splitlines()
+    assert lines[0] == "Error: python3 on PATH has no sglang module: install sglang to run this command"
+    assert lines[1].startswith("Hint: pip install") and len(lines) == 2

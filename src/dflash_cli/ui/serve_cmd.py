@@ -70,10 +70,25 @@ def run_serve_cmd(out: Any, model: str, engine: str, tp: int, port: int | None, 
     if shutil.which(EXECUTABLES[engine]) is None:
         raise DFlashError(f"{EXECUTABLES[engine]} is not on PATH: install {engine} to run this command",
                           INSTALL[engine])
+    if engine == "sglang" and not _python_has(EXECUTABLES[engine], "sglang"):
+        raise DFlashError(f"{EXECUTABLES[engine]} on PATH has no sglang module: install sglang to run this command",
+                          INSTALL[engine])
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execvp(argv[0], argv)
     return EXIT_OK  # not reached
+
+
+def _python_has(python: str, module: str) -> bool:
+    """Whether `python` (as found on PATH) can import `module`: sglang runs as `python3 -m`, whose own
+    error would be a Python traceback line instead of the install line."""
+    import subprocess
+
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 @click.command("serve-cmd")
