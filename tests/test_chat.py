@@ -258,6 +258,14 @@ def test_read_sends_file_content_then_text(runtime, tmp_path):
     assert "Error: cannot read" in run.stderr and "Error: usage: /read FILE [TEXT]" in run.stderr
 
 
+def test_read_of_bytes_that_are_not_utf8_warns_once(runtime, tmp_path):
+    doc = tmp_path / "latin1.txt"
+    doc.write_bytes(b"caf\xe9 ok\n")
+    run = drive(runtime, f"/read {doc}\r", settings=GenerationSettings(max_tokens=2))
+    assert [m["content"] for m in run.messages if m["role"] == "user"] == ["caf\ufffd ok"]
+    assert run.stderr.count("is not valid UTF-8: the invalid bytes were replaced with U+FFFD") == 1
+
+
 @pytest.mark.parametrize("path", ["fast", "off"])
 def test_ctrl_c_during_a_reply_keeps_the_partial_reply(runtimes, path):
     runtime = runtimes[path]

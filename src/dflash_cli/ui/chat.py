@@ -482,10 +482,15 @@ class ChatSession:
 
     def cmd_read(self, args: str) -> None:
         path, text = self._path_arg(args, "/read FILE [TEXT]", rest=True)
+        from dflash_cli.ui.run import NOT_UTF8, decode_utf8
+
         try:
-            content = path and path.read_text(encoding="utf-8", errors="replace").rstrip("\n")
+            content, replaced = decode_utf8(path.read_bytes()) if path else ("", False)
         except OSError as e:
             return self.out.error(f"cannot read {path}: {e.strerror or e}")
+        content = content.rstrip("\n")
+        if replaced:
+            self.out.warn(NOT_UTF8.format(what=str(path)))
         if path and not (content.strip() or text):
             self.out.error(f"{path} is empty: nothing sent")
         elif path:
