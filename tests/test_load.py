@@ -113,6 +113,21 @@ def test_a_truncated_target_is_one_checkpoint_error(tiny_models, tmp_path):
     assert "truncated" in err.value.hint
 
 
+@pytest.mark.parametrize("link, message", [("/nonexistent/blob", "links to /nonexistent/blob, which does not exist"),
+                                           ("/dev/zero", "is not a regular file")])
+def test_weights_that_link_nowhere_or_to_a_device_are_named(tiny_models, tmp_path, link, message):
+    import shutil
+
+    from dflash_cli.engine.load import load_target
+
+    folder = tmp_path / "linked"
+    shutil.copytree(tiny_models["llama"], folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(link)
+    with pytest.raises(CheckpointError, match=message):  # was "no file named model.safetensors"
+        load_target(folder, device="cpu")
+
+
 @pytest.mark.parametrize("value", ["eight", 0, 1, True, 8.5])
 def test_a_block_size_that_is_not_a_block_is_one_checkpoint_error(tmp_path, value):
     import json

@@ -6,6 +6,7 @@ Used before loading weights (and, by the model manager, before downloading them)
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,13 @@ def safetensors_files(folder: Path, what: str) -> list[Path]:
             raise CheckpointError(f"{what} folder {folder} is incomplete: missing {', '.join(missing)}")
         return [folder / n for n in names]
     files = sorted(folder.glob("*.safetensors"))
+    for path in files:
+        if path.is_symlink() and not path.exists():  # a dangling link (a Hub cache whose blob was deleted)
+            raise CheckpointError(f"{path} links to {os.readlink(path)}, which does not exist",
+                                  hint="the download is incomplete: delete the folder and fetch it again")
+        if path.exists() and not path.is_file():
+            raise CheckpointError(f"{path} is not a regular file",
+                                  hint="point the folder's weights at a real safetensors file")
     if files:
         return files
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
