@@ -288,3 +288,7 @@ def test_hybrid_targets_cannot_offload(tmp_path):
     with pytest.raises(InvalidSettingError, match="hybrid"):
         plan_layers(tmp_path, None, ("auto", [("cpu", cpu), ("disk", None)]), "bf16", 64)
     assert plan_layers(tmp_path, None, ("auto", [("cpu", 2**34)]), "bf16", 64) == ["cpu"] * 4
+    # too small even to split: the hint does not send a hybrid to disk, which it cannot use
+    with pytest.raises(InvalidSettingError) as err:
+        plan_layers(tmp_path, None, ("auto", [("cpu", 2**10)]), "bf16", 64)
+    assert "disk" not in err.value.hint and "--max-memory" in err.value.hint

@@ -153,7 +153,7 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
     import json
 
     from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
-    from dflash_cli.models.split import plan_split
+    from dflash_cli.models.split import plan_split, split_hint
 
     def config(folder: Path) -> dict:
         return json.loads((folder / "config.json").read_text())
@@ -161,10 +161,11 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
     target_cfg = config(target_dir)
     plan = plan_split(target_cfg, config(drafter_dir) if drafter_dir else None, devices=split[1],
                       strategy=split[0], quant=quant, context_tokens=max_context or S.DEFAULT_MAX_CONTEXT)
-    if not plan.fits:
+    hybrid = target_cfg.get("model_type") in HYBRID_MODEL_TYPES
+    if not plan.fits:  # hybrids cannot offload: disk is no way out for them
         raise InvalidSettingError(f"{target_dir.name} does not fit the split: {plan.problem}",
-                                  hint="raise --max-memory, add disk to it, lower --max-context, or use --quant nf4")
-    if plan.offloaded_layers and target_cfg.get("model_type") in HYBRID_MODEL_TYPES:
+                                  hint=split_hint(hybrid))
+    if plan.offloaded_layers and hybrid:
         raise InvalidSettingError(f"{target_dir.name} would offload {plan.offloaded_layers} layers to cpu/disk, "
                                   "which hybrid (linear-attention) targets cannot run with",
                                   hint="give the GPUs more room (--max-memory), or use --quant nf4")

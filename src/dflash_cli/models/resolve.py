@@ -188,9 +188,12 @@ def preflight_split(target_cfg: dict, drafter_cfg: dict | None, quant: str, budg
                       context_tokens=budget.context_tokens)
     if plan.fits:
         return quant
+    from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
+    from dflash_cli.models.split import split_hint
+
     raise MemoryPlanError(f"{name} does not fit split over {', '.join(d for d, _ in devices)} in {planned} at "
                           f"{budget.context_tokens:,} tokens: {plan.problem}",
-                          hint="raise --max-memory, add disk to it, lower --max-context, or use --quant nf4")
+                          hint=split_hint(target_cfg.get("model_type") in HYBRID_MODEL_TYPES))
 
 
 def memory_budget(device: str | None, dtype: str | None, context_tokens: int, device_map: str | None = None,

@@ -251,3 +251,10 @@ def format_split(plan: SplitPlan) -> list[str]:
         rows.append(f"{plan.num_layers - plan.placed} of {plan.num_layers} layers fit nowhere")
     rows.append(f"{plan.strategy} split in {plan.quant}: " + ("fits" if plan.fits else "does not fit"))
     return rows
+
+
+def split_hint(hybrid: bool) -> str:
+    """What to try when a split does not fit; hybrid (linear-attention) targets cannot offload to disk."""
+    if hybrid:
+        return "raise --max-memory on the GPUs, lower --max-context, or use --quant nf4"
+    return "raise --max-memory, add disk to it, lower --max-context, or use --quant nf4"
