@@ -40,6 +40,7 @@ class FakeEngine:
     inject: str | None = None  # a raw chunk (JSON text) streamed after the first piece
     hang: tuple[str, ...] = ()  # GET paths that never answer (until the server closes)
     no_stream: bool = False  # answer a streamed request with one JSON completion
+    end_early: bool = False  # end the body cleanly after the pieces: no finish chunk, no [DONE]
     gets: list[str] = field(default_factory=list)
     # what a request does to vLLM's counters: drafts, draft tokens, accepted, accepted per position
     vllm_step: tuple[int, int, int, tuple[int, ...]] = (3, 9, 6, (3, 2, 1))
@@ -196,6 +197,10 @@ class FakeEngine:
                                         "finish_reason": None}])))
                 if self.inject is not None and n == 0:
                     send(self.inject)
+            if self.end_early:  # a well-formed end of the HTTP body, but not of the reply
+                h.wfile.write(b"0\r\n\r\n")
+                h.wfile.flush()
+                return
             meta = {}
             if self.kind == "sglang":
                 n = len(self.pieces)

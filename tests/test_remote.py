@@ -157,6 +157,15 @@ def test_a_server_that_does_not_stream_is_named_as_such_not_a_cut_stream(engine)
     assert "cut" not in result.stderr
 
 
+@pytest.mark.parametrize("engine", [{"end_early": True}], indirect=True)
+def test_a_stream_that_ends_cleanly_without_done_or_a_finish_reason_is_a_cut_reply(engine):
+    """The body ends as HTTP allows, so no transport error: only the client's own check can see that the
+    reply did not end (the fake server's other cuts all surface as transport errors)."""
+    result = generate(engine, "hi")
+    assert result.exit_code == 1 and "cut the stream off before the reply ended (4 chunk(s) received)" in result.stderr
+    assert result.stdout == "Hello, world!\n"  # the text received was kept
+
+
 def test_generate_reads_stdin_and_names_the_model(engine):
     engine.models.append("other")
     result = generate(engine, "-m", "other", "summarize", input="a document\n")
