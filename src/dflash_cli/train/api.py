@@ -172,6 +172,88 @@ def split_heldout(n: int) -> tuple[list[int], list[int]]:
     return [i for i in range(n) if i not in set(held)], held
 
 
+def _check_options(drafter_format: str, distill: float, distill_topk: int, draft_vocab: bool,
+                   sub_vocab: bool) -> None:
+    if drafter_format not in ("dflash", "transformers"):
+        raise InvalidSettingError(f"unknown drafter format {drafter_format!r}", hint="use dflash or transformers")
+    if not 0.0 <= distill <= 1.0:
+        raise InvalidSettingError(f"--distill must be between 0 and 1, got {distill}")
+    if distill > 0 and distill_topk <= 0:
+        raise InvalidSettingError("--distill needs the target's top-k distributions", hint="add --distill-topk 32")
+    if draft_vocab and not sub_vocab:
+        raise InvalidSettingError("--draft-vocab needs the training vocabulary", hint="drop --no-sub-vocab")
+
+
+def _resolve_prompts(prompts: Sequence[str] | str | Path | None) -> tuple[list[str], list[str] | None, str]:
+    """(prompts, their categories or None, how they were given, for the drafter's config)."""
+    if prompts is None or isinstance(prompts, (str, Path)):
+        from dflash_cli.train.prompt_sets import resolve_prompts_with_categories
+
+        prompt_list, categories = resolve_prompts_with_categories(None if prompts is None else str(prompts))
+        label = "built-in" if prompts is None else str(prompts)
+    else:
+        prompt_list, categories, label = list(prompts), None, f"{len(prompts)} prompts given to the API"
+    if not prompt_list:
+        raise InvalidSettingError("no prompts to train on")
+    return prompt_list, categories, label
+
+
+def _resumed_shape(out_dir: Path, asked: tuple[int | None, int | None], layers: int, block_size: int,
+                   taps: Sequence[int] | None, target_layers: int) -> tuple[dict | None, list[int], int, int]:
+    """(the checkpoint's config or None, taps, layers, block size): those of the checkpoint being resumed
+    (asking for another shape is an error), else as asked with the default taps for the target's depth."""
+    previous = checkpoint_config(out_dir / CHECKPOINT)
+    if previous is None:
+        return None, list(taps) if taps is not None else default_taps(target_layers, layers), layers, block_size
+    layers = previous["num_hidden_layers"] if asked[0] is None else layers
+    block_size = previous["block_size"] if asked[1] is None else block_size
+    if previous["num_hidden_layers"] != layers or previous["block_size"] != block_size:
+        raise InvalidSettingError(f"{out_dir} holds a checkpoint with {previous['num_hidden_layers']} layers "
+                                  f"and block size {previous['block_size']}",
+                                  hint="use the same --layers/--block-size to resume, or another output folder")
+    return previous, list(previous["dflash_config"]["target_layer_ids"]), layers, block_size
+
+
+def _training_sets(out_dir: Path, n_prompts: int, categories: list[str] | None, gen_time_budget: float | None):
+    """The stored replies split into (train, held-out, held-out categories or None, held-out prompt ids)."""
+    train_ids, held_ids = split_heldout(n_prompts)
+    stored = {i: e for i, e in load_examples(out_dir / "data").items() if len(e.ids) - e.prompt_len >= 2}
+    train_set = [stored[i] for i in train_ids if i in stored]
+    held_set = [stored[i] for i in held_ids if i in stored]
+    held_sets = [categories[i] for i in held_ids if i in stored] if categories else None
+    if not train_set and gen_time_budget == 0:
+        raise InvalidSettingError(f"no stored replies in {out_dir / 'data'} to train on "
+                                  f"({len(stored)} usable, none outside the held-out set)" if stored else
+                                  f"no stored replies in {out_dir / 'data'} to train on",
+                                  hint="--gen-budget 0 trains on stored replies only: give it minutes to generate some")
+    if not train_set:
+        raise InvalidSettingError("the target produced no usable responses (each needs at least 2 tokens)")
+    return train_set, held_set, held_sets, held_ids
+
+
+def _init_config(start_from: DFlashDrafter, block_size: int) -> dict:
+    """--init's config, without its training record, at the block size asked for."""
+    raw = {k: v for k, v in start_from.config.raw.items() if k != "training"}
+    if block_size != start_from.block_size:
+        raw = drafter_dict(raw)
+        raw["dflash_config"] = {**raw.get("dflash_config", {}), "block_size": block_size}
+        if "block_size" in raw:  # older drafters also keep it at the top level
+            raw["block_size"] = block_size
+    return raw
+
+
+def _training_record(state: Any, saved: Any, train_set: list, held_set: list) -> dict[str, Any]:
+    """What the drafter's config records about the run that made it."""
+    return dict(step=state.step, train_seconds=round(state.seconds, 1),
+                train_sequences=len(train_set), heldout_sequences=len(held_set),
+                train_tokens=sum(len(e.ids) - e.prompt_len for e in train_set),
+                final_loss=sum(state.losses[-10:]) / max(len(state.losses[-10:]), 1),
+                saved_step=saved[0] if saved else state.step,
+                heldout_tau=saved[2] if saved else None,
+                heldout_tau_by_set=saved[3] if saved and len(saved) > 3 and saved[3] else None,
+                last_heldout_tau=state.evals[-1][2] if state.evals else None)
+
+
 def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Sequence[str] | str | Path | None = None,
                   layers: int | None = None, block_size: int | None = None, taps: Sequence[int] | None = None,
                   init: str | Path | None = None, lr: float = 6e-4,
@@ -208,119 +290,76 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     continues from the checkpoint (pass a larger `steps` to train further). The drafter written is the
     one with the best held-out acceptance estimate seen during training (the last one without held-out data).
     """
-    if drafter_format not in ("dflash", "transformers"):
-        raise InvalidSettingError(f"unknown drafter format {drafter_format!r}", hint="use dflash or transformers")
-    if not 0.0 <= distill <= 1.0:
-        raise InvalidSettingError(f"--distill must be between 0 and 1, got {distill}")
-    if distill > 0 and distill_topk <= 0:
-        raise InvalidSettingError("--distill needs the target's top-k distributions", hint="add --distill-topk 32")
-    if draft_vocab and not sub_vocab:
-        raise InvalidSettingError("--draft-vocab needs the training vocabulary", hint="drop --no-sub-vocab")
-    if steps is None and time_budget is None:
-        steps = 1000
+    _check_options(drafter_format, distill, distill_topk, draft_vocab, sub_vocab)
+    steps = 1000 if steps is None and time_budget is None else steps
     check_output_folder(Path(out_dir), Path(target_dir), taps)  # all before the target loads
     stored_topk(Path(out_dir) / "data", distill_topk)
-    start_from = read_init(init, target_dir, layers, taps) if init is not None else None
-    if start_from is not None:
-        layers, block_size = start_from.config.num_hidden_layers, block_size or start_from.block_size
-        taps = list(start_from.config.target_layer_ids or [])
-    asked = (layers, block_size)
-    layers = 2 if layers is None else layers
-    block_size = 16 if block_size is None else block_size
-    started = time.perf_counter()
-    out_dir = Path(out_dir)
-    dev = pick_device(device)
+    start_from, asked, layers, block_size, taps = _asked_shape(init, target_dir, layers, block_size, taps)
+    started, out_dir, dev = time.perf_counter(), Path(out_dir), pick_device(device)
     dt = pick_dtype(dtype, dev)
     call = dict(target=str(target_dir), lr=lr, steps=steps,
                 time_budget=time_budget, batch=batch, anchors=anchors, gamma=gamma, sub_vocab=sub_vocab,
                 draft_vocab=draft_vocab, distill=distill, distill_topk=distill_topk,
                 max_new_tokens=max_new_tokens, seed=seed, dtype=str(dt).removeprefix("torch."))
-    if prompts is None or isinstance(prompts, (str, Path)):
-        from dflash_cli.train.prompt_sets import resolve_prompts_with_categories
-
-        prompt_list, categories = resolve_prompts_with_categories(None if prompts is None else str(prompts))
-        call["prompts"] = "built-in" if prompts is None else str(prompts)
-    else:
-        prompt_list, call["prompts"] = list(prompts), f"{len(prompts)} prompts given to the API"
-        categories = None
-    if not prompt_list:
-        raise InvalidSettingError("no prompts to train on")
-
-    from transformers import AutoTokenizer
-
-    target = load_target(target_dir, device=dev, dtype=dt)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    prompt_list, categories, call["prompts"] = _resolve_prompts(prompts)
+    target, tokenizer = _load_target(target_dir, dev, dt)
     ckpt = out_dir / CHECKPOINT
-    previous = checkpoint_config(ckpt)
-    if previous is not None:
-        taps = list(previous["dflash_config"]["target_layer_ids"])
-        layers = previous["num_hidden_layers"] if asked[0] is None else layers
-        block_size = previous["block_size"] if asked[1] is None else block_size
-        if previous["num_hidden_layers"] != layers or previous["block_size"] != block_size:
-            raise InvalidSettingError(f"{out_dir} holds a checkpoint with {previous['num_hidden_layers']} layers "
-                                      f"and block size {previous['block_size']}",
-                                      hint="use the same --layers/--block-size to resume, or another output folder")
-    taps = list(taps) if taps is not None else default_taps(target.num_layers, layers)
+    previous, taps, layers, block_size = _resumed_shape(out_dir, asked, layers, block_size, taps, target.num_layers)
 
-    new_answers = [0]
-
-    def data_progress(done: int, total: int, tokens: int, seconds: float) -> None:
-        new_answers[0] += tokens
-        if on_progress:
-            on_progress("data", dict(done=done, total=total, tokens=tokens, seconds=seconds))
-
-    build_dataset(target, tokenizer, prompt_list, taps, out_dir / "data", max_new_tokens=max_new_tokens,
-                  batch_size=gen_batch, stop_ids=default_stop_ids(target, tokenizer), on_progress=data_progress,
-                  time_budget=gen_time_budget, topk=distill_topk)
-    train_ids, held_ids = split_heldout(len(prompt_list))
-    stored = {i: e for i, e in load_examples(out_dir / "data").items() if len(e.ids) - e.prompt_len >= 2}
-    train_set = [stored[i] for i in train_ids if i in stored]
-    held_set = [stored[i] for i in held_ids if i in stored]
-    held_sets = [categories[i] for i in held_ids if i in stored] if categories else None
-    if not train_set and gen_time_budget == 0:
-        raise InvalidSettingError(f"no stored replies in {out_dir / 'data'} to train on "
-                                  f"({len(stored)} usable, none outside the held-out set)" if stored else
-                                  f"no stored replies in {out_dir / 'data'} to train on",
-                                  hint="--gen-budget 0 trains on stored replies only: give it minutes to generate some")
-    if not train_set:
-        raise InvalidSettingError("the target produced no usable responses (each needs at least 2 tokens)")
-
+    new_tokens = _generate_data(target, tokenizer, prompt_list, taps, out_dir / "data", max_new_tokens, gen_batch,
+                                gen_time_budget, distill_topk, on_progress)
+    train_set, held_set, held_sets, held_ids = _training_sets(out_dir, len(prompt_list), categories,
+                                                              gen_time_budget)
     if previous is not None:
         raw = dict(previous)
     elif start_from is not None:
-        raw = {k: v for k, v in start_from.config.raw.items() if k != "training"}
-        if block_size != start_from.block_size:
-            raw = drafter_dict(raw)
-            raw["dflash_config"] = {**raw.get("dflash_config", {}), "block_size": block_size}
-            if "block_size" in raw:  # older drafters also keep it at the top level
-                raw["block_size"] = block_size
-        call["init"] = str(init)
-        call["init_training"] = start_from.config.raw.get("training")
+        raw = _init_config(start_from, block_size)
+        call.update(init=str(init), init_training=start_from.config.raw.get("training"))
     else:
-        seen = set(torch.cat([e.ids for e in train_set + held_set]).tolist())
-        mask_id, why = pick_mask_token(tokenizer, target.embed_weight, seen)
-        raw = drafter_config(target.config, layers=layers, block_size=block_size, taps=taps, mask_id=mask_id,
-                             vocab_rows=target.vocab_rows)
-        call["mask_token"] = why
-    call.update(layers=layers, block_size=block_size)
-    raw["training"] = {**raw.get("training", {}), **call}
-    final_norm = getattr(target.model.get_decoder(), "norm", None)
-    drafter = init_drafter(raw, dev, seed, final_norm.weight.detach() if final_norm is not None else None)
-    if start_from is not None and previous is None:
-        drafter.load_state_dict({k: v.float() for k, v in start_from.state_dict().items()}, strict=True)
-    sub_ids = sub_vocabulary(train_set) if sub_vocab else None
-    head = make_head(target.lm_head, sub_ids)
-    vocab_ids = sub_ids.to(dev) if draft_vocab and sub_ids is not None else None
-    if vocab_ids is not None:
-        raw["training"]["draft_vocab_size"] = len(vocab_ids)
+        raw, call["mask_token"] = _fresh_config(target, tokenizer, train_set + held_set, layers, block_size, taps)
+    raw["training"] = {**raw.get("training", {}), **call, "layers": layers, "block_size": block_size}
+    drafter = _build_drafter(raw, target, dev, seed, start_from if previous is None else None)
+    head, vocab_ids = _vocabularies(target, train_set, sub_vocab, draft_vocab, dev)
+    raw["training"].update({"draft_vocab_size": len(vocab_ids)} if vocab_ids is not None else {})
     cfg = TrainConfig(steps=steps, time_budget=time_budget, lr=lr, batch=min(batch, len(train_set)),
                       anchors=anchors, gamma=gamma, checkpoint_every=checkpoint_every, eval_every=eval_every,
                       seed=seed, warmup=min(50, max(1, (steps or 1000) // 20)), distill=distill)
-    autocast = dt if dt != torch.float32 else None
-    spent = previous is not None and time_budget is not None and _seconds_trained(ckpt) >= time_budget
-    if spent and new_answers[0] and on_progress:
+    if previous is not None and new_tokens and on_progress:
+        _note_spent_budget(ckpt, time_budget, on_progress)
+    state, saved = _train(drafter, target, head, (train_set, held_set, held_sets, held_ids), cfg, ckpt,
+                          dt if dt != torch.float32 else None, vocab_ids, on_progress)
+    raw["training"].update(_training_record(state, saved, train_set, held_set))
+    _write_drafter(drafter, raw, vocab_ids, dt, out_dir, drafter_format)
+    (out_dir / "training_log.json").write_text(json.dumps(
+        {"losses": state.losses, "evals": state.evals, "wall_seconds": time.perf_counter() - started}))
+    return out_dir
+
+
+def _asked_shape(init: str | Path | None, target_dir: str | Path, layers: int | None, block_size: int | None,
+                 taps: Sequence[int] | None):
+    """(the --init drafter or None, the (layers, block size) asked for, layers, block size, taps): --init's
+    shape where it gives one, else 2 layers and blocks of 16."""
+    start_from = read_init(init, target_dir, layers, taps) if init is not None else None
+    if start_from is not None:
+        layers, block_size = start_from.config.num_hidden_layers, block_size or start_from.block_size
+        taps = list(start_from.config.target_layer_ids or [])
+    asked = (layers, block_size)
+    return (start_from, asked, 2 if layers is None else layers, 16 if block_size is None else block_size, taps)
+
+
+def _note_spent_budget(ckpt: Path, time_budget: float | None, on_progress: Callable[[str, Any], None]) -> None:
+    """New data arrived, but the folder's training budget is already spent: say so, or it would look trained."""
+    if time_budget is not None and _seconds_trained(ckpt) >= time_budget:
         on_progress("note", f"the training budget ({time_budget / 60:g} min, counted over all runs of this "
                             "folder) is already spent: pass a larger --time-budget to train on the new data")
+
+
+def _train(drafter: DFlashDrafter, target: Any, head: Any, sets: tuple, cfg: TrainConfig, ckpt: Path,
+           autocast: torch.dtype | None, vocab_ids: torch.Tensor | None,
+           on_progress: Callable[[str, Any], None] | None) -> tuple[Any, Any]:
+    """Runs the training loop; returns its state and the evaluation whose weights the drafter now holds
+    (the best held-out estimate when its weights were kept, else the last)."""
+    train_set, held_set, held_sets, held_ids = sets
     state = train_loop(drafter, target.embed_weight, target.lm_head, head, train_set, held_set, cfg, ckpt,
                        heldout_key=HELDOUT_ESTIMATE + ":" + ",".join(map(str, held_ids)), autocast_dtype=autocast,
                        draft_vocab=vocab_ids, heldout_sets=held_sets,
@@ -328,18 +367,63 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, prompts: Seque
     saved = state.evals[-1] if state.evals else None
     if state.best is not None and state.best != saved and load_best_weights(ckpt, drafter, state.best):
         saved = state.best
-    raw["training"].update(step=state.step, train_seconds=round(state.seconds, 1),
-                           train_sequences=len(train_set), heldout_sequences=len(held_set),
-                           train_tokens=sum(len(e.ids) - e.prompt_len for e in train_set),
-                           final_loss=sum(state.losses[-10:]) / max(len(state.losses[-10:]), 1),
-                           saved_step=saved[0] if saved else state.step,
-                           heldout_tau=saved[2] if saved else None,
-                           heldout_tau_by_set=saved[3] if saved and len(saved) > 3 and saved[3] else None,
-                           last_heldout_tau=state.evals[-1][2] if state.evals else None)
+    return state, saved
+
+
+def _load_target(target_dir: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
+
+    return load_target(target_dir, device=device, dtype=dtype), AutoTokenizer.from_pretrained(str(target_dir))
+
+
+def _vocabularies(target: Any, train_set: list, sub_vocab: bool, draft_vocab: bool,
+                  device: torch.device) -> tuple[Any, torch.Tensor | None]:
+    """(the LM head the loss runs, on the training vocabulary with sub_vocab; the draft vocabulary to ship)."""
+    sub_ids = sub_vocabulary(train_set) if sub_vocab else None
+    vocab_ids = sub_ids.to(device) if draft_vocab and sub_ids is not None else None
+    return make_head(target.lm_head, sub_ids), vocab_ids
+
+
+def _build_drafter(raw: dict, target: Any, device: torch.device, seed: int,
+                   start_from: DFlashDrafter | None) -> DFlashDrafter:
+    """The drafter to train: from `raw`, its final norm from the target's, its weights from `start_from`
+    (--init, on a first run) when given."""
+    final_norm = getattr(target.model.get_decoder(), "norm", None)
+    drafter = init_drafter(raw, device, seed, final_norm.weight.detach() if final_norm is not None else None)
+    if start_from is not None:
+        drafter.load_state_dict({k: v.float() for k, v in start_from.state_dict().items()}, strict=True)
+    return drafter
+
+
+def _write_drafter(drafter: DFlashDrafter, raw: dict, vocab_ids: torch.Tensor | None, dtype: torch.dtype,
+                   out_dir: Path, drafter_format: str) -> None:
     drafter.config.raw.clear()
     drafter.config.raw.update(raw)
     drafter.draft_vocab = vocab_ids
-    save_drafter(drafter.to(dt), out_dir, format=drafter_format)
-    (out_dir / "training_log.json").write_text(json.dumps(
-        {"losses": state.losses, "evals": state.evals, "wall_seconds": time.perf_counter() - started}))
-    return out_dir
+    save_drafter(drafter.to(dtype), out_dir, format=drafter_format)
+
+
+def _generate_data(target: Any, tokenizer: Any, prompts: list[str], taps: list[int], data_dir: Path,
+                   max_new_tokens: int, gen_batch: int, gen_time_budget: float | None, topk: int,
+                   on_progress: Callable[[str, Any], None] | None) -> int:
+    """Answers the prompts not stored yet (build_dataset); returns the new reply tokens."""
+    new_tokens = [0]
+
+    def data_progress(done: int, total: int, tokens: int, seconds: float) -> None:
+        new_tokens[0] += tokens
+        if on_progress:
+            on_progress("data", dict(done=done, total=total, tokens=tokens, seconds=seconds))
+
+    build_dataset(target, tokenizer, prompts, taps, data_dir, max_new_tokens=max_new_tokens, batch_size=gen_batch,
+                  stop_ids=default_stop_ids(target, tokenizer), on_progress=data_progress,
+                  time_budget=gen_time_budget, topk=topk)
+    return new_tokens[0]
+
+
+def _fresh_config(target: Any, tokenizer: Any, examples: list, layers: int, block_size: int,
+                  taps: list[int]) -> tuple[dict, str]:
+    """A new drafter's config, with a mask token the stored replies never use, and why that token."""
+    seen = set(torch.cat([e.ids for e in examples]).tolist())
+    mask_id, why = pick_mask_token(tokenizer, target.embed_weight, seen)
+    return drafter_config(target.config, layers=layers, block_size=block_size, taps=taps, mask_id=mask_id,
+                          vocab_rows=target.vocab_rows), why
