@@ -223,13 +223,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     quiet = opts["quiet"] or (as_json and not opts["verbose"])  # --json -v: the JSON, and -v's lines on stderr
     system = system_prompt(out, opts)
     remote = bool(opts.get("engine"))
-    if remote and compare:
-        raise click.UsageError("--compare runs plain decoding here: it cannot be used with --engine")
-    if remote:
-        runtime = connect_engine(out, opts, quiet=quiet)
-    else:
-        runtime = load_runtime_for(out, opts, quiet=quiet, prompt=prompt, system=system)
-        check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
+    runtime = _open_runtime(out, opts, prompt, system, quiet=quiet, compare=compare)
     out.hide_thinking = opts["hide_thinking"]
     settings = generation_settings(opts)
     if settings.temperature > 0 and settings.seed is None:
@@ -277,12 +271,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     if compare and not interrupted:
         baseline = _baseline(runtime, conversation, settings)
     if as_json:
-        data = {**reply_json(conversation), **stats_json(stats),
-                "interrupted": interrupted, "model": str(runtime.target_dir),
-                "drafter": str(runtime.drafter_dir) if runtime.drafter_dir else None,
-                "forward": runtime.fast_path, "seed": settings.seed}
-        if interrupted:
-            data["finish_reason"] = "interrupted"
+        data = _reply_json(runtime, conversation, stats, settings, interrupted)
         if baseline is not None:
             data.update(_comparison(tokens, stats, baseline))
         out.write_out(json.dumps(data, ensure_ascii=False) + "\n")
@@ -294,24 +283,7 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     elif not quiet and out.err_tty:
         out.info(summary_line(stats, runtime.speculative))
     if baseline is not None and not as_json:
-        cmp = _comparison(tokens, stats, baseline)
-        if cmp["identical"]:
-            same = f"identical output ({len(tokens)}/{len(tokens)} tokens)"
-        else:
-            same = f"first divergence at token {cmp['first_divergence']}"
-            exact_rows = runtime.quant in ("q4", "q8") and getattr(runtime.target, "fast", None) is not None \
-                and runtime.target.fast.row_exact
-            if exact_rows:
-                same += f" (not expected with {runtime.quant}, whose rows are exact: please report it)"
-            elif runtime.quant in ("q4", "q8"):
-                same += f" (expected now and then with {runtime.quant} on {runtime.dtype} activations, rounded " \
-                        "to bf16 at every linear; without --dtype float32 the output is exact)"
-            elif runtime.dtype != "float32" or runtime.quant:
-                same += f" (expected now and then in {runtime.quant or runtime.dtype}: a block forward and a " \
-                        "1-token forward round differently; float32, and q4/q8 in bf16, are exact)"
-        out.info(f"compare: speculative {stats.decode_tokens_per_second:.1f} tok/s vs plain "
-                 f"{cmp['baseline']['decode_tokens_per_second']:.1f} tok/s = {cmp['speedup']:.2f}x · {same}",
-                 dim=False)
+        out.info(_compare_line(runtime, tokens, stats, baseline), dim=False)
     if stats.finish_reason == "context" and not opts["quiet"]:
         out.warn(f"the reply stopped after {stats.generated_tokens} tokens: the context is full "
                  f"({stats.prompt_tokens + stats.generated_tokens} tokens); raise --max-context for longer replies")
@@ -328,6 +300,48 @@ def reply_json(conversation: Any) -> dict[str, Any]:
     reply, inside = conversation.messages[-1]["content"], conversation.reply_in_thinking
     thinking, answer = split_reply(reply, inside) if inside is not None else (None, reply)
     return {"text": answer, "thinking": thinking}
+
+
+def _open_runtime(out: Output, opts: dict[str, Any], prompt: str, system: str | None, *, quiet: bool,
+                  compare: bool):
+    """The remote engine (--engine) or the loaded pair, its thinking switch checked."""
+    if opts.get("engine"):
+        if compare:
+            raise click.UsageError("--compare runs plain decoding here: it cannot be used with --engine")
+        return connect_engine(out, opts, quiet=quiet)
+    runtime = load_runtime_for(out, opts, quiet=quiet, prompt=prompt, system=system)
+    check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
+    return runtime
+
+
+def _reply_json(runtime: Any, conversation: Any, stats: Any, settings: Any, interrupted: bool) -> dict[str, Any]:
+    """--json's object: the reply, its statistics, what produced it."""
+    data = {**reply_json(conversation), **stats_json(stats), "interrupted": interrupted,
+            "model": str(runtime.target_dir), "drafter": str(runtime.drafter_dir) if runtime.drafter_dir else None,
+            "forward": runtime.fast_path, "seed": settings.seed}
+    if interrupted:
+        data["finish_reason"] = "interrupted"
+    return data
+
+
+def _compare_line(runtime: Any, tokens: list[int], stats: Any, baseline: tuple[list[int], Any]) -> str:
+    """--compare's line: both speeds, and whether the outputs match (and whether a mismatch is expected)."""
+    cmp = _comparison(tokens, stats, baseline)
+    if cmp["identical"]:
+        same = f"identical output ({len(tokens)}/{len(tokens)} tokens)"
+    else:
+        same = f"first divergence at token {cmp['first_divergence']}"
+        fast = getattr(runtime.target, "fast", None)
+        if runtime.quant in ("q4", "q8") and fast is not None and fast.row_exact:
+            same += f" (not expected with {runtime.quant}, whose rows are exact: please report it)"
+        elif runtime.quant in ("q4", "q8"):
+            same += f" (expected now and then with {runtime.quant} on {runtime.dtype} activations, rounded " \
+                    "to bf16 at every linear; without --dtype float32 the output is exact)"
+        elif runtime.dtype != "float32" or runtime.quant:
+            same += f" (expected now and then in {runtime.quant or runtime.dtype}: a block forward and a " \
+                    "1-token forward round differently; float32, and q4/q8 in bf16, are exact)"
+    return (f"compare: speculative {stats.decode_tokens_per_second:.1f} tok/s vs plain "
+            f"{cmp['baseline']['decode_tokens_per_second']:.1f} tok/s = {cmp['speedup']:.2f}x · {same}")
 
 
 def _warm_up(runtime: Any, settings: Any) -> None:
