@@ -79,6 +79,51 @@ def option_source(ctx: click.Context, param: str, config_key: str | None, env: s
     return "default"
 
 
+def _memory_info(plan: Any, mem_what: str) -> dict[str, Any]:
+    return {"available_bytes": plan.available_bytes, "available": mem_what, "quant": plan.quant,
+            "context_tokens": plan.context_tokens, "block_size": plan.block_size,
+            "components": plan.components, "total_bytes": plan.total, "fits": plan.fits,
+            "suggestions": plan.suggestions}
+
+
+def _split_info(split_plan: Any) -> dict[str, Any]:
+    return {"strategy": split_plan.strategy, "quant": split_plan.quant, "fits": split_plan.fits,
+            "offloaded_layers": split_plan.offloaded_layers,
+            "devices": [{"device": s.device, "available_bytes": s.available,
+                         "first_layer": s.first_layer, "layers": s.layers, "weights_bytes": s.weights,
+                         "kv_bytes": s.kv, "working_bytes": s.working, "total_bytes": s.total,
+                         "offload": s.offload} for s in split_plan.shares]}
+
+
+def _identity_lines(info: dict[str, Any], t_rev: str | None, d_rev: str | None, builtin: str | None,
+                    entry: Any) -> list[str]:
+    """The pair's name, target, drafter and registry facts, one aligned line each."""
+    rows = [("name", info["name"] or "-"),
+            ("target", info["target"] + (f" @ {t_rev}" if t_rev else "")),
+            ("drafter", (info["drafter"] or "none (plain decoding)") + (f" @ {d_rev}" if d_rev else ""))]
+    if builtin is not None:
+        rows.append(("built in", builtin))
+    if entry is not None:
+        rows += [("block size", cell(entry.block_size)), ("thinking", cell(entry.thinking)),
+                 ("from", entry.source)]
+        if entry.unsupported:
+            rows.append(("unsupported", entry.unsupported))
+        if entry.notes:
+            rows.append(("notes", entry.notes))
+    return [f"{k:<12}{v}" for k, v in rows]
+
+
+def _config_lines(summary: dict[str, Any], t_note: str, d_note: str) -> list[str]:
+    """The two configs in one line each (or why they could not be read)."""
+    t, d = summary.get("target"), summary.get("drafter")
+    target = (f"{t['model_type']}, hidden {t['hidden_size']}, {t['num_hidden_layers']} layers, "
+              f"vocab {t['vocab_size']}, heads {t['num_attention_heads']}/{t['num_key_value_heads']}, "
+              f"max positions {t['max_position_embeddings']}") if t else t_note
+    drafter = (f"hidden {d['hidden_size']}, {d['num_hidden_layers']} layers, block size {d['block_size']}, "
+               f"taps {d['target_layer_ids']}, mask id {d['mask_token_id']}") if d else d_note
+    return [f"  target    {target}", f"  drafter   {drafter}"]
+
+
 def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, context: int, quant: str,
              device: str, endpoint: str | None, device_map: str | None = None,
              max_memory: str | None = None) -> int:
@@ -126,47 +171,14 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         "memory": None,
     }
     if plan is not None:
-        info["memory"] = {"available_bytes": plan.available_bytes, "available": mem_what, "quant": plan.quant,
-                          "context_tokens": plan.context_tokens, "block_size": plan.block_size,
-                          "components": plan.components, "total_bytes": plan.total, "fits": plan.fits,
-                          "suggestions": plan.suggestions}
+        info["memory"] = _memory_info(plan, mem_what)
     if split_plan is not None:
-        info["split"] = {"strategy": split_plan.strategy, "quant": split_plan.quant, "fits": split_plan.fits,
-                         "offloaded_layers": split_plan.offloaded_layers,
-                         "devices": [{"device": s.device, "available_bytes": s.available,
-                                      "first_layer": s.first_layer, "layers": s.layers, "weights_bytes": s.weights,
-                                      "kv_bytes": s.kv, "working_bytes": s.working, "total_bytes": s.total,
-                                      "offload": s.offload} for s in split_plan.shares]}
+        info["split"] = _split_info(split_plan)
     if as_json:
         echo(json.dumps(info, indent=2))
         return EXIT_OK
-    rows = [("name", info["name"] or "-"),
-            ("target", target + (f" @ {t_rev}" if t_rev else "")),
-            ("drafter", (drafter or "none (plain decoding)") + (f" @ {d_rev}" if d_rev else ""))]
-    if builtin is not None:
-        rows.append(("built in", builtin))
-    if entry is not None:
-        rows += [("block size", cell(entry.block_size)), ("thinking", cell(entry.thinking)),
-                 ("from", entry.source)]
-        if entry.unsupported:
-            rows.append(("unsupported", entry.unsupported))
-        if entry.notes:
-            rows.append(("notes", entry.notes))
-    lines = [f"{k:<12}{v}" for k, v in rows]
-    lines += ["", "configs"]
-    t = summary.get("target")
-    if t:
-        lines.append(f"  target    {t['model_type']}, hidden {t['hidden_size']}, {t['num_hidden_layers']} layers, "
-                     f"vocab {t['vocab_size']}, heads {t['num_attention_heads']}/{t['num_key_value_heads']}, "
-                     f"max positions {t['max_position_embeddings']}")
-    else:
-        lines.append(f"  target    {t_note}")
-    d = summary.get("drafter")
-    if d:
-        lines.append(f"  drafter   hidden {d['hidden_size']}, {d['num_hidden_layers']} layers, "
-                     f"block size {d['block_size']}, taps {d['target_layer_ids']}, mask id {d['mask_token_id']}")
-    else:
-        lines.append(f"  drafter   {d_note}")
+    lines = _identity_lines(info, t_rev, d_rev, builtin, entry) + ["", "configs"]
+    lines += _config_lines(summary, t_note, d_note)
     lines += ["", "settings",
               f"  quant     {quant} ({ctx_sources['quant']})",
               f"  context   {context:,} tokens ({ctx_sources['context']})",
