@@ -128,33 +128,14 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         Step objects; the last has finish_reason set. Leaving the loop early (break, Ctrl-C) leaves
         `state` consistent and reusable.
     """
-    if max_new_tokens < 1:
-        raise InvalidSettingError(f"max new tokens must be >= 1, got {max_new_tokens}")
-    if not prompt:
-        raise InvalidSettingError("the prompt is empty")
-    bad = [t for t in prompt if not 0 <= t < target.vocab_rows]
-    if bad:
-        raise InvalidSettingError(f"prompt token id {bad[0]} is outside the target's vocabulary")
+    _check_request(target, prompt, max_new_tokens)
     block = resolve_block_size(drafter, block_size)
-    if adaptive is None:
-        adaptive = block_size is None
-    if adaptive and block > 1 and controller is None:
-        controller = BlockSizeController(block)
-    if not adaptive or block == 1:
-        controller = None
+    controller = _block_controller(block, block_size is None if adaptive is None else adaptive, controller)
     stops = set(default_stop_ids(target, tokenizer) if stop_ids is None else stop_ids)
     sample = Sampler(temperature, top_p, top_k, seed)
     if state is None or state.drafter is not drafter or state.target is not target:
         state = DecodeState(target, drafter)
-    limit = len(prompt) + max_new_tokens
-    context = min((c for c in (target.context_limit, max_context) if c), default=None)
-    at_limit = FINISH_LENGTH
-    if context:
-        at_limit = FINISH_CONTEXT if context < limit else FINISH_LENGTH
-        limit = min(limit, context)
-        if len(prompt) >= limit:
-            raise InvalidSettingError(f"the prompt has {len(prompt)} tokens, the context holds {context}",
-                                      hint="shorten the prompt, /clear the chat, or raise --max-context")
+    limit, at_limit = _limit(target, len(prompt), max_new_tokens, max_context)
     decoder = None
     if tokenizer is not None:
         from dflash_cli.engine.text import StreamDecoder
@@ -199,6 +180,40 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
                 return
     finally:
         state.repair()
+
+
+def _check_request(target: Target, prompt: Sequence[int], max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise InvalidSettingError(f"max new tokens must be >= 1, got {max_new_tokens}")
+    if not prompt:
+        raise InvalidSettingError("the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < target.vocab_rows]
+    if bad:
+        raise InvalidSettingError(f"prompt token id {bad[0]} is outside the target's vocabulary")
+
+
+def _block_controller(block: int, adaptive: bool,
+                      controller: BlockSizeController | None) -> BlockSizeController | None:
+    """The controller that chooses each round's block (the caller's, kept across calls, or a new one);
+    None for fixed blocks and plain decoding."""
+    if not adaptive or block == 1:
+        return None
+    return controller if controller is not None else BlockSizeController(block)
+
+
+def _limit(target: Target, prompt_len: int, max_new_tokens: int, max_context: int | None) -> tuple[int, str]:
+    """(most tokens the sequence may reach, the finish reason when it does): the reply's budget, or the
+    context when that is smaller; a prompt that fills the context is an error."""
+    limit = prompt_len + max_new_tokens
+    context = min((c for c in (target.context_limit, max_context) if c), default=None)
+    if not context:
+        return limit, FINISH_LENGTH
+    at_limit = FINISH_CONTEXT if context < limit else FINISH_LENGTH
+    limit = min(limit, context)
+    if prompt_len >= limit:
+        raise InvalidSettingError(f"the prompt has {prompt_len} tokens, the context holds {context}",
+                                  hint="shorten the prompt, /clear the chat, or raise --max-context")
+    return limit, at_limit
 
 
 def _pieces(decoder, tokens: list[int], finish: str | None) -> tuple[str, ...]:
