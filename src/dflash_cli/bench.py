@@ -222,6 +222,32 @@ def _hf_generate(target: Any, assistant: Any, prompt: list[int], max_new_tokens:
                              len(tokens) / seconds if seconds > 0 else 0.0, finish)
 
 
+def _work(prompt_sets: Mapping[str, Sequence[str | Prompt]], per_set: int | None,
+          encode: Callable[[str], list[int]]) -> list[tuple[str, Prompt, list[int]]]:
+    """(set, prompt, prompt token ids) of every prompt to run, in order; none at all is an error."""
+    work = []
+    for name, items in prompt_sets.items():
+        chosen = list(items)[:per_set] if per_set is not None else list(items)
+        for i, item in enumerate(chosen, 1):
+            p = item if isinstance(item, Prompt) else Prompt(f"{name}-{i}", str(item))
+            work.append((name, p, encode(p.prompt)))
+    if not work:
+        raise PromptSetError("no prompts to run")
+    return work
+
+
+def _hf_baseline(hf_baseline: bool | Any, drafter: Any) -> tuple[Any, dict[str, Any]]:
+    """(the assistant model transformers' assisted generate runs with, or None; what the report says)."""
+    requested = hf_baseline is not False and hf_baseline is not None
+    assistant = _hf_assistant(drafter if hf_baseline is True else hf_baseline) if requested else None
+    if assistant is not None:
+        return assistant, {"enabled": True, "reason": None, "assistant": type(assistant).__name__,
+                           "timing": "end to end, prefill included (generate reports no split)"}
+    if requested:
+        return None, {"enabled": False, "reason": "requested, but " + HF_BASELINE_OFF}
+    return None, {"enabled": False, "reason": "off by default: " + HF_BASELINE_OFF}
+
+
 def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
               prompt_sets: Mapping[str, Sequence[str | Prompt]], *,
               max_new_tokens: int, block_size: int | None = None, warmup: int = 2, per_set: int | None = None,
@@ -253,25 +279,9 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
         raise DFlashError("a benchmark needs a drafter: it compares plain decoding with DFlash")
     block = resolve_block_size(drafter, block_size)
     stops = default_stop_ids(target, tokenizer)
-    work: list[tuple[str, Prompt, list[int]]] = []  # (set, prompt, prompt token ids)
-    for name, items in prompt_sets.items():
-        chosen = list(items)[:per_set] if per_set is not None else list(items)
-        for i, item in enumerate(chosen, 1):
-            p = item if isinstance(item, Prompt) else Prompt(f"{name}-{i}", str(item))
-            work.append((name, p, encode_prompt(tokenizer, p.prompt, enable_thinking=enable_thinking)))
-    if not work:
-        raise PromptSetError("no prompts to run")
+    work = _work(prompt_sets, per_set, lambda text: encode_prompt(tokenizer, text, enable_thinking=enable_thinking))
     kwargs = dict(tokenizer=None, max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stops)
-
-    requested = hf_baseline is not False and hf_baseline is not None
-    assistant = _hf_assistant(drafter if hf_baseline is True else hf_baseline) if requested else None
-    if assistant is not None:
-        hf_info = {"enabled": True, "reason": None, "assistant": type(assistant).__name__,
-                   "timing": "end to end, prefill included (generate reports no split)"}
-    elif requested:
-        hf_info = {"enabled": False, "reason": "requested, but " + HF_BASELINE_OFF}
-    else:
-        hf_info = {"enabled": False, "reason": "off by default: " + HF_BASELINE_OFF}
+    assistant, hf_info = _hf_baseline(hf_baseline, drafter)
 
     progress = on_progress or (lambda done, total, label: None)
     progress(0, len(work), "warming up")
@@ -308,7 +318,7 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
     by_set: dict[str, list[PromptRecord]] = {}
     for r in records:
         by_set.setdefault(r.set, []).append(r)
-    sets = {name: summarize(name, rs, block) for name, rs in by_set.items()}
+    sets = {name: summarize(name, rs, block) for name, rs in by_set.items()}  # in the order they ran
     settings = {"max_new_tokens": max_new_tokens, "block_size": block, "trained_block_size": drafter.block_size,
                 "adaptive": adaptive,
                 "temperature": 0.0, "chat_template": bool(chat_template_of(tokenizer)),
