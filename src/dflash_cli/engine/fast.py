@@ -255,11 +255,10 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on the first cos.shape[-1] channels (all of them unless the rotary is partial)."""
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the first cos.shape[-1] channels only (Qwen3.5's partial rotary); full rotary
+    takes rope_rows."""
     rotary = cos.shape[-1]
-    if rotary == x.shape[-1]:
-        return apply_rope(x, cos, sin)
     return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
 
 
@@ -436,7 +435,7 @@ class StaticForward(nn.Module):
         if cos.shape[-1] == hd:
             q, k = rope_rows(q, cos, sin), rope_rows(k, cos, sin)
         else:  # partial rotary (Qwen3.5): the first cos.shape[-1] channels
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
         out = self._attend(proj, q, k, v, positions, key_positions, mask, keys, values, exact, scale,
                            gate if self.gated else None)
         return out

@@ -105,10 +105,6 @@ class WeightOnlyLinear(nn.Module):
         y = self.whole(x)
         return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
 
-    def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor)
-                   and t is not self.source)
-
 
 class Q4Linear(WeightOnlyLinear):
     def __init__(self, codes: Q4Codes, sizes: list[int], bias: torch.Tensor | None):
@@ -121,10 +117,6 @@ class Q4Linear(WeightOnlyLinear):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
-
-    @property
-    def in_features(self) -> int:
-        return self.scales_and_zeros.shape[0] * self.group
 
 
 class Q8Linear(WeightOnlyLinear):
