@@ -98,7 +98,7 @@ def unit_costs(target, repeats: int = 30) -> tuple[float, float]:
     return timed(1), timed(8)
 
 
-def run_format(name: str, spec: dict, prompts, new_tokens: int) -> dict:
+def run_format(name: str, spec: dict, prompts, new_tokens: int, debug_same: bool = False) -> dict:
     import dflash_cli
 
     started = time.perf_counter()
@@ -114,7 +114,7 @@ def run_format(name: str, spec: dict, prompts, new_tokens: int) -> dict:
         spec_rates.append(s.stats.decode_tokens_per_second)
         taus.append(s.stats.acceptance_length)
         same += p.tokens == s.tokens
-        if p.tokens != s.tokens and "--debug-same" in sys.argv:
+        if p.tokens != s.tokens and debug_same:
             at = next(i for i, (x, y) in enumerate(zip(p.tokens + [-1], s.tokens + [-2])) if x != y)
             print(f"differs at token {at} of {len(p.tokens)} (prompt {len(ids)} tokens)", file=sys.stderr)
     dec1, ver8 = unit_costs(runtime.target)
@@ -148,7 +148,8 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="a checkout of an earlier version: its default format (the "
                     "API's dtype and quant defaults) is measured too, in a subprocess, as the first row")
     ap.add_argument("--rows-for", help=argparse.SUPPRESS)  # internal: the --before subprocess
-    args, _ = ap.parse_known_args()
+    ap.add_argument("--debug-same", action="store_true", help="name the first token where DFlash and plain differ")
+    args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -165,7 +166,7 @@ def main() -> None:
     rates, note = llama_cpp_rows(prompts, args.new_tokens, threads)
     base = statistics.median(rates) if rates else None
     rows = [before_row(args) for _ in [args.before] if args.before]
-    rows += [run_format(name, FORMATS[name], prompts, args.new_tokens) for name in args.formats]
+    rows += [run_format(name, FORMATS[name], prompts, args.new_tokens, args.debug_same) for name in args.formats]
 
     def vs(x: float) -> str:
         return f"{x / base:.2f}x" if base else "-"
