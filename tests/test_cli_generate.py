@@ -180,6 +180,7 @@ def test_compile_setting_picks_the_forward_and_keeps_the_text(folders):
     assert fast["text"] == off["text"] == from_env["text"]
     verbose = run(folders, "-n", "4", "--verbose", "Hi")
     assert "forward:" in verbose.stderr and "static cache" in verbose.stderr
+    assert "; attention: torch's fused cpu kernel" in verbose.stderr  # what runs, not only which path
     bad = run(folders, "-n", "4", "--compile", "fast", "Hi")
     assert bad.exit_code == 2 and "'fast' is not one of 'auto', 'on', 'off'" in bad.stderr
 

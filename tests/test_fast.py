@@ -138,14 +138,21 @@ def test_a_failing_compiler_says_so_once_and_runs_eagerly(tiny_models):
     assert not pair.target.fast_compiled
 
 
-def test_compile_choice(tiny_models):
+def test_compile_choice(tiny_models, monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_compile("auto", cpu, quantized=False)[0] is False
-    assert resolve_compile("auto", cuda, quantized=False)[0] is True
-    assert resolve_compile("auto", cuda, quantized=True)[0] is False
-    assert resolve_compile("on", cpu, quantized=False)[0] is True
+    assert resolve_compile("auto", cpu)[0] is False
+    assert resolve_compile("auto", cpu, quant="nf4")[0] is False
+    assert resolve_compile("auto", cuda) == (True, "auto: CUDA graphs")
+    assert resolve_compile("auto", cuda, quant="nf4") == (True, "auto: CUDA graphs (nf4 layers included)")
+    compiled, why = resolve_compile("auto", cuda, quant="int8")
+    assert not compiled and "host" in why
+    assert resolve_compile("on", cpu)[0] is True
+    monkeypatch.setattr(torch, "__version__", "2.7.1+cu126")
+    compiled, why = resolve_compile("auto", cuda, quant="nf4")
+    assert not compiled and "torch 2.8" in why and "2.7.1" in why
+    assert resolve_compile("auto", cuda)[0] is True
     with pytest.raises(InvalidSettingError, match="unknown compile setting"):
-        resolve_compile("fast", cpu, quantized=False)
+        resolve_compile("fast", cpu)
 
 
 def test_unsupported_targets_keep_the_transformers_forward(tmp_path):

@@ -117,7 +117,7 @@ def test_state_after_every_step_equals_a_fresh_plain_run(pair):
                                 state=state):
         state.check()
         accepted.append(step.accepted)
-        fresh = DecodeState(pair.target, None)
+        fresh = DecodeState(pair.target, None, own_caches=True)  # beside the one decoding
         fresh.prefill(state.tokens[: state.start])  # the committed context, read once, no drafts
         for got, want in zip(linear_states(state), linear_states(fresh), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

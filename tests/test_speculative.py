@@ -198,7 +198,8 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(pair):
         prefill, *verifies = log.take()
         assert prefill == second.stats.prefilled_tokens == 4
         assert verifies and max(verifies) <= pair.drafter.block_size
-        fresh = generate(pair.target, pair.drafter, turn2, max_new_tokens=15, stop_ids=[])
+        fresh = generate(pair.target, pair.drafter, turn2, max_new_tokens=15, stop_ids=[],
+                         state=DecodeState(pair.target, pair.drafter, own_caches=True))  # leaves `state` its caches
         assert second.tokens == fresh.tokens == hf_greedy(pair.target, turn2, 15)
         log.take()
         # an edited history re-reads only from the first changed token

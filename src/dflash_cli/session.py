@@ -72,6 +72,14 @@ class Runtime:
                "vocabulary": self.target.vocab_rows, "dtype": self.dtype, "quantization": self.quant or "none",
                "device": self.device, "context length": getattr(cfg, "max_position_embeddings", None),
                "forward": self.fast_path}
+        fast = self.target.fast
+        if fast is not None:
+            from dflash_cli.engine.kernels import cuda_graphs
+
+            out["attention"] = fast.attention_kernel
+            graphs = cuda_graphs(fast.device) if fast.compiled else None
+            if graphs is not None:
+                out["cuda graphs"] = graphs
         if self.target.split:
             out["layers on"] = self.target.placement
         if self.drafter is not None:
@@ -131,7 +139,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         before_weights(tokenizer)
     pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant, layer_devices=layer_devices,
                      offload_dir=S.cache_dir() / "offload")  # on disk: the system's temp folder may be RAM
-    fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context, quantized=quant in ("int8", "nf4"),
+    fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context,
+                                 bnb_quant=quant if quant in ("int8", "nf4") else None,
                                  on_status=on_status, on_notice=on_notice, weights_optional=quant_auto)
     if quant in ("q4", "q8") and pair.target.weight_quant is None:  # --quant auto fell back
         quant = None
@@ -172,7 +181,7 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
     return plan.layer_devices()
 
 
-def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int | None, *, quantized: bool,
+def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int | None, *, bnb_quant: str | None,
                      on_status: Callable[[str], None] | None = None,
                      on_notice: Callable[[str], None] | None = None, weights_optional: bool = False) -> str:
     """Puts `target` on the static-cache fast path when it can take it; returns what runs, in words.
@@ -181,10 +190,11 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     powers of two) is compiled here, before the first reply, so no reply pauses to compile.
     """
     from dflash_cli.engine.compile import compiler_for, resolve_compile, use_compile_cache
+    from dflash_cli.engine.kernels import cuda_graphs
     from dflash_cli.engine.packed import pack_linears, room_to_pack
     from dflash_cli.models.smollm2 import default_cache_dir
 
-    compiled, why = resolve_compile(compile, target.device, quantized=quantized)
+    compiled, why = resolve_compile(compile, target.device, quant=bnb_quant)
     if compiled and target.split:
         compiled, why = False, "split over devices: not compiled"
     weights = getattr(target, "weight_quant", None)
@@ -220,17 +230,20 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
             on_notice(f"--compile on: this target cannot take the fast path ({reason}); running uncompiled")
         return f"transformers forward ({reason})"
     form = f", {target.fast.weight_form}" if target.fast.weight_form else ""
+    attention = f"; attention: {target.fast.attention_kernel}"
     if not compiled:
         if target.fast.packed and drafter is not None and room_to_pack(drafter):
             pack_linears(drafter)  # its layers run at the same few rows as the target's
-        return f"static cache, eager{form} ({why})"
+        return f"static cache, eager{form} ({why}){attention}"
     if on_status is not None:
         on_status("Compiling the decode and verify forwards (first run; kept on disk for the next) ...")
     started = time.perf_counter()
     target.fast.precompile(taps=drafter is not None, max_block=block)
     if not target.fast_compiled:
-        return f"static cache, eager (compile failed: {target.fast.fallback_reason})"
-    return f"static cache, compiled in {time.perf_counter() - started:.0f}s ({why})"
+        return f"static cache, eager (compile failed: {target.fast.fallback_reason}){attention}"
+    graphs = cuda_graphs(target.device)
+    return (f"static cache, compiled in {time.perf_counter() - started:.0f}s ({why}){attention}"
+            + (f"; CUDA graphs: {graphs}" if graphs else ""))
 
 
 @dataclass

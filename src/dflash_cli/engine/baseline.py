@@ -18,6 +18,7 @@ def baseline_rounds(state: DecodeState, sample: Sampler, *, limit: int) -> Itera
     watch = Stopwatch(target.device)
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
+        state.check_caches()
         watch.start()
         assert state.anchor is not None  # the caller committed the first token
         logits, hidden = target.forward(state.anchor[None], state.target_cache, state.start, taps=taps)

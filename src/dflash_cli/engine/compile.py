@@ -45,12 +45,15 @@ def compiler_for(device: torch.device) -> Callable[[nn.Module], Callable[..., An
     return compile_cpu
 
 
-def resolve_compile(choice: str, device: torch.device, *, quantized: bool) -> tuple[bool, str]:
+def resolve_compile(choice: str, device: torch.device, *, quant: str | None = None) -> tuple[bool, str]:
     """Whether to compile the fast path's short forwards, and why (shown by --verbose and doctor).
 
     `auto` compiles on CUDA (CUDA graphs remove the launch overhead that dominates batch-1 decoding) and
     not on CPUs, where the eager fast path with packed weights measured faster than inductor's output,
-    which also cost minutes of compilation (benchmarks/README.md).
+    which also cost minutes of compilation (benchmarks/README.md). `quant` is the target's bitsandbytes
+    format: nf4 layers are traced whole (bitsandbytes' 4-bit ops are registered with torch.compile) from
+    torch 2.8; LLM.int8() (int8) checks its activations for outliers on the host in every linear, which
+    a CUDA graph cannot capture, so it stays eager.
     """
     if choice not in COMPILE_CHOICES:
         from dflash_cli.engine.errors import InvalidSettingError
@@ -60,8 +63,15 @@ def resolve_compile(choice: str, device: torch.device, *, quantized: bool) -> tu
         return False, "compile off"
     if choice == "on":
         return True, "compile on"
-    if quantized:
-        return False, "auto: bitsandbytes layers are not compiled"
-    if device.type == "cuda":
-        return True, "auto: CUDA graphs"
-    return False, "auto: not compiled on CPU, where it measured slower"
+    if device.type != "cuda":
+        return False, "auto: not compiled on CPU, where it measured slower"
+    if quant == "int8":
+        return False, "auto: int8 (LLM.int8()) syncs with the host in every linear; CUDA graphs cannot capture it"
+    if quant == "nf4" and torch_version() < (2, 8):
+        return False, f"auto: nf4 layers compile from torch 2.8 (this is {torch.__version__})"
+    return True, "auto: CUDA graphs" + (" (nf4 layers included)" if quant == "nf4" else "")
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)

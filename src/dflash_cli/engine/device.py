@@ -85,10 +85,11 @@ def cpu_auto_quant(capability: str | None = None, fast_bf16: bool | None = None)
 
 
 def pick_dtype(name: str | None, device: torch.device, quant: str | None = None) -> torch.dtype:
-    """`name` if given, else bf16 on GPUs and on CPUs with native bf16, fp32 elsewhere; with a weight-only
-    `quant` (q4/q8) bf16 everywhere: their kernels read bf16 activations, and only bf16 activations keep
-    speculative decoding of such a target exact (fp32 ones are rounded to bf16 at every linear, where a
-    decode's and a verify's ~1e-7 differences become different values)."""
+    """`name` if given, else on a GPU `cuda_dtype(device)` (bf16 from Ampere on, fp16 before), on a CPU bf16
+    where it computes bf16 natively and fp32 elsewhere; with a weight-only `quant` (q4/q8) bf16 on every CPU:
+    their kernels read bf16 activations, and only bf16 activations keep speculative decoding of such a
+    target exact (fp32 ones are rounded to bf16 at every linear, where a decode's and a verify's ~1e-7
+    differences become different values)."""
     if name and name != "auto":
         try:
             return DTYPES[name]
@@ -96,11 +97,24 @@ def pick_dtype(name: str | None, device: torch.device, quant: str | None = None)
             from dflash_cli.engine.errors import InvalidSettingError
 
             raise InvalidSettingError(f"unknown dtype {name!r}", hint="use float32, bfloat16 or float16") from None
-    if device.type == "cuda" or quant in ("q4", "q8"):
+    if device.type == "cuda":
+        return cuda_dtype(device)
+    if quant in ("q4", "q8"):
         return torch.bfloat16
     if device.type == "cpu" and cpu_has_fast_bf16():
         return torch.bfloat16
     return torch.float32
+
+
+def cuda_dtype(device: torch.device) -> torch.dtype:
+    """The default compute dtype of a CUDA device: bf16 from compute capability 8.0 (Ampere) on, fp16 before.
+
+    Before Ampere bf16 has no tensor-core matmuls (torch emulates them) and inductor spends minutes on a
+    bf16 compile that then falls back. (fp16's smaller range can overflow in models trained in bf16;
+    --dtype float32 is the way out there.) Without a usable CUDA runtime, bf16 as before."""
+    if not torch.cuda.is_available():
+        return torch.bfloat16
+    return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
 
 
 def synchronize(device: torch.device) -> None:
@@ -111,25 +125,28 @@ def synchronize(device: torch.device) -> None:
 class Stopwatch:
     """Times a span of GPU work without forcing a sync: CUDA events on GPUs, perf_counter elsewhere.
 
-    `seconds` may be read only after something else synchronised (the step's one `.tolist()`).
+    The events are recorded on the current stream of `device` itself (with --device cuda:1 the current
+    device may be another GPU, whose stream sees none of the work). `seconds` may be read only after
+    something else synchronised (the step's one `.tolist()`).
     """
 
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
         if self._cuda:
+            self._device = device
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
 
     def start(self) -> Stopwatch:
         if self._cuda:
-            self._start.record()
+            self._start.record(torch.cuda.current_stream(self._device))
         else:
             self._t0 = time.perf_counter()
         return self
 
     def stop(self) -> None:
         if self._cuda:
-            self._end.record()
+            self._end.record(torch.cuda.current_stream(self._device))
         else:
             self._t1 = time.perf_counter()
 

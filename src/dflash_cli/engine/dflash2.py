@@ -76,13 +76,15 @@ class CandidateSelector(nn.Module):
 
         Greedy takes argmax_j score_j; sampling draws j from q = the sampler's filtered softmax(score/T)
         over the candidates, by Gumbel-max with the noise the sampler uses for the target at that position.
+        The walk never reads a value back to the host (no `.item()`, no indexing by a 0-d tensor, which
+        is a hidden `.item()`): every pick stays a (1,) device tensor that selects rows with index_select.
         """
         unary, cand = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)  # (P, k)
         hp = self.hidden_projection(hidden.to(self.successor_codebook.dtype)).float()  # (P, R) (may be packed)
         succ = self.successor_codebook[cand].float() * hp[:, None]  # (P, k, R)
         pred = self.predecessor_codebook  # rows are gathered before the cast: the codebook is vocabulary-sized
         # pair[p - 1][i, j]: the pair term between candidate i of slot p-1 and candidate j of slot p
-        first = succ[0] @ pred[anchor[0]].float()  # (k,)
+        first = (succ[0] @ pred.index_select(0, anchor[:1])[0].float())[None]  # (1, k)
         pair = torch.einsum("pir,pjr->pij", pred[cand[:-1]].float(), succ[1:])  # (P-1, k, k)
         sampling = sampler if sampler is not None and not sampler.greedy else None
         if sampling is not None:
@@ -90,13 +92,14 @@ class CandidateSelector(nn.Module):
         picks = []
         j = None
         for p in range(cand.shape[0]):
-            score = unary[p] + (first if p == 0 else pair[p - 1, j])
+            # (1, k); j is the (1,) index of the candidate picked at slot p-1
+            score = unary[p:p + 1] + (first if j is None else pair[p - 1].index_select(0, j))
             if sampling is not None:
-                q = sampling_probs(score[None], sampling.temperature, sampling.top_p, sampling.top_k)[0]
-                score = q.log() + noise[p]
-            j = score.argmax()
+                q = sampling_probs(score, sampling.temperature, sampling.top_p, sampling.top_k)
+                score = q.log() + noise[p:p + 1]
+            j = score.argmax(dim=-1)  # (1,)
             picks.append(j)
-        return cand.gather(1, torch.stack(picks)[:, None])[:, 0]
+        return cand.gather(1, torch.stack(picks))[:, 0]
 
 
 class DFlash2Drafter(DFlashDrafter):

@@ -76,6 +76,7 @@ class DraftCache:
     def __init__(self, num_layers: int, capacity: int = 256):
         self.length = 0
         self.capacity = capacity
+        self.owner = 0  # the DecodeState holding this cache (engine/state.py)
         self._k: list[torch.Tensor | None] = [None] * num_layers
         self._v: list[torch.Tensor | None] = [None] * num_layers
 
@@ -127,9 +128,30 @@ class Attention(nn.Module):
         q = apply_rope(q, cos[:, None, -n_block:], sin[:, None, -n_block:])
         k = apply_rope(k, cos[:, None], sin[:, None])
         keys, values = (k, v) if cache is None else cache.write(layer, k, v)  # (N, nkv, committed + P + B, hd)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        out = grouped_attention(q, keys, values, mask, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, n_block, -1))
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """Attention of q (N, heads, Q, hd) over keys/values (N, kv, K, hd) with grouped query heads (head h
+    reads key/value head h // group), called so that a fused CUDA kernel accepts it.
+
+    Unmasked, `enable_gqa` suits the flash kernel. Masked, neither fused kernel takes `enable_gqa` (flash
+    takes no mask, memory-efficient no GQA) and torch would run the math kernel with fp32 scores; so each
+    key/value head's group of query heads is folded into its rows, (N, kv, group*Q, hd), with the mask
+    repeated per group: plain masked attention, which the memory-efficient kernel runs.
+    """
+    n, heads, rows, hd = q.shape
+    kv = keys.shape[1]
+    if mask is None or kv == heads:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=kv != heads)
+    group = heads // kv
+    folded = q.reshape(n, kv, group * rows, hd)  # heads are kv-major: rows of a group follow each other
+    mask = mask if mask.dim() == 4 else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    mask = mask.repeat(1, 1, group, 1) if mask.shape[1] == 1 else mask.reshape(n, kv, group * rows, -1)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(n, heads, rows, hd)
 
 
 class MLP(nn.Module):

@@ -28,5 +28,9 @@ class InvalidSettingError(DFlashError):
     """A generation setting is out of range (block size, temperature, top-p, ...)."""
 
 
+class CacheTakenError(DFlashError):
+    """A reply was still decoding when another conversation used the same loaded model's caches."""
+
+
 class RollbackError(RuntimeError):
     """A cache was asked for a state it cannot return to: a bug in the caller, not a user error."""

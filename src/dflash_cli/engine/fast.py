@@ -67,6 +67,7 @@ class StaticCache:
         self.capacity = capacity
         self.length = 0
         self.linear = linear
+        self.owner = 0  # the DecodeState holding this cache (engine/state.py)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -518,6 +519,7 @@ class FastPath:
         self.taps: list[int] = []
         self._eager: dict[tuple[bool, bool], StaticForward] = {}
         self._compiled: dict[bool, Callable[..., Any]] = {}
+        self._shared: StaticCache | None = None
 
     @property
     def weight_form(self) -> str:
@@ -528,6 +530,15 @@ class FastPath:
         return "packed weights" if self.packed else ""
 
     @property
+    def attention_kernel(self) -> str:
+        """The attention kernel the short calls get here, in words (engine/kernels.py)."""
+        from dflash_cli.engine.kernels import attention_kernel
+
+        heads = int(self.model.config.num_attention_heads)
+        return attention_kernel(self.device, self.dtype, heads=heads, kv_heads=self.kv_heads,
+                                head_dim=self.head_dim, row_exact=self.row_exact)
+
+    @property
     def compiled(self) -> bool:
         return self.compile_step is not None and self.fallback_reason is None
 
@@ -536,7 +547,14 @@ class FastPath:
         self._eager.clear()
         self._compiled.clear()
 
+    def shared_cache(self) -> StaticCache:
+        """The model's one cache for decoding (engine/state.py hands it from one conversation to the next)."""
+        if self._shared is None:
+            self._shared = self.new_cache()
+        return self._shared
+
     def new_cache(self) -> StaticCache:
+        """A cache of its own (a second allocation of the whole context: decoding uses shared_cache())."""
         devices = self.devices or [self.device] * self.num_layers
         linear_devices = [d for i, d in enumerate(devices) if i not in self.attention_layers]
         linear = (LinearStates(self.linear_nets, dtype=self.dtype, device=linear_devices)
@@ -547,22 +565,26 @@ class FastPath:
             buffers = cache.keys + cache.values
             if linear is not None:
                 buffers += [b for group in linear.convs[:2] + linear.states[:2] for b in group]
-            for buf in buffers:
-                torch._dynamo.mark_static_address(buf)
+            for buf in buffers:  # no identity guard: another cache's buffers run the same graphs
+                torch._dynamo.mark_static_address(buf, guard=False)
         return cache
 
     def precompile(self, *, taps: bool, max_block: int) -> None:
-        """Runs every short call the loop can make once (decode 1; blocks padded to 2, 4, .. max_block), so
-        compilation happens now and not in the middle of a reply."""
-        cache = self.new_cache()
+        """Runs every short call the loop makes once, so compilation happens now and not in a reply: with a
+        drafter (`taps`) the tapped verify at 1..max_block rows padded to powers of two (a plain step then
+        still feeds the drafter), without one the 1-row decode. A drafter-less decode with a drafter loaded
+        (--compare's baseline) compiles on its first call."""
+        cache = self.shared_cache()
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.forward(ids, cache, 0, taps=False, last_logit_only=True)
-        sizes = sorted({_bucket(n) for n in range(1, max_block + 1)})
-        for with_taps in sorted({False, taps}):
-            for size in sizes:
-                if not self.compiled:
-                    return
-                self.forward(ids.expand(1, size).contiguous(), cache, 1, taps=with_taps, last_logit_only=False)
+        # on CUDA the first call of a shape warms up and the second records its graph: both happen here
+        runs = 2 if self.device.type == "cuda" else 1
+        for size in sorted({_bucket(n) for n in range(1, max_block + 1)}):
+            for _ in range(runs):
+                if self.compiled:
+                    self.forward(ids.expand(1, size).contiguous(), cache, 1, taps=taps, last_logit_only=False)
+        cache.crop(0)
+        cache.owner = 0  # a DecodeState that held it reads its prompt anew
 
     def _module(self, taps: bool, last_logit_only: bool) -> StaticForward:
         key = (taps, last_logit_only)
@@ -612,6 +634,7 @@ class FastPath:
         size = _bucket(n)
         if size > n:  # pad with the last token; its logits, states and K/V rows are never used
             ids = torch.cat([ids, ids[:, -1:].expand(1, size - n)], dim=1)
+        ids = ids.contiguous()  # a strided view (a slice of a longer row) would compile a graph of its own
         positions = torch.arange(start, start + size, device=ids.device)
         keys_at = key_positions(start + size, self.capacity - 1, ids.device)
         torch._dynamo.maybe_mark_dynamic(keys_at, 0)

@@ -48,6 +48,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
     draft_watch, verify_watch = Stopwatch(target.device), Stopwatch(target.device)
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
+        state.check_caches()
         want = controller.choose() if controller is not None else block_size
         n = min(want, limit - len(state.tokens))  # block length, anchor included
         start, anchor = state.start, state.anchor

@@ -7,10 +7,26 @@ The last committed token is the anchor: its K/V are not in any cache yet.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 from dflash_cli.engine.drafter import DraftCache, Drafter
+from dflash_cli.engine.errors import CacheTakenError
+from dflash_cli.engine.fast import StaticCache
 from dflash_cli.engine.target import Target, cache_length, crop_cache
+
+_owners = itertools.count(1)
+_draft_caches: weakref.WeakKeyDictionary[Drafter, DraftCache] = weakref.WeakKeyDictionary()
+
+
+def shared_draft_cache(drafter: Drafter, capacity: int) -> DraftCache:
+    """The drafter's one context cache for sequences of `capacity` rows (a new one only for a larger size)."""
+    cache = _draft_caches.get(drafter)
+    if cache is None or cache.capacity < capacity:
+        cache = _draft_caches[drafter] = drafter.new_cache(capacity)
+    return cache
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -22,17 +38,53 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class DecodeState:
-    """Caches and committed tokens of one sequence; reusable across turns of a conversation."""
+    """Caches and committed tokens of one sequence; reusable across turns of a conversation.
 
-    def __init__(self, target: Target, drafter: Drafter | None):
+    A loaded model has one set of caches (the fast path's static cache, the drafter's context cache),
+    allocated once, whatever number of conversations, API calls or benchmark runs use it: a new cache per
+    conversation would cost a GiB-sized allocation each time and, on a GPU, recompile or re-record every
+    CUDA graph that reads it. The newest state to prefill holds the caches; an older one that prefills
+    again reads its prompt anew (`prefill` notices), and one that is taken over in the middle of a reply
+    stops with CacheTakenError instead of decoding from another conversation's K/V. A state made with
+    `own_caches` decodes alongside the others, at the cost of its own allocation.
+    """
+
+    def __init__(self, target: Target, drafter: Drafter | None, *, own_caches: bool = False):
+        """`own_caches`: allocate caches for this state alone (a second conversation decoding alongside)."""
         self.target, self.drafter = target, drafter
-        self.tokens: list[int] = []
-        self.target_cache = target.new_cache()
+        self.target_cache = target.new_cache() if own_caches else target.shared_cache()
         # on the fast path both caches are allocated once, for the whole context
         capacity = target.fast.capacity if target.fast is not None else 256
-        self.draft_cache: DraftCache | None = drafter.new_cache(capacity) if drafter is not None else None
+        self.draft_cache: DraftCache | None = None
+        if drafter is not None:
+            self.draft_cache = drafter.new_cache(capacity) if own_caches else shared_draft_cache(drafter, capacity)
+        self._claim()
+
+    def _claim(self) -> None:
+        """Takes the caches over, empty, and forgets the committed tokens."""
+        self.owner = next(_owners)
+        self.tokens: list[int] = []
+        if isinstance(self.target_cache, StaticCache):  # the fast path's: emptied by a length update
+            self.target_cache.owner = self.owner
+            self.target_cache.crop(0)
+        elif cache_length(self.target_cache) > 0:  # a transformers cache grows as it goes: a new one is free
+            self.target_cache = self.target.new_cache()
+        if self.draft_cache is not None:
+            self.draft_cache.owner = self.owner
+            self.draft_cache.crop(0)
         self.pending: torch.Tensor | None = None  # (1, P, n_taps*H) tapped states not yet in the draft cache
         self.anchor: torch.Tensor | None = None  # (1,) last committed token, on the target's device
+
+    @property
+    def holds_caches(self) -> bool:
+        return all(getattr(c, "owner", self.owner) == self.owner for c in (self.target_cache, self.draft_cache)
+                   if c is not None)
+
+    def check_caches(self) -> None:
+        """Raises CacheTakenError when another state took the caches (each decoding round asks first)."""
+        if not self.holds_caches:
+            raise CacheTakenError("another conversation used this model while this reply was decoding",
+                                  hint="decode one reply at a time per loaded model (or load it twice)")
 
     @property
     def start(self) -> int:
@@ -57,6 +109,8 @@ class DecodeState:
         Only the tokens after the longest common prefix with the cached tokens are run through the target.
         """
         assert prompt, "empty prompt"
+        if not self.holds_caches:  # another conversation used the model since: read the prompt anew
+            self._claim()
         covered = cache_length(self.target_cache)
         if self.draft_cache is not None:
             covered = min(covered, self.draft_cache.length + self.pending_rows)
@@ -91,12 +145,12 @@ class DecodeState:
 
     def repair(self) -> None:
         """Restores the invariant after an interrupted step (Ctrl-C inside a forward)."""
-        if self.tokens:
+        if self.tokens and self.holds_caches:
             self._truncate_caches(self.start)
             self.anchor = torch.tensor(self.tokens[-1:], dtype=torch.long, device=self.target.device)
 
     def reset(self) -> None:
-        DecodeState.__init__(self, self.target, self.drafter)
+        self._claim()
 
     def _truncate_caches(self, keep: int) -> None:
         """Keeps the target K/V and drafter context of positions < keep."""

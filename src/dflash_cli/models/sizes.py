@@ -40,8 +40,11 @@ every committed row in every layer (the window is applied by the mask, not by tr
 Activations / working margin (``activation_bytes``), a deliberately simple rule:
 
 * logits: ``2 * block_size * vocab * 4`` (target verification and drafter proposals, fp32);
-* prefill working set: ``context_tokens * (3 * intermediate + (n_taps + 4) * hidden) * 2``
-  (one layer's MLP intermediates, the tapped hidden states handed to the drafter, residual/q/k/v copies);
+* prefill working set: the target reads a prompt in pieces of ``PREFILL_CHUNK`` tokens (engine/config.py),
+  so per piece ``piece * (3 * intermediate + 4 * hidden) * 2`` (one layer's MLP intermediates,
+  residual/q/k/v copies) plus its attention mask and the bias a fused kernel makes of it,
+  ``heads / kv_heads * piece * context_tokens * 3``; and for the whole prompt the tapped hidden states
+  handed to the drafter, ``context_tokens * n_taps * hidden * 2``;
 * 10% of all weight bytes (allocator fragmentation, temporary buffers, dequantization scratch);
 * 0.5 GiB for the CUDA context.
 
@@ -57,7 +60,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_cli.engine.config import drafter_tap_count, is_dflash2, layer_types, text_config
+from dflash_cli.engine.config import PREFILL_CHUNK, drafter_tap_count, is_dflash2, layer_types, text_config
 
 GIB = 1024**3
 CUDA_CONTEXT_BYTES = GIB // 2
@@ -425,9 +428,12 @@ def activation_bytes(target_config: dict[str, Any], drafter_config: dict[str, An
     h, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     inter = int(cfg.get("intermediate_size") or 4 * h)
     n_taps = drafter_tap_count(drafter_config) if drafter_config is not None else 0
+    piece = min(context_tokens, PREFILL_CHUNK)
+    group = int(cfg["num_attention_heads"]) // int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
     return {
         "logits": 2 * block_size * vocab * 4,
-        "prefill": context_tokens * (3 * inter + (n_taps + 4) * h) * 2,
+        "prefill": (piece * (3 * inter + 4 * h) * 2 + group * piece * context_tokens * 3
+                    + context_tokens * n_taps * h * 2),
         "margin": int(WEIGHT_MARGIN * weight_bytes),
         "cuda_context": CUDA_CONTEXT_BYTES,
     }

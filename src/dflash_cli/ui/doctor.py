@@ -206,6 +206,7 @@ def check_gpu() -> list[Check]:
         props = torch.cuda.get_device_properties(i)
         checks.append(Check(f"gpu {i}", f"{props.name} (compute capability {props.major}.{props.minor})",
                             data={"name": props.name, "capability": [props.major, props.minor]}))
+        checks.append(_attention_check(torch.device("cuda", i)))
         try:
             free, total = torch.cuda.mem_get_info(i)
         except Exception as error:  # noqa: BLE001 - a busy or broken device
@@ -220,6 +221,21 @@ def check_gpu() -> list[Check]:
         else:
             checks.append(Check(f"gpu {i} memory", value, data=data))
     return checks
+
+
+def _attention_check(device: Any) -> Check:
+    """The dtype a model computes in on this GPU and the attention kernel the engine's calls get there,
+    for a target shaped like Qwen3-8B (32 query heads over 8 key/value heads of 128)."""
+    from dflash_cli.engine.device import cuda_dtype
+    from dflash_cli.engine.kernels import attention_kernel
+
+    dtype = cuda_dtype(device)
+    kernel = attention_kernel(device, dtype, heads=32, kv_heads=8, head_dim=128)
+    value = f"{kernel} in {str(dtype).replace('torch.', '')}"
+    if kernel.startswith("math"):
+        return Check(f"gpu {device.index} attention", value, WARN,
+                     "long prompts will need GiBs for attention scores: update torch", value)
+    return Check(f"gpu {device.index} attention", value, data=value)
 
 
 def _cuda_available() -> bool:

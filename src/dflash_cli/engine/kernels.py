@@ -1,0 +1,64 @@
+"""What actually runs on a device, in words for --verbose, /show info and doctor: the attention kernel torch
+selects for a call shaped like the fast path's, and whether CUDA graphs were recorded or skipped (inductor
+skips a graph with only a log line, and the run is then slow without an error)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+ROW_EXACT = "row-exact matmuls for decodes and verifies (q4/q8 on a CPU), torch's fused kernel for prompts"
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
+                     row_exact: bool = False) -> str:
+    """The kernel torch's scaled_dot_product_attention picks for the fast path's masked call: a block of 16
+    queries, each key/value head's group of query heads folded into its rows, over a 256-key window."""
+    if row_exact:
+        return ROW_EXACT
+    if device.type != "cuda":
+        return f"torch's fused {device.type} kernel"
+    try:
+        from torch.backends import cuda as backends
+
+        group, rows, keys = heads // kv_heads, 16, 256
+        q = torch.zeros(1, kv_heads, group * rows, head_dim, device=device, dtype=dtype)
+        k = torch.zeros(1, kv_heads, keys, head_dim, device=device, dtype=dtype)
+        mask = torch.ones(1, 1, group * rows, keys, device=device, dtype=torch.bool)
+        params = backends.SDPAParams(q, k, k, mask, 0.0, False, False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name, accepts in (("flash", "can_use_flash_attention"), ("cuDNN", "can_use_cudnn_attention"),
+                                  ("memory-efficient", "can_use_efficient_attention")):
+                check = getattr(backends, accepts, None)
+                if check is not None and check(params, False):
+                    return f"{name} (fused)"
+    except Exception as error:  # noqa: BLE001 - a report, not a reason to fail
+        return f"unknown ({type(error).__name__}: {error})"[:120]
+    return "math (no fused kernel accepts the call: scores in fp32; TORCH_LOGS or debug=True says why)"
+
+
+def cuda_graphs(device: torch.device) -> str | None:
+    """How many CUDA graphs inductor recorded on `device` and how many compiled graphs it ran without one
+    (None off CUDA). A skip means every launch goes through the host again: decoding crawls."""
+    if device.type != "cuda":
+        return None
+    from torch._dynamo.utils import counters
+
+    skipped = int(counters["inductor"]["cudagraph_skips"])
+    recorded: int | str
+    try:
+        from torch._inductor.cudagraph_trees import get_manager
+
+        manager = get_manager(device.index or 0, create_if_none_exists=False)
+        nodes = [n for roots in (manager.roots.values() if manager is not None else ()) for n in roots]
+        recorded = 0
+        while nodes:
+            node = nodes.pop()
+            recorded += 1
+            nodes.extend(child for children in node.children.values() for child in children)
+    except Exception:  # noqa: BLE001 - inductor's internals differ between releases
+        recorded = "unknown"
+    text = f"{recorded} recorded, {skipped} skipped"
+    return text + (" (TORCH_LOGS=cudagraphs says why)" if skipped else "")
