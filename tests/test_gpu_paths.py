@@ -194,7 +194,7 @@ class ShapeRecorder:
 
     def __call__(self, module):
         def run(ids, *args):
-            self.calls.append((bool(module.taps), tuple(ids.shape), ids.is_contiguous()))
+            self.calls.append((bool(getattr(module, "taps", False)), tuple(ids.shape), ids.is_contiguous()))
             return module(ids, *args)
         return run
 
@@ -267,16 +267,15 @@ def test_what_runs_is_reported_in_words(tiny_models, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs DFLASH_TEST_DEVICE=cuda")
 def test_bf16_compiled_forwards_record_cuda_graphs_and_a_fused_attention_kernel(tiny_models):
-    from dflash_cli.engine.compile import compiler_for
     from dflash_cli.engine.kernels import cuda_graphs
+    from dflash_cli.session import enable_fast_path
 
     pair = load_pair(tiny_models["qwen3"], tiny_models["qwen3-drafter"], device=DEVICE, dtype="bfloat16")
-    assert pair.target.enable_fast_path(400, pad_to=8, compile_step=compiler_for(torch.device(DEVICE))) is None
-    pair.target.fast.precompile(taps=True, max_block=8)
-    assert pair.target.fast_compiled, pair.target.fast.fallback_reason
+    forward = enable_fast_path(pair.target, pair.drafter, "on", 400, bnb_quant=None)
+    assert pair.target.fast_compiled and "drafter compiled" in forward, forward
     report = cuda_graphs(pair.target.device)
-    assert report is not None and report.split()[0].isdigit() and int(report.split()[0]) >= 4, report
-    assert " 0 skipped" in report, report  # one graph per compiled size (1, 2, 4, 8), none skipped
+    assert report is not None and report.split()[0].isdigit() and int(report.split()[0]) >= 5, report
+    assert " 0 skipped" in report, report  # a graph per verify size (1, 2, 4, 8) and the draft, none skipped
     assert "fused" in pair.target.fast.attention_kernel
     generate(pair.target, pair.drafter, random_prompt(20), max_new_tokens=24, stop_ids=[])
 
@@ -296,3 +295,66 @@ def test_nf4_compiled_forwards_record_cuda_graphs(tiny_models):
     assert report is not None and " 0 skipped" in report, report
     plain = generate(pair.target, pair.drafter, random_prompt(20), max_new_tokens=24, stop_ids=[])
     assert len(plain.tokens) == 24
+
+
+# --- the drafter at fixed shapes ----------------------------------------------------------------------------
+
+
+def recorded_drafts(pair, prompt, static=None) -> list[torch.Tensor]:
+    """The drafter's hidden states of every draft of a fixed-block greedy generation."""
+    drafter, seen = pair.drafter, []
+    real = type(drafter).draft_hidden
+
+    def spy(*args, **kwargs):
+        seen.append(real(drafter, *args, **kwargs).clone())
+        return seen[-1]
+
+    drafter.draft_hidden = spy
+    drafter.static_draft = static
+    try:
+        reply = generate(pair.target, drafter, prompt, max_new_tokens=50, stop_ids=[], block_size=8).tokens
+    finally:
+        del drafter.draft_hidden
+        drafter.static_draft = None
+    return reply, seen
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_fixed_shape_drafts_equal_the_eager_drafts(tiny_models, tmp_path, kind):
+    from conftest import dflash2_config
+
+    from dflash_cli.engine.draft_graph import StaticDraft
+
+    cfg = target_config("qwen3")
+    config = drafter_config(cfg) if kind == "dflash" else dflash2_config(cfg)
+    pair = load(tiny_models["qwen3"], save_random_drafter(tmp_path / kind, config, seed=3))
+    prompt = random_prompt(30, seed=6)
+    reply, eager = recorded_drafts(pair, prompt)
+    recorder = ShapeRecorder()
+    static = StaticDraft(pair.drafter, compile_step=lambda module: _recording(module, recorder))
+    reply_static, fixed = recorded_drafts(pair, prompt, static)
+    assert reply_static == reply and len(fixed) == len(eager) > 5
+    for a, b in zip(fixed, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # every draft but the first (the whole prompt as new context) ran at one shape
+    assert len(recorder.calls) == len(eager) - 1 and len(set(recorder.calls)) == 1
+
+
+def _recording(module, recorder):
+    def run(context, *args):
+        recorder.calls.append((tuple(context.shape), tuple(args[0].shape), tuple(args[1].shape)))
+        return module(context, *args)
+    return run
+
+
+def test_compiling_the_target_compiles_the_drafter_too(tiny_models, monkeypatch):
+    from dflash_cli.engine import compile as compile_module
+    from dflash_cli.session import enable_fast_path
+
+    recorder = ShapeRecorder()
+    monkeypatch.setattr(compile_module, "compiler_for", lambda device: recorder)
+    pair = load_pair(tiny_models["qwen3"], tiny_models["qwen3-drafter"], device=DEVICE, dtype="float32")
+    plain = generate(pair.target, None, random_prompt(20), max_new_tokens=30, stop_ids=[]).tokens
+    forward = enable_fast_path(pair.target, pair.drafter, "on", 400, bnb_quant=None)
+    assert "drafter compiled" in forward and pair.drafter.static_draft is not None
+    assert generate(pair.target, pair.drafter, random_prompt(20), max_new_tokens=30, stop_ids=[]).tokens == plain

@@ -241,9 +241,23 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     target.fast.precompile(taps=drafter is not None, max_block=block)
     if not target.fast_compiled:
         return f"static cache, eager (compile failed: {target.fast.fallback_reason}){attention}"
+    drafting = _compile_drafter(target, drafter, step, on_notice)
     graphs = cuda_graphs(target.device)
-    return (f"static cache, compiled in {time.perf_counter() - started:.0f}s ({why}){attention}"
+    return (f"static cache, compiled in {time.perf_counter() - started:.0f}s ({why}){drafting}{attention}"
             + (f"; CUDA graphs: {graphs}" if graphs else ""))
+
+
+def _compile_drafter(target: Any, drafter: Any, step: Any, on_notice: Callable[[str], None] | None) -> str:
+    """Drafts at fixed shapes through the compiler of the target's forwards (engine/draft_graph.py), compiled
+    and, on CUDA, recorded now; returns what runs, in words ("" without a drafter that can)."""
+    if not hasattr(drafter, "static_draft"):  # no drafter, or one that is not a DFlash module
+        return ""
+    from dflash_cli.engine.draft_graph import StaticDraft
+    from dflash_cli.engine.state import shared_draft_cache
+
+    drafter.static_draft = static = StaticDraft(drafter, compile_step=step, on_fallback=on_notice)
+    static.precompile(shared_draft_cache(drafter, target.fast.capacity + drafter.block_size), target.embed_weight)
+    return ", drafter compiled" if static.compiled else f", drafter uncompiled ({static.fallback_reason})"
 
 
 @dataclass

@@ -86,7 +86,8 @@ class DraftCache:
         if buf_k is None or buf_v is None or buf_k.shape[2] < end:  # (the two are allocated together)
             capacity = max(end, self.capacity, 2 * (buf_k.shape[2] if buf_k is not None else 0))
             shape = (k.shape[0], k.shape[1], capacity, k.shape[3])
-            new_k, new_v = k.new_empty(shape), v.new_empty(shape)
+            # zeroed: rows past the sequence are read, masked, by drafter.draft_graph's fixed window
+            new_k, new_v = k.new_zeros(shape), v.new_zeros(shape)
             if buf_k is not None and buf_v is not None:
                 new_k[:, :, : self.length] = buf_k[:, :, : self.length]
                 new_v[:, :, : self.length] = buf_v[:, :, : self.length]
@@ -94,6 +95,16 @@ class DraftCache:
         buf_k[:, :, self.length : end] = k
         buf_v[:, :, self.length : end] = v
         return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def buffers(self, kv_heads: int, head_dim: int, *, dtype: torch.dtype,
+                device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's K and V buffers, allocated (zeroed, `capacity` rows) where not yet."""
+        for layer, buf in enumerate(self._k):
+            if buf is None:
+                shape = (1, kv_heads, self.capacity, head_dim)
+                self._k[layer] = torch.zeros(shape, dtype=dtype, device=device)
+                self._v[layer] = torch.zeros(shape, dtype=dtype, device=device)
+        return cast("list[torch.Tensor]", self._k), cast("list[torch.Tensor]", self._v)
 
     def advance(self, rows: int) -> None:
         self.length += rows
@@ -228,6 +239,8 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None)
         self._draft_head: tuple[Any, torch.Tensor, tuple, nn.Module] | None = None  # see draft_head()
+        # engine/draft_graph.StaticDraft once the loop drafts at fixed shapes (compiled targets), else None
+        self.static_draft: Any = None
 
     @property
     def block_size(self) -> int:
@@ -363,6 +376,9 @@ class DFlashDrafter(nn.Module):
             block = block * self.config.input_embedding_scale
         # slot 0 (the anchor) predicts nothing; a 2-D input keeps the LM head on the plain matmul path
         # (a 3-D slice makes CPU bf16 kernels copy the whole vocabulary matrix on every call)
+        static = self.static_draft
+        if static is not None and static.fits(context, block_len, start, cache):
+            return static(context, block, start, cache)[0, 1 : keep + 1]  # fixed shapes (draft_graph.py)
         return self(context, block, start, cache)[0, 1 : keep + 1]  # (keep, H)
 
     def postprocess_logits(self, logits: torch.Tensor) -> torch.Tensor:

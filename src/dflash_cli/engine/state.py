@@ -53,8 +53,10 @@ class DecodeState:
         """`own_caches`: allocate caches for this state alone (a second conversation decoding alongside)."""
         self.target, self.drafter = target, drafter
         self.target_cache = target.new_cache() if own_caches else target.shared_cache()
-        # on the fast path both caches are allocated once, for the whole context
-        capacity = target.fast.capacity if target.fast is not None else 256
+        # on the fast path both caches are allocated once, for the whole context (the drafter's with a
+        # block of spare rows: engine/draft_graph.py writes its padding past the block)
+        capacity = target.fast.capacity + (drafter.block_size if drafter is not None else 0) \
+            if target.fast is not None else 256
         self.draft_cache: DraftCache | None = None
         if drafter is not None:
             self.draft_cache = drafter.new_cache(capacity) if own_caches else shared_draft_cache(drafter, capacity)
