@@ -41,6 +41,7 @@ from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import attach_drafter
 from dflash_cli.engine.oracle import OracleDrafter, acceptance_for_tau
 from dflash_cli.engine.response import first_divergence
+from dflash_cli.engine.state import shared_draft_cache
 from dflash_cli.engine.target import Target, crop_cache, decoder_layers
 
 HF_CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "hf-configs"
@@ -215,7 +216,7 @@ def unit_costs(target: Target, drafter: DFlashDrafter, context: int, blocks: lis
     """Seconds for one target decode, one verify of B tokens, one draft of B, each on a cache of `context`."""
     dev, vocab = target.device, target.vocab_rows
     ids = torch.randint(0, vocab, (1, context + max(blocks)), device=dev)
-    cache = target.new_cache()
+    cache = target.shared_cache()  # the one decoding uses: compiled graphs were recorded on its buffers
     _, hidden = target.forward(ids[:, :context], cache, 0, last_logit_only=True, taps=True)  # (1, ctx, F)
 
     def forward(n: int, taps: bool):
@@ -239,7 +240,9 @@ def unit_costs(target: Target, drafter: DFlashDrafter, context: int, blocks: lis
         crop_cache(cache, context)
     # Draft cache holds context-P rows; each timed call adds P new context rows plus the block, then rolls back.
     p = context_rows
-    dcache, anchor = drafter.new_cache(), ids[0, context:context + 1]
+    rows = target.fast.capacity + drafter.block_size if target.fast is not None else 256
+    dcache, anchor = shared_draft_cache(drafter, rows), ids[0, context:context + 1]
+    dcache.crop(0)
     drafter.draft(hidden[:, :context - p], anchor, context - p, 2, dcache, target.embed_weight, target.lm_head)
 
     def draft(b: int):
@@ -484,6 +487,30 @@ def device_name(device: torch.device) -> str:
     return f"{model}, {torch.get_num_threads()} threads"
 
 
+def compile_path(target: Target, drafter: DFlashDrafter, step, block: int, out: dict) -> None:
+    """Compiles (and on CUDA records) what the engine's loop runs, as `session.enable_fast_path` does, plus
+    the untapped 1-token decode that the unit costs time; notes the seconds, the outcome and the graphs."""
+    from dflash_cli.engine.draft_graph import StaticDraft
+    from dflash_cli.engine.kernels import cuda_graphs
+
+    device = target.device
+    log("[compiled] compiling the verify forwards, the drafter and the 1-token decode ...")
+    t0 = time.perf_counter()
+    target.fast.precompile(taps=True, max_block=block)
+    target.fast.precompile(taps=False, max_block=1)
+    drafter.static_draft = StaticDraft(drafter, compile_step=step, on_fallback=lambda m: log(f"  {m}"))
+    drafter.static_draft.precompile(shared_draft_cache(drafter, target.fast.capacity + block), target.embed_weight)
+    synchronize(device)
+    out["compile_seconds"] = time.perf_counter() - t0
+    out["compiled"] = target.fast_compiled
+    out["compile_failure"] = target.fast.fallback_reason
+    out["drafter_compiled"] = drafter.static_draft.compiled
+    out["cuda_graphs"] = cuda_graphs(device)
+    log(f"compiled in {out['compile_seconds']:.0f}s" + ("" if target.fast_compiled else " (FAILED: eager)")
+        + ("" if out["drafter_compiled"] else "; drafter eager")
+        + (f"; CUDA graphs: {out['cuda_graphs']}" if out["cuda_graphs"] else ""))
+
+
 def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: list[list[int]], new_tokens: int,
                  block: int, repeats: int, args, gpu: bool) -> dict:
     """Unit costs and the engine table for one target forward: eager, fast or compiled."""
@@ -501,12 +528,11 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
         if reason is not None:
             log(f"{path}: this target cannot take the fast path ({reason}); skipped")
             return out
+        drafter.static_draft = None
         if path == "compiled":
-            t0 = time.perf_counter()
-            target.fast.precompile(taps=True, max_block=block)
-            synchronize(device)
-            out["compile_seconds"] = time.perf_counter() - t0
-            log(f"compiled in {out['compile_seconds']:.0f}s" + ("" if target.fast_compiled else " (FAILED: eager)"))
+            compile_path(target, drafter, step, block, out)
+        out["attention"] = target.fast.attention_kernel
+        log(f"[{path}] attention: {out['attention']}")
     print(f"\n## {path} path")
     if args.units_only:
         units = out["unit_costs"] = unit_costs(target, drafter, args.prompt_len + new_tokens // 2,
@@ -542,6 +568,12 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
     for r in rows[1:]:
         r["ideal_speedup"] = r["tau"] * units["decode_1"] / (units[f"verify_{block}"] + units[f"draft_{block}"])
     print_engine(rows, block, gpu)
+    if path == "compiled":
+        from dflash_cli.engine.kernels import cuda_graphs
+
+        out["cuda_graphs_after"] = cuda_graphs(device)  # graphs recorded while decoding: new shapes, new lengths
+        if out["cuda_graphs_after"]:
+            log(f"[compiled] CUDA graphs after decoding: {out['cuda_graphs_after']}")
     return out
 
 

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from conftest import DEVICE, TargetForwardLog, drafter_config, save_hybrid_target, save_random_drafter, target_config
 
 from dflash_cli.engine import fast
-from dflash_cli.engine import target as target_module
+from dflash_cli.engine import state as state_module
 from dflash_cli.engine.drafter import DraftCache, grouped_attention
 from dflash_cli.engine.errors import CacheTakenError
 from dflash_cli.engine.generate import generate, stream_generate, warm_up
 from dflash_cli.engine.load import load_pair
-from dflash_cli.engine.state import DecodeState
+from dflash_cli.engine.state import DecodeState, shared_draft_cache
 from dflash_cli.train.forward import block_embeddings, training_forward
 
 
@@ -89,7 +89,8 @@ def test_masked_attention_never_asks_for_grouped_query_heads(tiny_models, tmp_pa
             assert fused_kernel_accepts(q, k, v, mask, enable_gqa)
 
 
-@pytest.mark.parametrize("mask_shape", [(5, 12), (2, 1, 5, 12), None])
+@pytest.mark.parametrize("mask_shape", [(5, 12), (2, 1, 5, 12), (2, 8, 5, 12), (1, 8, 5, 12), (2, 1, 1, 12),
+                                        (8, 5, 12), None])
 def test_folded_query_groups_equal_grouped_query_attention(mask_shape):
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
@@ -119,24 +120,53 @@ def test_a_long_prompt_is_read_in_pieces_with_the_same_result(tiny_models, hybri
     folders = hybrid_models if path == "hybrid" else (tiny_models["qwen3"], tiny_models["qwen3-drafter"])
     pair = load(*folders, fast_path=path != "transformers")
     prompt = random_prompt(70, seed=4)
-    ids = torch.tensor([prompt], device=DEVICE)
 
     def read(piece: int):
-        monkeypatch.setattr(target_module, "PREFILL_CHUNK", piece)
+        monkeypatch.setattr(state_module, "PREFILL_CHUNK", piece)
         state = DecodeState(pair.target, pair.drafter)
         with TargetForwardLog(pair.target) as log:
-            logits, hidden = pair.target.forward(ids, state.target_cache, 0, last_logit_only=True, taps=True)
+            logits, _ = state.prefill(prompt)
         reply = generate(pair.target, pair.drafter, prompt, max_new_tokens=16, stop_ids=[]).tokens
-        return logits, hidden, log.sizes, reply
+        return logits, state.pending, log.sizes, reply
 
     logits, hidden, sizes, reply = read(1000)
     assert sizes == [70]
     logits_p, hidden_p, sizes_p, reply_p = read(32)
-    assert sizes_p == [32, 32, 6]
+    # the transformers path (offloaded targets among them: their weights are copied in per forward) reads whole
+    assert sizes_p == ([70] if path == "transformers" else [32, 32, 6])
     assert logits_p.shape == logits.shape and hidden_p.shape == hidden.shape == (1, 70, hidden.shape[-1])
     torch.testing.assert_close(logits_p, logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(hidden_p, hidden, rtol=1e-4, atol=1e-4)
     assert reply_p == reply
+
+
+@pytest.mark.parametrize("path", ["fast", "hybrid"])
+def test_a_prompt_interrupted_between_pieces_keeps_the_pieces_read(tiny_models, hybrid_models, monkeypatch, path):
+    """Ctrl-C in the second piece of a long second turn: the state keeps the first turn and the first piece,
+    the next turn reuses them, and the reply equals a fresh run's."""
+    from conftest import interrupt_on_call
+
+    folders = hybrid_models if path == "hybrid" else (tiny_models["qwen3"], None)
+    pair = load(*folders)
+    monkeypatch.setattr(state_module, "PREFILL_CHUNK", 32)
+    first, more = random_prompt(20, seed=8), random_prompt(60, seed=9)
+    state = DecodeState(pair.target, pair.drafter)
+    reply = generate(pair.target, pair.drafter, first, max_new_tokens=6, stop_ids=[], state=state).tokens
+    second = first + reply + more
+    handle = pair.target.model.get_input_embeddings().register_forward_hook(interrupt_on_call(2))  # piece 2
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate(pair.target, pair.drafter, second, max_new_tokens=6, stop_ids=[], state=state)
+    finally:
+        handle.remove()
+    state.check()
+    read = state.start  # the first turn and the second turn's first piece
+    assert read == len(first) + len(reply) - 1 + 32 and state.tokens == second[:read + 1]
+    with TargetForwardLog(pair.target) as log:
+        again = generate(pair.target, pair.drafter, second, max_new_tokens=12, stop_ids=[], state=state).tokens
+    assert log.sizes[0] == len(second) - read  # only the rest is read
+    fresh = DecodeState(pair.target, pair.drafter, own_caches=True)
+    assert again == generate(pair.target, pair.drafter, second, max_new_tokens=12, stop_ids=[], state=fresh).tokens
 
 
 # --- one cache per model ------------------------------------------------------------------------------------
@@ -194,7 +224,9 @@ class ShapeRecorder:
 
     def __call__(self, module):
         def run(ids, *args):
-            self.calls.append((bool(getattr(module, "taps", False)), tuple(ids.shape), ids.is_contiguous()))
+            # shape, strides and inference-ness: a compiler with dynamic=False guards on each
+            dense = ids.stride() == (ids.shape[1], 1) and ids.is_inference()
+            self.calls.append((bool(getattr(module, "taps", False)), tuple(ids.shape), dense))
             return module(ids, *args)
         return run
 
@@ -228,8 +260,9 @@ def test_a_strided_block_reaches_the_compiled_forward_contiguous(tiny_models):
     state = DecodeState(pair.target, pair.drafter)
     state.prefill(random_prompt(10))
     rows = torch.tensor([random_prompt(16, 3)], device=DEVICE)
-    pair.target.forward(rows[:, ::2], state.target_cache, 10, taps=True)  # (1, 8), stride 2
-    assert recorder.calls == [(True, (1, 8), True)]
+    pair.target.forward(rows[:, ::2], state.target_cache, 10, taps=True)  # (1, 8), strides (16, 2)
+    pair.target.forward(rows[:, 4:8], state.target_cache, 10, taps=True)  # (1, 4), strides (16, 1)
+    assert recorder.calls == [(True, (1, 8), True), (True, (1, 4), True)]
 
 
 def test_a_state_with_its_own_caches_decodes_alongside(tiny_models):
@@ -336,13 +369,15 @@ def test_fixed_shape_drafts_equal_the_eager_drafts(tiny_models, tmp_path, kind):
     assert reply_static == reply and len(fixed) == len(eager) > 5
     for a, b in zip(fixed, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    # every draft but the first (the whole prompt as new context) ran at one shape
-    assert len(recorder.calls) == len(eager) - 1 and len(set(recorder.calls)) == 1
+    # every draft but the first (the whole prompt as new context) ran at one shape, as precompile's does
+    static.precompile(shared_draft_cache(pair.drafter, pair.target.fast.capacity + 8), pair.target.embed_weight)
+    assert len(recorder.calls) == len(eager) and len(set(recorder.calls)) == 1
 
 
 def _recording(module, recorder):
     def run(context, *args):
-        recorder.calls.append((tuple(context.shape), tuple(args[0].shape), tuple(args[1].shape)))
+        inference = all(t.is_inference() for t in (context, *args[:4]))  # a guard, as shapes are
+        recorder.calls.append((tuple(context.shape), tuple(args[0].shape), tuple(args[1].shape), inference))
         return module(context, *args)
     return run
 

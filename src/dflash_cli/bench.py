@@ -257,7 +257,8 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
     """Runs every prompt of every set with plain decoding then DFlash decoding, interleaved per prompt.
 
     Greedy (temperature 0), chat template applied (when the tokenizer has one), the target's own stop
-    ids, a fresh cache per generation. `warmup` prompts are first run in both modes and not measured.
+    ids, a new conversation (on the model's one cache) per generation. `warmup` prompts are first run in
+    both modes and not measured.
 
     Args:
         prompt_sets: set name -> prompts (strings or Prompt objects), in the order to run them.

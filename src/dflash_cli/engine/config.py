@@ -27,7 +27,7 @@ _HF_DEFAULT_THETA = 500000.0  # MuseGlimmerAssistantConfig.default_theta
 _HF_DEFAULT_TAPS = [1, 13, 25, 37, 49]  # what MuseGlimmerAssistantConfig fills in when the field is absent
 _HF_DEFAULT_MASK_ID = 201818
 
-# The target reads a prompt in pieces of at most this many tokens (Target.forward), so its attention mask
+# The fast path reads a prompt in pieces of at most this many tokens (DecodeState.prefill), so its attention mask
 # and MLP intermediates stay this size however long the prompt; the memory planner (models/sizes.py)
 # counts one piece.
 PREFILL_CHUNK = 512

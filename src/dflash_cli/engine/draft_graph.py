@@ -88,13 +88,15 @@ class StaticDraft:
         b, device = self.block, block.device
         rows = 0 if context is None else context.shape[1]
         assert cache.length + rows == start, (cache.length, rows, start)
-        padded = block.new_zeros((1, b, self.context_width))
-        if context is not None:
-            padded[:, :rows] = context
-        context_positions = torch.cat([torch.arange(start - rows, start, device=device),
-                                       torch.arange(start + b, start + 2 * b - rows, device=device)])
-        block_positions = torch.arange(start, start + b, device=device)
-        keys_at = key_positions(start + b, cache.capacity, device)
+        with torch.inference_mode():  # every input made here, as inference tensors, whoever calls (no recompiles)
+            padded = block.new_zeros((1, b, self.context_width))
+            if context is not None:
+                padded[:, :rows] = context
+            block = block.clone()
+            context_positions = torch.cat([torch.arange(start - rows, start, device=device),
+                                           torch.arange(start + b, start + 2 * b - rows, device=device)])
+            block_positions = torch.arange(start, start + b, device=device)
+            keys_at = key_positions(start + b, cache.capacity, device)
         torch._dynamo.maybe_mark_dynamic(keys_at, 0)
         cfg = self.drafter.config
         keys, values = cache.buffers(cfg.num_key_value_heads, cfg.head_dim, dtype=block.dtype, device=device)
@@ -105,7 +107,8 @@ class StaticDraft:
                     self._marked.add(id(buf))
         args = (padded, context_positions, block, block_positions, keys_at, keys, values)
         try:
-            hidden = self.step(*args)
+            with torch.inference_mode():  # as drafting runs: a graph compiled in another grad mode recompiles
+                hidden = self.step(*args)
         except Exception as e:  # noqa: BLE001 - any compiler failure: say so once and run eagerly
             if self.step is self.eager:
                 raise
@@ -114,7 +117,8 @@ class StaticDraft:
             if self.on_fallback is not None:
                 self.on_fallback(f"compiling the drafter failed ({self.fallback_reason}); drafting uncompiled")
             self.step, self.compiled = self.eager, False
-            hidden = self.step(*args)
+            with torch.inference_mode():
+                hidden = self.step(*args)
         cache.advance(rows)
         return hidden.clone() if device.type == "cuda" else hidden  # a graph's output is its next replay's
 

@@ -159,8 +159,11 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=kv != heads)
     group = heads // kv
     folded = q.reshape(n, kv, group * rows, hd)  # heads are kv-major: rows of a group follow each other
-    mask = mask if mask.dim() == 4 else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    mask = mask.repeat(1, 1, group, 1) if mask.shape[1] == 1 else mask.reshape(n, kv, group * rows, -1)
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # broadcastable to (n, heads, rows, K)
+    if mask.shape[1] == 1:  # the same for every head: repeated per query head of a group
+        mask = mask.expand(mask.shape[0], 1, rows, mask.shape[-1]).repeat(1, 1, group, 1)
+    else:
+        mask = mask.expand(n, heads, rows, mask.shape[-1]).reshape(n, kv, group * rows, -1)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(n, heads, rows, hd)
 

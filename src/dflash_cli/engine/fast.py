@@ -634,7 +634,10 @@ class FastPath:
         size = _bucket(n)
         if size > n:  # pad with the last token; its logits, states and K/V rows are never used
             ids = torch.cat([ids, ids[:, -1:].expand(1, size - n)], dim=1)
-        ids = ids.contiguous()  # a strided view (a slice of a longer row) would compile a graph of its own
+        # A fresh (1, size) tensor made here, in inference mode, whatever the caller passed: a slice of a
+        # longer row keeps that row's stride (and counts as contiguous), and a tensor made outside inference
+        # mode has other dispatch keys; each would compile (and record) the shape again.
+        ids = ids.reshape(-1).clone()[None]
         positions = torch.arange(start, start + size, device=ids.device)
         keys_at = key_positions(start + size, self.capacity - 1, ids.device)
         torch._dynamo.maybe_mark_dynamic(keys_at, 0)

@@ -133,9 +133,9 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
     controller = _block_controller(block, block_size is None if adaptive is None else adaptive, controller)
     stops = set(default_stop_ids(target, tokenizer) if stop_ids is None else stop_ids)
     sample = Sampler(temperature, top_p, top_k, seed)
+    limit, at_limit = _limit(target, len(prompt), max_new_tokens, max_context)  # before a state takes the caches
     if state is None or state.drafter is not drafter or state.target is not target:
         state = DecodeState(target, drafter)
-    limit, at_limit = _limit(target, len(prompt), max_new_tokens, max_context)
     decoder = None
     if tokenizer is not None:
         from dflash_cli.engine.text import StreamDecoder

@@ -5,6 +5,7 @@ skips a graph with only a log line, and the run is then slow without an error)."
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -29,14 +30,27 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, *, heads: int, kv
         params = backends.SDPAParams(q, k, k, mask, 0.0, False, False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for name, accepts in (("flash", "can_use_flash_attention"), ("cuDNN", "can_use_cudnn_attention"),
-                                  ("memory-efficient", "can_use_efficient_attention")):
+            for name, enabled, accepts in _fused_backends():
                 check = getattr(backends, accepts, None)
-                if check is not None and check(params, False):
+                if enabled() and check is not None and check(params, False):
                     return f"{name} (fused)"
     except Exception as error:  # noqa: BLE001 - a report, not a reason to fail
         return f"unknown ({type(error).__name__}: {error})"[:120]
     return "math (no fused kernel accepts the call: scores in fp32; TORCH_LOGS or debug=True says why)"
+
+
+def _fused_backends() -> list[tuple[str, Any, str]]:
+    """(name, is it enabled, torch's acceptance check) per fused backend, in torch's priority order."""
+    from torch.backends import cuda as backends
+
+    known = {1: ("flash", backends.flash_sdp_enabled, "can_use_flash_attention"),
+             2: ("memory-efficient", backends.mem_efficient_sdp_enabled, "can_use_efficient_attention"),
+             3: ("cuDNN", getattr(backends, "cudnn_sdp_enabled", lambda: False), "can_use_cudnn_attention")}
+    try:  # SDPBackend values: 0 math, 1 flash, 2 efficient, 3 cuDNN
+        order = [int(b) for b in torch._C._get_sdp_priority_order()]
+    except Exception:  # noqa: BLE001 - torch's default before it exposed the order
+        order = [1, 2, 0, 3]
+    return [known[b] for b in order if b in known]
 
 
 def cuda_graphs(device: torch.device) -> str | None:

@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from dflash_cli.engine.config import PREFILL_CHUNK
 from dflash_cli.engine.drafter import DraftCache, Drafter
 from dflash_cli.engine.errors import CacheTakenError
 from dflash_cli.engine.fast import StaticCache
@@ -23,9 +24,10 @@ _draft_caches: weakref.WeakKeyDictionary[Drafter, DraftCache] = weakref.WeakKeyD
 
 def shared_draft_cache(drafter: Drafter, capacity: int) -> DraftCache:
     """The drafter's one context cache for sequences of `capacity` rows (a new one only for a larger size)."""
-    cache = _draft_caches.get(drafter)
+    key = getattr(drafter, "drafter", drafter)  # an OracleDrafter drafts through the drafter it wraps
+    cache = _draft_caches.get(key)
     if cache is None or cache.capacity < capacity:
-        cache = _draft_caches[drafter] = drafter.new_cache(capacity)
+        cache = _draft_caches[key] = drafter.new_cache(capacity)
     return cache
 
 
@@ -120,12 +122,19 @@ class DecodeState:
         # a hybrid target's recurrent state returns only to a few points (fast.LinearStates)
         keep = getattr(self.target_cache, "reachable", lambda n: n)(keep)
         self._truncate_caches(keep)
-        new = torch.tensor([prompt[keep:]], dtype=torch.long, device=self.target.device)
-        logits, hidden = self.target.forward(new, self.target_cache, keep, last_logit_only=True,
-                                             taps=self.drafter is not None)
-        self.tokens = list(prompt)
-        if hidden is not None:
-            self.pending = hidden if self.pending is None else torch.cat([self.pending, hidden], dim=1)
+        self.tokens = list(prompt[:keep + 1])
+        # On the fast path the prompt is read in pieces (its mask, the bias a fused kernel makes of it and
+        # the MLP's intermediates then stay the size of a piece); each piece is committed as it finishes,
+        # so an interrupted prompt leaves the pieces read so far, consistent and reusable.
+        piece = PREFILL_CHUNK if self.target.fast is not None else len(prompt)
+        for at in range(keep, len(prompt), piece):
+            end = min(at + piece, len(prompt))
+            new = torch.tensor([prompt[at:end]], dtype=torch.long, device=self.target.device)
+            logits, hidden = self.target.forward(new, self.target_cache, at, last_logit_only=True,
+                                                 taps=self.drafter is not None)
+            if hidden is not None:
+                self.pending = hidden if self.pending is None else torch.cat([self.pending, hidden], dim=1)
+            self.tokens = list(prompt[:end + 1])
         # The cache now holds all prompt tokens; the first generated token, committed by the caller,
         # becomes the anchor.
         return logits, keep

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dflash_cli.engine.config import PREFILL_CHUNK
 from dflash_cli.engine.errors import UnsupportedModelError
 from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.linear_attention import is_linear_attention
@@ -217,8 +216,6 @@ class Target:
         Returns logits (T, V) (or (1, V) with last_logit_only) and, with taps, the tapped layers'
         hidden states concatenated in the drafter's order, (1, T, n_taps*H).
         """
-        if ids.shape[1] > PREFILL_CHUNK:
-            return self._forward_pieces(ids, cache, start, taps=taps, last_logit_only=last_logit_only)
         if self.fast is not None:
             return self.fast.forward(ids, cache, start, taps=taps, last_logit_only=last_logit_only)
         if self.hybrid:
@@ -240,18 +237,3 @@ class Target:
             self._captured.clear()
         return out.logits[0], hidden
 
-    def _forward_pieces(self, ids: torch.Tensor, cache, start: int, *, taps: bool,
-                        last_logit_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A long call (a prompt) as forwards of PREFILL_CHUNK tokens each: the attention mask, the bias a
-        fused attention kernel makes of it and the MLP's intermediates then grow with the piece, not with
-        the prompt (an 8k-token prompt's mask alone would take GiBs)."""
-        logits, hidden = [], []
-        for at in range(0, ids.shape[1], PREFILL_CHUNK):
-            last = at + PREFILL_CHUNK >= ids.shape[1]
-            out, tapped = self.forward(ids[:, at:at + PREFILL_CHUNK], cache, start + at, taps=taps,
-                                       last_logit_only=last_logit_only)
-            if last or not last_logit_only:
-                logits.append(out)
-            if tapped is not None:
-                hidden.append(tapped)
-        return torch.cat(logits), (torch.cat(hidden, dim=1) if hidden else None)
