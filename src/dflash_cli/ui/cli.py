@@ -20,6 +20,7 @@ from dflash_cli.ui.list_cmd import list_cmd, ls_cmd
 from dflash_cli.ui.pull_cmd import pull
 from dflash_cli.ui.rm_cmd import rm
 from dflash_cli.ui.serve_cmd import serve_cmd
+from dflash_cli.ui.server_cmd import serve
 from dflash_cli.ui.show_cmd import show
 from dflash_cli.ui.train_cmd import train
 
@@ -34,7 +35,7 @@ def cli() -> None:
     """
 
 
-for command in (generate, chat, doctor, pull, list_cmd, ls_cmd, show, rm, bench, train, serve_cmd):
+for command in (generate, chat, serve, doctor, pull, list_cmd, ls_cmd, show, rm, bench, train, serve_cmd):
     cli.add_command(command)
 
 

@@ -1,0 +1,176 @@
+"""One engine, many clients: the worker thread that decodes requests one at a time for `dflash-cli serve`.
+
+Requests wait in a bounded queue (`submit` refuses past it). The worker keeps one DecodeState for every
+request, so a request whose prompt extends the previous prompt and reply (a chat client's next turn) reads
+only the new tokens. Each request gets its events through `on_event` (called on the worker thread); a
+cancelled request (its client went away) stops at the next step. `Counters` adds every request up for
+/metrics, under vLLM's names where they exist. Nothing here knows HTTP (ui/openai_server.py does).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_cli.engine.response import GenerationStats, Step
+
+
+@dataclass
+class Request:
+    """A prompt to decode and where its Steps go: on_event(("step", Step)), then ("done", Step | None) or
+    ("error", exception). `stop` strings end the reply before they appear (the text up to them is kept)."""
+
+    prompt: list[int]
+    options: dict[str, Any]  # stream_generate's keyword arguments (max_new_tokens, temperature, ...)
+    on_event: Callable[[tuple[str, Any]], None]
+    stop: tuple[str, ...] = ()
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    steps_after_cancel: int = 0  # steps the engine ran once cancelled (the tests read it: at most one)
+
+
+@dataclass
+class Counters:
+    """Totals since the server started (Prometheus counters; read under the lock)."""
+
+    requests: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    drafts: int = 0  # verify steps that had drafts
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, stats: GenerationStats) -> None:
+        self.prompt_tokens += stats.prompt_tokens
+        self.prefilled_tokens += stats.prefilled_tokens
+        self.generated_tokens += stats.generated_tokens
+        self.drafts += sum(stats.block_rounds[1:])  # rounds of 2+ slots: the ones that drafted
+        self.draft_tokens += stats.drafted
+        self.accepted_tokens += stats.accepted
+        if len(self.accepted_per_position) < len(stats.position_accepted):
+            self.accepted_per_position += [0] * (len(stats.position_accepted) - len(self.accepted_per_position))
+        for k, n in enumerate(stats.position_accepted):
+            self.accepted_per_position[k] += n
+
+
+class StopMatcher:
+    """Cuts streamed text before the first of the stop strings, holding back what may begin one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text that is safe to send now, whether a stop string was found)."""
+        self.held += text
+        if not self.stops:
+            out, self.held = self.held, ""
+            return out, False
+        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.held = self.held[: min(hits)], ""
+            return out, True
+        keep = max((n for s in self.stops for n in range(1, len(s)) if self.held.endswith(s[:n])), default=0)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class EngineWorker:
+    """Decodes queued Requests on one thread, through one DecodeState (see the module docstring)."""
+
+    def __init__(self, runtime: Any, max_queue: int = 16):
+        from dflash_cli.engine.adaptive import BlockSizeController
+        from dflash_cli.engine.state import DecodeState
+
+        self.runtime = runtime
+        self.state = DecodeState(runtime.target, runtime.drafter)
+        self.controller = BlockSizeController(runtime.drafter.block_size) if runtime.drafter is not None else None
+        self.queue: queue.Queue[Request | None] = queue.Queue(maxsize=max_queue)
+        self.counters = Counters()
+        self.lock = threading.Lock()
+        self.busy = False
+        self.thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+
+    def start(self) -> EngineWorker:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Cancels what waits and ends the thread after the current request's next step."""
+        while True:
+            try:
+                waiting = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if waiting is not None:
+                waiting.cancelled.set()
+                waiting.on_event(("error", RuntimeError("the server is shutting down")))
+        self.queue.put(None)
+        self.thread.join(timeout=30)
+
+    def submit(self, request: Request) -> bool:
+        """Queues the request; False when the queue is full (the caller answers 503)."""
+        try:
+            self.queue.put_nowait(request)
+        except queue.Full:
+            return False
+        return True
+
+    @property
+    def waiting(self) -> int:
+        return self.queue.qsize() + (1 if self.busy else 0)
+
+    def _run(self) -> None:
+        while True:
+            request = self.queue.get()
+            if request is None:
+                return
+            if request.cancelled.is_set():
+                continue
+            self.busy = True
+            try:
+                self._decode(request)
+            finally:
+                self.busy = False
+
+    def _decode(self, request: Request) -> None:
+        from dflash_cli.engine.generate import stream_generate
+
+        adaptive = request.options.get("block_size") is None and self.controller is not None
+        last: Step | None = None
+        stopper = StopMatcher(request.stop)
+        try:
+            for step in stream_generate(self.runtime.target, self.runtime.drafter, request.prompt,
+                                        tokenizer=self.runtime.tokenizer, state=self.state, adaptive=adaptive,
+                                        controller=self.controller if adaptive else None, **request.options):
+                if request.cancelled.is_set():
+                    request.steps_after_cancel += 1
+                    break
+                last = step
+                text, stopped = stopper.feed(step.text)
+                request.on_event(("step", (step, text, "stop" if stopped else None)))
+                if stopped:
+                    break
+        except Exception as error:  # noqa: BLE001 - every failure goes back to its client, the server goes on
+            with self.lock:
+                self.counters.requests += 1
+                self.counters.failed += 1
+            request.on_event(("error", error))
+            return
+        with self.lock:
+            self.counters.requests += 1
+            self.counters.cancelled += request.cancelled.is_set()
+            if last is not None:
+                self.counters.add(last.stats)
+        request.on_event(("done", (last, stopper.flush(), time.time())))

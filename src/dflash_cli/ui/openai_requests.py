@@ -1,0 +1,196 @@
+"""OpenAI-style requests checked and turned into engine settings, and the response bodies `serve` sends.
+
+Every refusal is an `ApiError` that becomes an OpenAI error object, `{"error": {"message", "type", "param",
+"code"}}`, with its HTTP status. The statistics of a reply go in `usage.metrics.speculative_decoding` with
+vLLM's per-request field names (see README, "Using it from other programs").
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_cli.engine.response import FINISH_STOP, GenerationStats
+
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+               "response_format", "suffix", "echo", "best_of")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ParsedRequest:
+    chat: bool
+    messages: list[dict[str, str]] | None
+    prompt: str | list[int] | None
+    options: dict[str, Any]  # stream_generate's keyword arguments
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    enable_thinking: bool | None
+
+
+def _number(body: dict, name: str, low: float, high: float, default: Any, *, integer: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or (not integer and not math.isfinite(value)):
+        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}", param=name)
+    if not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be between {low:g} and {high:g}, got {value}", param=name)
+    return value
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise ApiError(400, "'prompt' must be a non-empty string (or one string, or a list of token ids)", param="prompt")
+
+
+def parse_request(body: Any, *, chat: bool, defaults: dict[str, Any], max_new_tokens: int) -> ParsedRequest:
+    """Checks a request body against what `serve` supports; `defaults` are the server's own settings."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False, [], {}):
+            raise ApiError(422, f"'{name}' is not supported by this server yet", param=name, code="unsupported")
+    if _number(body, "n", 1, 1_000_000, 1, integer=True) != 1:
+        raise ApiError(422, "'n' > 1 is not supported by this server yet", param="n", code="unsupported")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    options = dict(defaults)
+    options["max_new_tokens"] = _number({name: limit}, name, 1, max_new_tokens, defaults["max_new_tokens"],
+                                        integer=True)
+    options["temperature"] = float(_number(body, "temperature", 0, 2, defaults["temperature"]))
+    options["top_p"] = float(_number(body, "top_p", 1e-9, 1, defaults["top_p"]))
+    options["top_k"] = _number(body, "top_k", 0, 1 << 31, defaults["top_k"], integer=True)
+    options["seed"] = _number(body, "seed", -(1 << 63), (1 << 63) - 1, defaults["seed"], integer=True)
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
+    if stop is not None and (not all(isinstance(s, str) for s in stops) or len(stops) > 4):
+        raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
+    stream = body.get("stream", False)
+    stream_options = body.get("stream_options") or {}
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(stream, bool) or not isinstance(stream_options, dict) or not isinstance(kwargs, dict):
+        raise ApiError(400, "'stream' must be a boolean, 'stream_options' and 'chat_template_kwargs' objects")
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise ApiError(400, "'chat_template_kwargs.enable_thinking' must be a boolean", param="chat_template_kwargs")
+    return ParsedRequest(chat, _messages(body) if chat else None, None if chat else _prompt(body), options,
+                         stops, stream, bool(stream_options.get("include_usage")), thinking)
+
+
+def finish_reason(engine_reason: str | None, stopped_by_string: bool) -> str:
+    return "stop" if stopped_by_string or engine_reason == FINISH_STOP else "length"
+
+
+def speculative_metrics(stats: GenerationStats) -> dict[str, Any]:
+    """A reply's statistics under vLLM's per-request names (tau counts the bonus token, as ours does)."""
+    return {
+        "mean_acceptance_length": round(stats.acceptance_length, 4),
+        "draft_acceptance_rate": round(stats.draft_acceptance, 4),
+        "num_spec_steps": stats.steps,
+        "num_draft_tokens": stats.drafted,
+        "num_accepted_draft_tokens": stats.accepted,
+        "num_accepted_tokens_per_pos": list(stats.position_accepted),
+        "acceptance_rate_per_pos": [round(r, 4) for r in stats.per_position_acceptance],
+        "block_size": stats.block_size,
+    }
+
+
+def usage(stats: GenerationStats | None, completion_tokens: int) -> dict[str, Any]:
+    if stats is None:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return {
+        "prompt_tokens": stats.prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": stats.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.prompt_tokens - stats.prefilled_tokens},
+        "metrics": {"speculative_decoding": speculative_metrics(stats),
+                    "decode_tokens_per_second": round(stats.decode_tokens_per_second, 2),
+                    "time_to_first_token_seconds": round(stats.time_to_first_token, 4)},
+    }
+
+
+def live_metrics(stats: GenerationStats) -> dict[str, Any]:
+    """The running acceptance each streamed chunk carries, so a client can show it as it grows."""
+    return {"speculative_decoding": {"mean_acceptance_length": round(stats.acceptance_length, 4),
+                                     "num_spec_steps": stats.steps, "num_draft_tokens": stats.drafted,
+                                     "num_accepted_draft_tokens": stats.accepted}}
+
+
+class ResponseShape:
+    """The ids, object names and choice bodies of one reply (chat.completion or text_completion)."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, answer: str, reasoning: str | None, reason: str, use: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": answer}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}
+        return {**self.envelope(False), "choices": [choice], "usage": use}
+
+    def chunk(self, text: str = "", *, reasoning: bool = False, reason: str | None = None, role: bool = False,
+              metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text or role:
+                delta["reasoning_content" if reasoning else "content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        out = {**self.envelope(True), "choices": [choice]}
+        if metrics is not None:
+            out["metrics"] = metrics
+        return out
+
+    def usage_chunk(self, use: dict[str, Any]) -> dict[str, Any]:
+        return {**self.envelope(True), "choices": [], "usage": use}

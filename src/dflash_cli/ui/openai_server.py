@@ -1,0 +1,274 @@
+"""The HTTP side of `dflash-cli serve`: an OpenAI-compatible Starlette app over serving.EngineWorker.
+
+Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events, or whole),
+GET /v1/models, /health and /metrics (Prometheus text, with vLLM's speculative counter names). A streamed
+request waits for its first event before the response starts, so a request the engine refuses (a prompt
+longer than the context) still gets a status and an error object; a client that goes away cancels its
+request, which the engine stops at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from dflash_cli.engine.errors import DFlashError
+from dflash_cli.serving import EngineWorker
+from dflash_cli.serving import Request as EngineRequest
+from dflash_cli.ui.openai_requests import (
+    ApiError,
+    ParsedRequest,
+    ResponseShape,
+    finish_reason,
+    live_metrics,
+    parse_request,
+    usage,
+)
+from dflash_cli.ui.thinking import ThinkingSplitter, split_reply
+
+MAX_BODY_BYTES = 4 << 20
+
+
+class ServerState:
+    """What the routes share: the worker, the served model's name, the key, the generation defaults."""
+
+    def __init__(self, worker: EngineWorker, model: str, *, api_key: str | None, defaults: dict[str, Any],
+                 max_new_tokens: int, system: str | None = None, think: bool | None = None,
+                 chat_template: bool = True):
+        self.worker, self.model, self.api_key = worker, model, api_key
+        self.defaults, self.max_new_tokens = defaults, max_new_tokens
+        self.system, self.think, self.chat_template = system, think, chat_template  # the server's own defaults
+        self.started = int(time.time())
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def read_json(request: Request) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+
+
+def check_key(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+        raise ApiError(401, "a valid API key is needed: 'Authorization: Bearer KEY'", kind="authentication_error",
+                       code="invalid_api_key")
+
+
+def prompt_ids(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bool]:
+    """The prompt's token ids, and whether the reply starts inside a <think> block the template opened."""
+    from dflash_cli.engine.text import encode_prompt, opens_thinking, uses_think_tags
+
+    tokenizer = state.worker.runtime.tokenizer
+    if isinstance(parsed.prompt, list):
+        return parsed.prompt, False
+    if not parsed.chat:
+        assert isinstance(parsed.prompt, str)
+        return encode_prompt(tokenizer, parsed.prompt, chat_template=False), False
+    assert parsed.messages is not None
+    own_system = any(m["role"] == "system" for m in parsed.messages)
+    think = parsed.enable_thinking if parsed.enable_thinking is not None else state.think
+    ids = encode_prompt(tokenizer, parsed.messages, chat_template=state.chat_template, enable_thinking=think,
+                        system=None if own_system else state.system)
+    inside = uses_think_tags(tokenizer) and opens_thinking(tokenizer, ids)
+    return ids, bool(inside)
+
+
+async def completions(request: Request, *, chat: bool) -> Response:
+    state: ServerState = request.app.state.server
+    try:
+        check_key(state, request)
+        body = await read_json(request)
+        if isinstance(body, dict) and body.get("model") not in (None, state.model):
+            raise ApiError(404, f"the model {body.get('model')!r} is not served here (this server serves "
+                                f"{state.model!r})", param="model", code="model_not_found")
+        parsed = parse_request(body, chat=chat, defaults=state.defaults, max_new_tokens=state.max_new_tokens)
+        ids, inside = prompt_ids(state, parsed)
+    except ApiError as e:
+        return error_response(e)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    job = EngineRequest(ids, parsed.options, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                        stop=parsed.stop)
+    if not state.worker.submit(job):
+        return error_response(ApiError(503, "the server is busy: too many requests are waiting",
+                                       kind="server_error", code="queue_full"))
+    shape = ResponseShape(chat, state.model)
+    try:
+        first = await next_event(events, request, job)
+    except ApiError as e:
+        return error_response(e)
+    if parsed.stream:
+        return StreamingResponse(stream(shape, parsed, events, first, job, inside), media_type="text/event-stream")
+    return await whole_reply(shape, events, first, request, job, inside and chat)
+
+
+async def next_event(events: asyncio.Queue, request: Request | None, job: EngineRequest) -> tuple[str, Any]:
+    """The engine's next event; an error event becomes an ApiError, a client gone cancels the request."""
+    while True:
+        try:
+            event = await asyncio.wait_for(events.get(), timeout=0.5)
+            break
+        except TimeoutError:
+            if request is not None and await request.is_disconnected():
+                job.cancelled.set()
+                raise ApiError(499, "the client went away") from None
+    if event[0] == "error":
+        error = event[1]
+        if isinstance(error, DFlashError):
+            hint = f" ({error.hint})" if getattr(error, "hint", None) else ""
+            raise ApiError(400, f"{error}{hint}")
+        raise ApiError(500, f"the engine failed: {type(error).__name__}: {error}", kind="server_error")
+    return event
+
+
+async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[str, Any], request: Request,
+                      job: EngineRequest, inside: bool) -> Response:
+    text: list[str] = []
+    stopped, last = False, None
+    try:
+        while event[0] == "step":
+            step, piece, stop = event[1]
+            text.append(piece)
+            stopped, last = stopped or stop is not None, step
+            event = await next_event(events, request, job)
+        done_step, rest, _ = event[1]
+    except ApiError as e:
+        return error_response(e)
+    last = done_step or last
+    text.append(rest)
+    reply = "".join(text)
+    reasoning, answer = split_reply(reply, inside) if shape.chat else (None, reply)
+    stats = last.stats if last is not None else None
+    generated = stats.generated_tokens if stats is not None else 0
+    reason = finish_reason(stats.finish_reason if stats else None, stopped)
+    return JSONResponse(shape.whole(answer, reasoning, reason, usage(stats, generated)))
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Queue, event: tuple[str, Any],
+                 job: EngineRequest, inside: bool) -> AsyncIterator[bytes]:
+    """The reply as server-sent events; leaving early (the client went away) cancels the request."""
+    splitter = ThinkingSplitter(inside) if shape.chat else None
+    stopped, last = False, None
+    try:
+        if shape.chat:
+            yield sse(shape.chunk(role=True))
+        while True:
+            kind, payload = event
+            if kind == "step":
+                step, text, stop = payload
+                stopped, last = stopped or stop is not None, step
+                metrics = live_metrics(step.stats)
+            else:
+                done_step, text, _ = payload
+                last, metrics = done_step or last, None
+            for reasoning, piece in (splitter.feed(text) if splitter else [(False, text)]):
+                yield sse(shape.chunk(piece, reasoning=reasoning, metrics=metrics))
+            if kind == "done":
+                break
+            event = await next_event(events, None, job)
+        for reasoning, piece in (splitter.flush() if splitter else []):
+            yield sse(shape.chunk(piece, reasoning=reasoning))
+        stats = last.stats if last is not None else None
+        yield sse(shape.chunk(reason=finish_reason(stats.finish_reason if stats else None, stopped)))
+        if parsed.include_usage:
+            yield sse(shape.usage_chunk(usage(stats, stats.generated_tokens if stats else 0)))
+        yield b"data: [DONE]\n\n"
+    except ApiError as e:  # the engine failed after the reply started: the error as the last event
+        yield sse(e.body())
+    finally:
+        job.cancelled.set()  # a no-op after the last step; stops the engine when the client left early
+
+
+async def chat_completions(request: Request) -> Response:
+    return await completions(request, chat=True)
+
+
+async def text_completions(request: Request) -> Response:
+    return await completions(request, chat=False)
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    try:
+        check_key(state, request)
+    except ApiError as e:
+        return error_response(e)
+    return JSONResponse({"object": "list", "data": [{"id": state.model, "object": "model",
+                                                     "created": state.started, "owned_by": "dflash-cli"}]})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    worker = state.worker
+    with worker.lock:
+        c = worker.counters
+        label = f'model_name="{state.model}"'
+        lines = [
+            ("dflash_requests_total", c.requests), ("dflash_requests_failed_total", c.failed),
+            ("dflash_requests_cancelled_total", c.cancelled), ("vllm:num_requests_waiting", worker.queue.qsize()),
+            ("vllm:num_requests_running", int(worker.busy)), ("vllm:prompt_tokens_total", c.prompt_tokens),
+            ("dflash_prefilled_tokens_total", c.prefilled_tokens),
+            ("vllm:generation_tokens_total", c.generated_tokens), ("vllm:spec_decode_num_drafts_total", c.drafts),
+            ("vllm:spec_decode_num_draft_tokens_total", c.draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens_total", c.accepted_tokens),
+        ]
+        text = [f"{name}{{{label}}} {value}" for name, value in lines]
+        text += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{k}"}} {n}'
+                 for k, n in enumerate(c.accepted_per_position)]
+    return PlainTextResponse("\n".join(text) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def make_app(state: ServerState) -> Starlette:
+    app = Starlette(routes=[
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", text_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], exception_handlers={404: _not_found, 405: _not_allowed})
+    app.state.server = state
+    return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(404, f"no route {request.url.path}", code="not_found"))
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))

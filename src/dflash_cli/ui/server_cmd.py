@@ -1,0 +1,103 @@
+"""`dflash-cli serve`: the loaded pair behind an OpenAI-compatible HTTP API (ui/openai_server.py)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from typing import Any
+
+import click
+
+from dflash_cli.ui.common import common_options, guarded, model_options, sampling_options
+
+INSTALL = "pip install 'dflash-cli[serve]' (starlette and uvicorn)"
+
+
+@click.command("serve")
+@model_options
+@sampling_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: any free port, printed at start).")
+@click.option("--api-key", envvar="DFLASH_SERVE_API_KEY", show_envvar=True, metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' on every request but /health.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests that may wait while one decodes; past it the server answers 503.")
+@common_options
+def serve(**opts):
+    """Serve the model over an OpenAI-compatible API, with DFlash statistics in every response.
+
+    POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health and /metrics.
+    The sampling options are the defaults a request can override. Requests are decoded one at a time.
+
+    \b
+    Examples:
+      dflash-cli serve -m demo
+      OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python my_script.py
+      dflash-cli generate --engine http://127.0.0.1:8000/v1 "hello"
+    """
+    from dflash_cli.ui.render import Output
+
+    guarded(lambda: Output(opts["color"]), lambda out: run_serve(out, opts), opts["debug"])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening socket (so the port is known, also with --port 0, before the server starts)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise click.BadParameter(f"cannot resolve {host!r} ({e.strerror})", param_hint="--host") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(out: Any, opts: dict[str, Any]) -> int:
+    try:
+        import uvicorn
+
+        from dflash_cli.ui.openai_server import ServerState, make_app
+    except ImportError as e:
+        raise click.ClickException(f"serve needs {e.name}: {INSTALL}") from None
+    from dflash_cli.serving import EngineWorker
+    from dflash_cli.ui.common import generation_settings
+    from dflash_cli.ui.run import load_runtime_for
+
+    if not is_loopback(opts["host"]) and not opts["api_key"]:
+        out.warn(f"listening on {opts['host']} without --api-key: anyone who can reach this port can use the model")
+    sock = listening_socket(opts["host"], opts["port"])  # before loading: a taken port fails in a second
+    runtime = load_runtime_for(out, opts, quiet=False)
+    settings = generation_settings(opts)
+    worker = EngineWorker(runtime, max_queue=opts["max_queue"]).start()
+    model = opts["model"]
+    state = ServerState(worker, model, api_key=opts["api_key"], defaults=settings.engine_kwargs(),
+                        max_new_tokens=1 << 20, system=opts.get("system"), think=settings.think,
+                        chat_template=settings.chat_template)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    out.info(f"serving {model} on http://{shown}:{port}/v1 (OpenAI API; Ctrl-C stops)")
+    server = uvicorn.Server(uvicorn.Config(make_app(state), log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()
+        sock.close()
+    return 0

@@ -1,0 +1,246 @@
+"""`dflash-cli serve`: the official openai client against a real server on a loopback port, running the tiny
+test pair; replies equal the engine's own greedy output, the statistics equal what the engine counted."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import pytest
+from conftest import save_tiny_pair
+
+from dflash_cli.engine.generate import generate
+from dflash_cli.engine.text import encode_prompt
+from dflash_cli.serving import EngineWorker
+from dflash_cli.session import load_runtime
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from dflash_cli.ui.openai_server import ServerState, make_app  # noqa: E402 - needs starlette, skipped above
+
+BLOCK = 4  # a fixed block (no adaptive choice from timings): the same steps as the direct engine run
+
+
+class Server:
+    """The app on a free 127.0.0.1 port, in a thread of this process; `stop()` shuts it down."""
+
+    def __init__(self, runtime, *, max_queue: int = 16, api_key: str | None = None, max_tokens: int = 24):
+        self.worker = EngineWorker(runtime, max_queue=max_queue).start()
+        defaults = dict(max_new_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                        block_size=BLOCK, max_context=None)
+        state = ServerState(self.worker, "tiny", api_key=api_key, defaults=defaults, max_new_tokens=4096)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(make_app(state), log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                break
+            time.sleep(0.02)
+
+    def client(self, **kwargs):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
+                             **kwargs)
+
+    def idle(self) -> None:
+        for _ in range(500):
+            if self.worker.waiting == 0:
+                return
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.worker.stop()
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    target, drafter = save_tiny_pair(tmp_path_factory.mktemp("serve"))
+    return load_runtime(target, drafter, dtype="float32", device="cpu", max_context=512)
+
+
+@pytest.fixture(scope="module")
+def server(runtime):
+    served = Server(runtime)
+    yield served
+    served.stop()
+
+
+def engine_reply(runtime, prompt_ids, max_tokens=24):
+    """What the engine alone generates (greedy, the server's fixed block), for comparison."""
+    return generate(runtime.target, runtime.drafter, prompt_ids, tokenizer=runtime.tokenizer,
+                    max_new_tokens=max_tokens, block_size=BLOCK)
+
+
+def chat_ids(runtime, text):
+    return encode_prompt(runtime.tokenizer, [{"role": "user", "content": text}])
+
+
+def test_chat_whole_and_streamed_equal_the_engine_with_its_statistics(server, runtime):
+    server.idle()
+    want = engine_reply(runtime, chat_ids(runtime, "Hello there"))
+    client = server.client()
+    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}])
+    assert got.choices[0].message.content == want.text
+    spec = got.usage.model_extra["metrics"]["speculative_decoding"]
+    assert got.usage.completion_tokens == want.stats.generated_tokens
+    assert (spec["num_spec_steps"], spec["num_draft_tokens"], spec["num_accepted_draft_tokens"]) == (
+        want.stats.steps, want.stats.drafted, want.stats.accepted)
+    assert spec["mean_acceptance_length"] == pytest.approx(want.stats.acceptance_length, abs=1e-4)
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    live = [c.model_extra["metrics"]["speculative_decoding"] for c in chunks if c.model_extra.get("metrics")]
+    assert live and live[-1]["num_spec_steps"] >= 1  # the running acceptance rides on the chunks
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == want.stats.generated_tokens
+
+
+def test_completions_whole_and_streamed(server, runtime):
+    server.idle()
+    ids = encode_prompt(runtime.tokenizer, "Once upon", chat_template=False)
+    want = engine_reply(runtime, ids, max_tokens=10)
+    client = server.client()
+    got = client.completions.create(model="tiny", prompt="Once upon", max_tokens=10)
+    assert got.choices[0].text == want.text and got.object == "text_completion"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=10, stream=True) if c.choices)
+    assert streamed == want.text
+
+
+def test_a_stop_string_ends_the_reply_before_it(server, runtime):
+    server.idle()
+    want = engine_reply(runtime, chat_ids(runtime, "Stop here")).text
+    stop = want[3:5]
+    assert len(want) > 5 and stop
+    got = server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Stop here"}],
+                                                  stop=[stop])
+    assert got.choices[0].message.content == want[: want.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+
+
+def test_the_second_turn_of_a_chat_reads_only_the_new_tokens(server, runtime):
+    server.idle()
+    client = server.client()
+    first = [{"role": "user", "content": "Turn one"}]
+    reply = client.chat.completions.create(model="tiny", messages=first, max_tokens=8)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "Turn two"}]
+    again = client.chat.completions.create(model="tiny", messages=second, max_tokens=8)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(chat_ids(runtime, "Turn one"))  # at least the first turn's prompt was not read again
+
+
+def test_generate_with_engine_reads_our_server(server, runtime):
+    from click.testing import CliRunner
+
+    from dflash_cli.ui.cli import cli
+
+    server.idle()
+    want = engine_reply(runtime, chat_ids(runtime, "Via the CLI"), max_tokens=12)
+    result = CliRunner().invoke(cli, ["generate", "--engine", server.url + "/v1", "-n", "12", "--json",
+                                      "Via the CLI"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["text"] == want.text
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_engine(server, runtime):
+    server.idle()
+    before = server.worker.counters.generated_tokens, server.worker.counters.cancelled
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "A long one"}], "max_tokens": 400,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if '"content"' in line and '"role"' not in line:
+                break  # the first generated text arrived: leave
+    server.idle()
+    generated, cancelled = server.worker.counters.generated_tokens, server.worker.counters.cancelled
+    assert cancelled == before[1] + 1
+    assert generated - before[0] < 40  # stopped within a step or two of leaving, not after 400 tokens
+
+
+def test_eight_clients_get_their_own_replies(server, runtime):
+    server.idle()
+    prompts = [f"Prompt number {i}" for i in range(8)]
+    want = {p: engine_reply(runtime, chat_ids(runtime, p), max_tokens=6).text for p in prompts}
+    client = server.client()
+
+    def ask(i: int) -> tuple[str, str]:
+        p = prompts[i % 8]
+        got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=6)
+        return p, got.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(200)))
+    assert len(answers) == 200 and all(text == want[p] for p, text in answers)
+
+
+def test_a_full_queue_answers_503(runtime):
+    server = Server(runtime, max_queue=1, max_tokens=300)
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Busy"}], "max_tokens": 300}
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda _: httpx.post(server.url + "/v1/chat/completions", json=body,
+                                                           timeout=60), range(4)))
+        busy = [r for r in responses if r.status_code == 503]
+        assert busy and all(r.headers.get("retry-after") for r in busy)
+        assert busy[0].json()["error"]["code"] == "queue_full"
+        assert any(r.status_code == 200 for r in responses)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (json.dumps({"messages": "hi"}).encode(), 400, "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400,
+     "temperature"),
+    (json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 422, "n"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}).encode(), 422,
+     "tools"),
+    (json.dumps({"messages": [{"role": "user", "content": "x" * 600}]}).encode(), 400, None),  # over the context
+    (b"{" + b" " * (5 << 20) + b"}", 413, None),
+])
+def test_bad_requests_get_an_error_object_and_the_server_goes_on(server, body, status, param):
+    response = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_the_api_key_is_required_when_set(runtime):
+    server = Server(runtime, api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            server.client(api_key="wrong").models.list()
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        assert [m.id for m in server.client(api_key="s3cret").models.list()] == ["tiny"]
+        assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
+    finally:
+        server.stop()
+
+
+def test_metrics_count_under_vllms_names(server):
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total"):
+        assert name in text
+    from dflash_cli.remote import VLLM_DRAFT_TOKENS, parse_spec_counters
+
+    counters = parse_spec_counters(text)  # as the --engine client reads a vLLM server's
+    assert counters[VLLM_DRAFT_TOKENS] == server.worker.counters.draft_tokens > 0
