@@ -154,6 +154,10 @@ def test_generate_with_engine_reads_our_server(server, runtime):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["text"] == want.text
+    # the request's own statistics from the final usage chunk, not the server-wide counters
+    assert (data["steps"], data["drafted"], data["accepted"]) == (want.stats.steps, want.stats.drafted,
+                                                                  want.stats.accepted)
+    assert data["acceptance_length"] == pytest.approx(want.stats.acceptance_length, abs=1e-6)
 
 
 def test_a_client_that_leaves_mid_stream_stops_the_engine(server, runtime):
@@ -211,7 +215,9 @@ def test_a_full_queue_answers_503(runtime):
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 422, "n"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}).encode(), 422,
      "tools"),
-    (json.dumps({"messages": [{"role": "user", "content": "x" * 600}]}).encode(), 400, None),  # over the context
+    (json.dumps({"messages": [{"role": "user", "content": "x" * 600}]}).encode(), 400, "messages"),  # too long
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}).encode(), 422,
+     "presence_penalty"),
     (b"{" + b" " * (5 << 20) + b"}", 413, None),
 ])
 def test_bad_requests_get_an_error_object_and_the_server_goes_on(server, body, status, param):
@@ -244,3 +250,55 @@ def test_metrics_count_under_vllms_names(server):
 
     counters = parse_spec_counters(text)  # as the --engine client reads a vLLM server's
     assert counters[VLLM_DRAFT_TOKENS] == server.worker.counters.draft_tokens > 0
+
+
+def test_a_client_that_leaves_a_whole_reply_stops_the_engine(server):
+    server.idle()
+    before = server.worker.counters.generated_tokens, server.worker.counters.cancelled
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Whole and long"}], "max_tokens": 3000}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=0.3)  # the client gives up
+    server.idle()
+    assert server.worker.counters.cancelled == before[1] + 1
+    assert server.worker.counters.generated_tokens - before[0] < 3000
+
+
+def test_stopping_the_worker_cancels_the_running_request_at_once(runtime):
+    worker = EngineWorker(runtime).start()
+    events, started = [], threading.Event()
+
+    def on_event(event):
+        events.append(event)
+        started.set()
+
+    from dflash_cli.serving import Request
+
+    worker.submit(Request(chat_ids(runtime, "Endless"), dict(max_new_tokens=400, block_size=BLOCK), on_event))
+    assert started.wait(30)
+    t0 = time.perf_counter()
+    worker.stop()
+    assert not worker.thread.is_alive() and time.perf_counter() - t0 < 5
+    assert events[-1][0] == "done" and worker.counters.cancelled == 1
+    assert events[-1][1][0].stats.generated_tokens < 400
+
+
+@pytest.mark.parametrize("reply, inside", [
+    ("<think>\nLet me think.\n</think>\n\nThe answer is 4.", False),
+    ("  <think>\n\nA  b \n\n c\n</think>\n\nOK", False),
+    ("Reasoning first.\n</think>\n\nDone.", True),
+    ("<think>\nnever closed  \n", False),
+])
+def test_streamed_reasoning_content_equals_the_whole_replys(reply, inside):
+    from dflash_cli.ui.openai_server import ReasoningStream
+    from dflash_cli.ui.thinking import ThinkingSplitter, split_reply
+
+    reasoning, answer = split_reply(reply, inside)
+    for size in (1, 2, 3, 7):
+        splitter, stream = ThinkingSplitter(inside), ReasoningStream()
+        parts = {True: "", False: ""}
+        for i in range(0, len(reply), size):
+            for thinking, piece in splitter.feed(reply[i:i + size]):
+                parts[thinking] += stream.feed(piece) if thinking else piece
+        for thinking, piece in splitter.flush():
+            parts[thinking] += stream.feed(piece) if thinking else piece
+        assert (parts[True], parts[False]) == (reasoning, answer), size

@@ -100,6 +100,7 @@ class EngineWorker:
         self.counters = Counters()
         self.lock = threading.Lock()
         self.busy = False
+        self.current: Request | None = None
         self.thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
 
     def start(self) -> EngineWorker:
@@ -107,7 +108,9 @@ class EngineWorker:
         return self
 
     def stop(self) -> None:
-        """Cancels what waits and ends the thread after the current request's next step."""
+        """Cancels the running request and what waits; the thread ends after the current step."""
+        if self.current is not None:
+            self.current.cancelled.set()
         while True:
             try:
                 waiting = self.queue.get_nowait()
@@ -115,7 +118,7 @@ class EngineWorker:
                 break
             if waiting is not None:
                 waiting.cancelled.set()
-                waiting.on_event(("error", RuntimeError("the server is shutting down")))
+                _tell(waiting, ("error", RuntimeError("the server is shutting down")))
         self.queue.put(None)
         self.thread.join(timeout=30)
 
@@ -136,13 +139,19 @@ class EngineWorker:
             request = self.queue.get()
             if request is None:
                 return
-            if request.cancelled.is_set():
+            if request.cancelled.is_set():  # its client left while it waited
+                with self.lock:
+                    self.counters.requests += 1
+                    self.counters.cancelled += 1
+                _tell(request, ("done", (None, "", time.time())))
                 continue
-            self.busy = True
+            self.busy, self.current = True, request
             try:
                 self._decode(request)
+            except Exception as error:  # noqa: BLE001 - nothing one request does may stop the worker
+                _tell(request, ("error", error))
             finally:
-                self.busy = False
+                self.busy, self.current = False, None
 
     def _decode(self, request: Request) -> None:
         from dflash_cli.engine.generate import stream_generate
@@ -159,18 +168,27 @@ class EngineWorker:
                     break
                 last = step
                 text, stopped = stopper.feed(step.text)
-                request.on_event(("step", (step, text, "stop" if stopped else None)))
+                _tell(request, ("step", (step, text, "stop" if stopped else None)))
                 if stopped:
                     break
         except Exception as error:  # noqa: BLE001 - every failure goes back to its client, the server goes on
             with self.lock:
                 self.counters.requests += 1
                 self.counters.failed += 1
-            request.on_event(("error", error))
+            _tell(request, ("error", error))
             return
         with self.lock:
             self.counters.requests += 1
             self.counters.cancelled += request.cancelled.is_set()
             if last is not None:
                 self.counters.add(last.stats)
-        request.on_event(("done", (last, stopper.flush(), time.time())))
+        _tell(request, ("done", (last, stopper.flush(), time.time())))
+
+
+def _tell(request: Request, event: tuple[str, Any]) -> None:
+    """Hands an event to the request's callback; a callback that fails (its client's loop is gone)
+    cancels the request, never the worker."""
+    try:
+        request.on_event(event)
+    except Exception:  # noqa: BLE001
+        request.cancelled.set()

@@ -16,7 +16,8 @@ from typing import Any
 from dflash_cli.engine.response import FINISH_STOP, GenerationStats
 
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
-               "response_format", "suffix", "echo", "best_of")
+               "suffix", "echo", "best_of")
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # refused unless neutral
 
 
 class ApiError(Exception):
@@ -62,6 +63,8 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
         content = message.get("content")
+        if content is None:  # an assistant turn that only called tools, say
+            content = ""
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -93,14 +96,23 @@ def parse_request(body: Any, *, chat: bool, defaults: dict[str, Any], max_new_to
             raise ApiError(422, f"'{name}' is not supported by this server yet", param=name, code="unsupported")
     if _number(body, "n", 1, 1_000_000, 1, integer=True) != 1:
         raise ApiError(422, "'n' > 1 is not supported by this server yet", param="n", code="unsupported")
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(422, "'response_format' other than text is not supported by this server yet",
+                       param="response_format", code="unsupported")
+    for name in PENALTIES:
+        neutral = 1.0 if name == "repetition_penalty" else 0.0
+        if _number(body, name, -2, 2 if neutral == 0.0 else 10, neutral) != neutral:
+            raise ApiError(422, f"'{name}' is not supported by this server yet: decoding is lossless, only "
+                                "temperature, top_p and top_k shape it", param=name, code="unsupported")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = body.get(name)
     options = dict(defaults)
     options["max_new_tokens"] = _number({name: limit}, name, 1, max_new_tokens, defaults["max_new_tokens"],
                                         integer=True)
     options["temperature"] = float(_number(body, "temperature", 0, 2, defaults["temperature"]))
     options["top_p"] = float(_number(body, "top_p", 1e-9, 1, defaults["top_p"]))
-    options["top_k"] = _number(body, "top_k", 0, 1 << 31, defaults["top_k"], integer=True)
+    options["top_k"] = max(_number(body, "top_k", -1, 1 << 31, defaults["top_k"], integer=True), 0)  # -1: off
     options["seed"] = _number(body, "seed", -(1 << 63), (1 << 63) - 1, defaults["seed"], integer=True)
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()

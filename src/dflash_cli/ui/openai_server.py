@@ -33,7 +33,7 @@ from dflash_cli.ui.openai_requests import (
     parse_request,
     usage,
 )
-from dflash_cli.ui.thinking import ThinkingSplitter, split_reply
+from dflash_cli.ui.thinking import CLOSE, OPEN, ThinkingSplitter, split_reply
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -108,60 +108,88 @@ async def completions(request: Request, *, chat: bool) -> Response:
             raise ApiError(404, f"the model {body.get('model')!r} is not served here (this server serves "
                                 f"{state.model!r})", param="model", code="model_not_found")
         parsed = parse_request(body, chat=chat, defaults=state.defaults, max_new_tokens=state.max_new_tokens)
-        ids, inside = prompt_ids(state, parsed)
+        ids, inside = encoded(state, parsed)
     except ApiError as e:
         return error_response(e)
     except ClientDisconnect:
         return Response(status_code=499)
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-    job = EngineRequest(ids, parsed.options, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                        stop=parsed.stop)
+    job = EngineRequest(ids, parsed.options, lambda event: None, stop=parsed.stop)
+    job.on_event = deliver(asyncio.get_running_loop(), events, job)
     if not state.worker.submit(job):
         return error_response(ApiError(503, "the server is busy: too many requests are waiting",
                                        kind="server_error", code="queue_full"))
-    shape = ResponseShape(chat, state.model)
+    watcher = asyncio.create_task(watch_disconnect(request, job))
     try:
-        first = await next_event(events, request, job)
+        first = await next_event(events, parsed)
+        if parsed.stream:  # from here the streaming response watches the connection itself
+            watcher.cancel()
+            return StreamingResponse(stream(ResponseShape(chat, state.model), parsed, events, first, job, inside),
+                                     media_type="text/event-stream")
+        return await whole_reply(ResponseShape(chat, state.model), events, first, parsed, inside and chat)
     except ApiError as e:
         return error_response(e)
-    if parsed.stream:
-        return StreamingResponse(stream(shape, parsed, events, first, job, inside), media_type="text/event-stream")
-    return await whole_reply(shape, events, first, request, job, inside and chat)
+    except asyncio.CancelledError:  # the server is shutting down, or the connection was dropped
+        job.cancelled.set()
+        raise
+    finally:
+        watcher.cancel()
 
 
-async def next_event(events: asyncio.Queue, request: Request | None, job: EngineRequest) -> tuple[str, Any]:
-    """The engine's next event; an error event becomes an ApiError, a client gone cancels the request."""
-    while True:
+def deliver(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, job: EngineRequest):
+    """The worker thread's callback for one request: hands events to its handler's loop; a loop that is
+    gone (the server stopped) cancels the request instead of failing on the worker thread."""
+    def on_event(event: tuple[str, Any]) -> None:
         try:
-            event = await asyncio.wait_for(events.get(), timeout=0.5)
-            break
-        except TimeoutError:
-            if request is not None and await request.is_disconnected():
-                job.cancelled.set()
-                raise ApiError(499, "the client went away") from None
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:
+            job.cancelled.set()
+    return on_event
+
+
+async def watch_disconnect(request: Request, job: EngineRequest) -> None:
+    """Cancels the request when its client disconnects (the body is read: the next message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancelled.set()
+            return
+
+
+def encoded(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bool]:
+    """prompt_ids, with a chat template's own refusal (roles out of order, no user turn) as a 400."""
+    try:
+        return prompt_ids(state, parsed)
+    except Exception as e:  # noqa: BLE001 - templates raise what they like (jinja2's errors, TypeError, ...)
+        raise ApiError(400, f"the prompt cannot be built: {type(e).__name__}: {e}",
+                       param="messages" if parsed.chat else "prompt") from None
+
+
+async def next_event(events: asyncio.Queue, parsed: ParsedRequest) -> tuple[str, Any]:
+    """The engine's next event; an error event becomes an ApiError."""
+    event = await events.get()
     if event[0] == "error":
         error = event[1]
         if isinstance(error, DFlashError):
+            if str(error).startswith("the prompt has"):  # longer than the context
+                raise ApiError(400, str(error), param="messages" if parsed.chat else "prompt",
+                               code="context_length_exceeded")
             hint = f" ({error.hint})" if getattr(error, "hint", None) else ""
             raise ApiError(400, f"{error}{hint}")
         raise ApiError(500, f"the engine failed: {type(error).__name__}: {error}", kind="server_error")
     return event
 
 
-async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[str, Any], request: Request,
-                      job: EngineRequest, inside: bool) -> Response:
+async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[str, Any], parsed: ParsedRequest,
+                      inside: bool) -> Response:
     text: list[str] = []
     stopped, last = False, None
-    try:
-        while event[0] == "step":
-            step, piece, stop = event[1]
-            text.append(piece)
-            stopped, last = stopped or stop is not None, step
-            event = await next_event(events, request, job)
-        done_step, rest, _ = event[1]
-    except ApiError as e:
-        return error_response(e)
+    while event[0] == "step":
+        step, piece, stop = event[1]
+        text.append(piece)
+        stopped, last = stopped or stop is not None, step
+        event = await next_event(events, parsed)
+    done_step, rest, _ = event[1]
     last = done_step or last
     text.append(rest)
     reply = "".join(text)
@@ -172,6 +200,35 @@ async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[
     return JSONResponse(shape.whole(answer, reasoning, reason, usage(stats, generated)))
 
 
+class ReasoningStream:
+    """ThinkingSplitter's thinking segments (which carry <think>, </think> and the blank lines around them)
+    as reasoning_content deltas whose concatenation is split_reply's reasoning: the tags and the newlines
+    next to them left out, trailing whitespace held back until more reasoning follows."""
+
+    def __init__(self) -> None:
+        self.started = self.closed = False
+        self.held = ""
+
+    def feed(self, piece: str) -> str:
+        if self.closed:
+            return ""  # the blank lines after </think>
+        final = CLOSE in piece
+        if final:
+            piece, self.closed = piece[: piece.index(CLOSE)], True
+        if not self.started:
+            stripped = piece.lstrip()
+            piece = stripped[len(OPEN):].lstrip("\n") if stripped.startswith(OPEN) else stripped
+            if not piece:
+                return ""
+            self.started = True
+        text, self.held = self.held + piece, ""
+        if final:
+            return text.rstrip("\n")
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return body
+
+
 def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
@@ -180,6 +237,7 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
                  job: EngineRequest, inside: bool) -> AsyncIterator[bytes]:
     """The reply as server-sent events; leaving early (the client went away) cancels the request."""
     splitter = ThinkingSplitter(inside) if shape.chat else None
+    reasoning_text = ReasoningStream()
     stopped, last = False, None
     try:
         if shape.chat:
@@ -194,12 +252,16 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
                 done_step, text, _ = payload
                 last, metrics = done_step or last, None
             for reasoning, piece in (splitter.feed(text) if splitter else [(False, text)]):
-                yield sse(shape.chunk(piece, reasoning=reasoning, metrics=metrics))
+                piece = reasoning_text.feed(piece) if reasoning else piece
+                if piece or metrics is not None:
+                    yield sse(shape.chunk(piece, reasoning=reasoning, metrics=metrics))
             if kind == "done":
                 break
-            event = await next_event(events, None, job)
+            event = await next_event(events, parsed)
         for reasoning, piece in (splitter.flush() if splitter else []):
-            yield sse(shape.chunk(piece, reasoning=reasoning))
+            piece = reasoning_text.feed(piece) if reasoning else piece
+            if piece:
+                yield sse(shape.chunk(piece, reasoning=reasoning))
         stats = last.stats if last is not None else None
         yield sse(shape.chunk(reason=finish_reason(stats.finish_reason if stats else None, stopped)))
         if parsed.include_usage:
@@ -238,7 +300,7 @@ async def metrics(request: Request) -> Response:
     worker = state.worker
     with worker.lock:
         c = worker.counters
-        label = f'model_name="{state.model}"'
+        label = 'model_name="' + state.model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
         lines = [
             ("dflash_requests_total", c.requests), ("dflash_requests_failed_total", c.failed),
             ("dflash_requests_cancelled_total", c.cancelled), ("vllm:num_requests_waiting", worker.queue.qsize()),

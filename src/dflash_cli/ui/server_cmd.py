@@ -20,7 +20,7 @@ INSTALL = "pip install 'dflash-cli[serve]' (starlette and uvicorn)"
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on (0: any free port, printed at start).")
 @click.option("--api-key", envvar="DFLASH_SERVE_API_KEY", show_envvar=True, metavar="KEY",
-              help="Require 'Authorization: Bearer KEY' on every request but /health.")
+              help="Require 'Authorization: Bearer KEY' on every request but /health and /metrics.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests that may wait while one decodes; past it the server answers 503.")
 @common_options
