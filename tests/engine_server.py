@@ -6,7 +6,11 @@
   with `finish_reason`, a usage chunk (empty `choices`) when `stream_options.include_usage`, then
   `data: [DONE]\\n\\n`.
 - kind "sglang": the final chunk also carries SGLang's per-request `meta_info` (spec_verify_ct,
-  spec_accept_length, spec_num_proposed_drafts, spec_num_correct_drafts, completion_tokens).
+  spec_accept_length, spec_num_proposed_drafts, spec_num_correct_drafts, completion_tokens). `sglang_names`
+  picks the counters' names: "current" (those), "older" (spec_draft_token_num, spec_accept_token_num),
+  "no_accepted" (the drafted count only) or "verify_only" (spec_verify_ct alone, as the oldest servers);
+  `sglang_counts` sets (verify steps, drafted, accepted); `sglang_meta_in` puts the meta info at the top
+  level of the final chunk ("top"), in its choice ("choice") or in the usage chunk ("usage").
 - kind "vllm": GET /metrics in Prometheus' text exposition format with vLLM's spec_decode counters, which
   the request advances (per-position counts with a position label).
 - kind "plain": no meta info, /metrics without spec_decode counters.
@@ -44,6 +48,11 @@ class FakeEngine:
     gets: list[str] = field(default_factory=list)
     # what a request does to vLLM's counters: drafts, draft tokens, accepted, accepted per position
     vllm_step: tuple[int, int, int, tuple[int, ...]] = (3, 9, 6, (3, 2, 1))
+    # SGLang's meta info: which counter names, what counts (None: 2 steps, 14 drafted, len(pieces) - 2
+    # accepted), and where in the stream
+    sglang_names: str = "current"
+    sglang_counts: tuple[int, int, int] | None = None
+    sglang_meta_in: str = "top"
     requests: list[dict] = field(default_factory=list)
     client_closed: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
@@ -201,14 +210,7 @@ class FakeEngine:
                 h.wfile.write(b"0\r\n\r\n")
                 h.wfile.flush()
                 return
-            meta = {}
-            if self.kind == "sglang":
-                n = len(self.pieces)
-                meta = {"meta_info": {"id": rid, "finish_reason": {"type": self.finish_reason},
-                                      "prompt_tokens": 12, "completion_tokens": n, "cached_tokens": 0,
-                                      "spec_verify_ct": 2, "spec_accept_length": n / 2,
-                                      "spec_num_proposed_drafts": 14, "spec_num_correct_drafts": n - 2,
-                                      "e2e_latency": 0.05}}
+            meta = self.sglang_meta(rid) if self.kind == "sglang" else None
             if self.kind == "vllm":
                 drafts, tokens, accepted, per_pos = self.vllm_step
                 c = self.counters
@@ -216,13 +218,36 @@ class FakeEngine:
                 c["draft_tokens"] += tokens
                 c["accepted"] += accepted
                 c["per_pos"] = [v + d for v, d in zip(c["per_pos"], per_pos)]
-            send(json.dumps(chunk([{"index": 0, "delta": {}, "logprobs": None,
-                                    "finish_reason": self.finish_reason}], **meta)))
+            last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason}
+            if meta is not None and self.sglang_meta_in == "choice":
+                last["meta_info"] = meta
+            send(json.dumps(chunk([last], **({"meta_info": meta} if meta is not None
+                                              and self.sglang_meta_in == "top" else {}))))
             if (body.get("stream_options") or {}).get("include_usage"):
-                send(json.dumps(chunk([], usage={"prompt_tokens": 12, "completion_tokens": len(self.pieces),
-                                                 "total_tokens": 12 + len(self.pieces)})))
+                usage = {"prompt_tokens": 12, "completion_tokens": len(self.pieces),
+                         "total_tokens": 12 + len(self.pieces)}
+                if meta is not None and self.sglang_meta_in == "usage":
+                    usage.update(meta)
+                send(json.dumps(chunk([], usage=usage)))
             send("[DONE]")
             h.wfile.write(b"0\r\n\r\n")
             h.wfile.flush()
         except (BrokenPipeError, ConnectionResetError, OSError):
             self.client_closed.set()
+
+    def sglang_meta(self, rid: str) -> dict:
+        """SGLang's per-request meta info for a reply of len(pieces) tokens, with the counters' names of
+        `sglang_names`."""
+        n = len(self.pieces)
+        steps, drafted, accepted = self.sglang_counts or (2, 14, n - 2)
+        meta = {"id": rid, "finish_reason": {"type": self.finish_reason}, "prompt_tokens": 12,
+                "completion_tokens": n, "cached_tokens": 0, "spec_verify_ct": steps, "e2e_latency": 0.05}
+        if self.sglang_names != "verify_only":
+            meta["spec_accept_length"] = n / steps if steps else 0.0
+        names = {"current": ("spec_num_proposed_drafts", "spec_num_correct_drafts"),
+                 "older": ("spec_draft_token_num", "spec_accept_token_num"),
+                 "no_accepted": ("spec_num_proposed_drafts", None), "verify_only": (None, None)}[self.sglang_names]
+        for name, value in zip(names, (drafted, accepted)):
+            if name is not None:
+                meta[name] = value
+        return meta

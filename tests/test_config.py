@@ -80,3 +80,50 @@ def test_a_bad_value_exits_2_from_the_file_as_from_the_environment(tmp_path):
     (tmp_path / "config.toml").write_text("")
     from_env = run_cli(["generate", "hi"], {"DFLASH_TEMPERATURE": "-3"}, tmp_path)
     assert from_env.returncode == 2 and "DFLASH_TEMPERATURE" in from_env.stderr
+
+
+# A bad --device, --device-map or --max-memory is only found after parsing (placement.py, device.py); it is still
+# blamed on where it was set: the flag, the DFLASH_* variable, or the config file's path and line.
+SETTINGS = {
+    "max_memory, bad device": ({"max_memory": "x=", "device_map": "auto"}, "unknown device 'x'"),
+    "max_memory, bad size": ({"max_memory": "cpu=14Gx", "device_map": "auto"}, "'14Gx' is not a size"),
+    "max_memory without device_map": ({"max_memory": "cpu=1GiB"}, "applies to a split: it needs --device-map"),
+    "device": ({"device": "tpu"}, "unknown device 'tpu'"),
+}
+
+
+def _set(where: str, values: dict[str, str], tmp_path):
+    """(flags, environment) that set `values` from `where`; the config file is written for 'file'."""
+    (tmp_path / "config.toml").write_text(
+        "".join(f'{k} = "{v}"\n' for k, v in values.items()) if where == "file" else "")
+    flags = [a for k, v in values.items() for a in (f"--{k.replace('_', '-')}", v)] if where == "flag" else []
+    env = {S.ENV[k]: v for k, v in values.items()} if where == "env" else {}
+    return flags, env
+
+
+@pytest.mark.parametrize("where", ["flag", "env", "file"])
+@pytest.mark.parametrize("case", SETTINGS)
+def test_a_bad_setting_is_blamed_on_where_it_was_set(target, tmp_path, where, case):
+    values, message = SETTINGS[case]
+    flags, env = _set(where, values, tmp_path)
+    result = run_cli(["generate", "-m", str(target), *flags, "hi"], env, tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    error, hint = result.stderr.strip().splitlines()
+    assert error.startswith("Error: ") and message in error and hint.startswith("Hint: ")
+    key = next(iter(values))  # the setting at fault
+    flag, var, file = f"--{key.replace('_', '-')}", S.ENV[key], f"config file {tmp_path / 'config.toml'}"
+    named = {"flag": flag in error, "env": var in error, "file": file in error}
+    if key == "device":  # the flag's own error keeps the words it always had: "unknown device 'tpu'"
+        named["flag"] = where == "flag"
+    assert named == {w: w == where for w in named}, error
+    if where == "file":
+        assert f"{file}, line 1: {key} = {values[key]!r}" in error
+
+
+def test_show_blames_a_bad_config_value_on_its_line(target, tmp_path):
+    (tmp_path / "config.toml").write_text('quant = "none"\ndevice_map = "auto"\nmax_memory = "cpu=1GiB,x="\n')
+    result = run_cli(["show", str(target)], {}, tmp_path)
+    assert result.returncode == 2, result.stderr
+    error = result.stderr.strip().splitlines()[0]
+    assert error.startswith(f"Error: config file {tmp_path / 'config.toml'}, line 3: max_memory = 'cpu=1GiB,x='")
+    assert "--max-memory" not in error and "unknown device 'x'" in error

@@ -9,6 +9,7 @@ from conftest import drafter_config, target_config
 
 from dflash_cli.engine.config import DrafterConfig, layer_types
 from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.engine.errors import CheckpointError
 from dflash_cli.engine.hf_format import to_transformers_config
 from dflash_cli.engine.pairing import check_pair
 from dflash_cli.models.plan import plan_memory
@@ -54,8 +55,8 @@ DRAFTERS = {
                                                            max_window_layers=1),
     "use_sliding_window false": _flat(sliding_window=4, use_sliding_window=False),
     "transformers format": _transformers(drafter_config(TARGET, layer_types=["full_attention"] * 2)),
-    "transformers format, no taps or block size": _transformers(
-        drafter_config(TARGET, layers=6, layer_types=["full_attention"] * 6), drop=("target_layer_ids", "block_size")),
+    "transformers format, no block size": _transformers(
+        drafter_config(TARGET, layers=6, layer_types=["full_attention"] * 6), drop=("block_size",)),
 }
 
 
@@ -90,8 +91,20 @@ def test_the_tricky_cases_read_as_documented():
     assert set(read["sliding_window, use_sliding_window absent"].layer_types) == {"full_attention"}
     assert read["use_sliding_window true, max_window_layers 1"].layer_types == ("full_attention", "sliding_attention")
     assert read["transformers format"].tap_layers() == [1, 3, 4]
-    assert read["transformers format, no taps or block size"].tap_layers() == [1, 13, 25, 37, 49]
-    assert read["transformers format, no taps or block size"].block_size == 16
+    assert read["transformers format, no block size"].block_size == 16  # transformers' default, and ours
+
+
+@pytest.mark.parametrize("field", ["target_layer_ids", "mask_token_id"])
+def test_transformers_defaults_are_never_shown_or_run_as_the_checkpoints_own(field):
+    """A transformers-format config without taps or mask id: transformers would fill in Muse-Glimmer-30B's
+    [1, 13, 25, 37, 49] and 201818. `show` says the config names none; the engine refuses it (on this 6-layer
+    target those taps would not even fit, and the pair check blamed the drafter for them)."""
+    raw = _transformers(drafter_config(TARGET, layer_types=["full_attention"] * 2), drop=(field,))
+    shown = config_summary(TARGET, raw)["drafter"]
+    assert shown[field] is None
+    assert [1, 13, 25, 37, 49] not in shown.values() and 201818 not in shown.values()
+    with pytest.raises(CheckpointError, match=f"names no {field}"):
+        check_pair(TARGET, DrafterConfig.from_dict(raw))
 
 
 TARGETS = {

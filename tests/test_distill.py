@@ -103,7 +103,34 @@ def _examples(tiny_target_dir, topk):
     return target, examples, make_head(target.lm_head, None)
 
 
+def reference_block_loss(h, weight, batch, block_size, gamma, distill):
+    """block_loss written out slot by slot from its definition, independent of the trainer's code: slot k
+    (1..B-1) of the block at anchor p predicts x_{p+k} (if inside the sequence) with weight exp(-(k-1)/gamma);
+    its loss is (1 - distill) * cross-entropy + distill * KL(p || q), p = the target's stored top-k
+    distribution of position p+k renormalised over its k ids, q = softmax of the drafter's logits there;
+    the result is the weighted mean over the slots."""
+    total = weights = 0.0
+    n_seq, n_anchors = batch.anchors.shape
+    for i in range(n_seq):
+        for a in range(n_anchors):
+            anchor = int(batch.anchors[i, a])
+            for k in range(1, block_size):
+                pos = anchor + k
+                if pos >= int(batch.lengths[i]):
+                    continue
+                logq = torch.log_softmax(h[i, a * block_size + k].double() @ weight.double().T, dim=-1)
+                cross_entropy = -logq[int(batch.ids[i, pos])]
+                top_p = torch.softmax(batch.top_logp[i, pos].double(), dim=-1)  # renormalised over the top k
+                kl = sum(pj * (torch.log(pj) - logq[int(j)]) for pj, j in zip(top_p, batch.top_ids[i, pos]))
+                w = math.exp(-(k - 1) / gamma)
+                total = total + w * ((1 - distill) * cross_entropy + distill * kl)
+                weights += w
+    return total / weights
+
+
 def test_block_loss_mixes_cross_entropy_and_kl_per_slot(tiny_target_dir):
+    """Each mix of the hard and the distillation loss against reference_block_loss, values and gradients
+    (with respect to the drafter's hidden states, so a detached term shows)."""
     import random
 
     from dflash_cli.train.trainer import block_loss, make_batch
@@ -112,11 +139,23 @@ def test_block_loss_mixes_cross_entropy_and_kl_per_slot(tiny_target_dir):
     drafter = random_drafter(drafter_config(target_config("qwen3"), block_size=4), seed=3).to(DEVICE)
     drafter.init_rotary(torch.device(DEVICE))
     batch = make_batch(examples, 3, 4, random.Random(0), DEVICE)
-    hard, _, _ = block_loss(drafter, target.embed_weight, head, batch, 7.0, None, 0.0)
-    kl, _, _ = block_loss(drafter, target.embed_weight, head, batch, 7.0, None, 1.0)
+    assert batch.top_ids is not None and batch.top_logp is not None
+    # and the last anchor of each sequence two tokens before its end: slot 3 of that block predicts nothing
+    at_end = batch.anchors.clone()
+    at_end[:, -1] = batch.lengths - 2
+    values = {}
+    for which, b in (("random anchors", batch), ("a block past the end", batch._replace(anchors=at_end))):
+        for distill in (0.0, 1.0, 0.25):
+            loss, _, h = block_loss(drafter, target.embed_weight, head, b, 7.0, None, distill)
+            expected = reference_block_loss(h, target.lm_head.weight.detach(), b, 4, 7.0, distill)
+            assert loss.item() == pytest.approx(expected.item(), rel=1e-5), (which, distill)
+            got_grad, = torch.autograd.grad(loss, h, retain_graph=True)
+            want_grad, = torch.autograd.grad(expected, h)
+            torch.testing.assert_close(got_grad, want_grad.to(got_grad.dtype), rtol=1e-4, atol=1e-7)
+            values[which, distill] = loss.item()
+    hard, kl = values["random anchors", 0.0], values["random anchors", 1.0]
+    assert kl > 0 and hard > kl  # a random drafter; the hard label has p = 1
     mixed, _, _ = block_loss(drafter, target.embed_weight, head, batch, 7.0, None, 0.25)
-    assert mixed.item() == pytest.approx(0.75 * hard.item() + 0.25 * kl.item(), rel=1e-5)
-    assert kl.item() > 0 and hard.item() > kl.item()  # a random drafter; the hard label has p = 1
     mixed.backward()
     assert all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.grad is not None)
     no_top = batch._replace(top_ids=None, top_logp=None)
@@ -228,6 +267,48 @@ def test_drafts_come_from_the_draft_vocabulary_only(tmp_path, tiny_target_dir):
     sampled = drafter.draft(context, anchor, 4, 8, drafter.new_cache(), target.embed_weight, target.lm_head,
                             sampler=Sampler(temperature=1.5, seed=3))
     assert set(sampled.tolist()) <= set(vocab_ids.tolist())
+
+
+def test_sampled_drafts_from_a_draft_vocabulary_are_the_samplers_choice_at_each_position(tmp_path, tiny_target_dir):
+    """Coupled drafts over a draft vocabulary (the full-vocabulary twin is in test_sampling.py): the draft
+    for position start+1+i is the sampler's own pick, with that position's noise, from the draft logits
+    scattered to the target's vocabulary (-inf elsewhere). Drafts merely inside the vocabulary, and a
+    lossless output, would not show a draft drawn with another position's noise: only lower acceptance."""
+    from dflash_cli.engine.sampling import Sampler, sampling_probs
+
+    vocab_ids = torch.arange(3, VOCAB, 3)
+    folder = _drafter_with_vocab(tmp_path, vocab_ids)
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    drafter = load_drafter(folder, device=DEVICE, dtype="float32")
+    full = load_drafter(folder, device=DEVICE, dtype="float32")
+    full.draft_vocab = None
+    attach_drafter(target, drafter)
+    context = target.forward(torch.tensor([[5, 9, 30, 41, 17, 23]], device=DEVICE), target.new_cache(), 0,
+                             taps=True)[1]
+    anchor, start, block = torch.tensor([7], device=DEVICE), 6, drafter.block_size
+    _, logits = full.draft_logits(context, anchor, start, block, full.new_cache(), target.embed_weight,
+                                  target.lm_head, None)  # (B-1, V): the drafter's logits over every id
+    scattered = torch.full_like(logits.float(), -torch.inf)
+    scattered[:, vocab_ids] = logits.float()[:, vocab_ids]
+    temperature, top_p = 1.0, 0.95
+    probs = sampling_probs(scattered, temperature, top_p)
+    mismatched_noise = 0
+    for seed in range(6):
+        sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
+        got = drafter.draft(context, anchor, start, block, drafter.new_cache(), target.embed_weight,
+                            target.lm_head, sampler=sampler)
+
+        def pick(first: int) -> list[int]:  # the sampler's choice with the noise of positions first, first+1, ..
+            noise = torch.stack([-torch.log(-torch.log(sampler.uniform(first + i, VOCAB, probs.device)))
+                                 for i in range(len(probs))])
+            return (probs.log() + noise).argmax(-1).tolist()
+
+        want = pick(start + 1)  # slot 1 drafts the token at position start + 1
+        assert got.tolist() == want, seed
+        for neighbour in (start, start + 2):
+            mismatched_noise += sum(a != b for a, b in zip(want, pick(neighbour)))
+    # the check can see a draft drawn with a neighbouring position's noise: those picks differ often
+    assert mismatched_noise >= 10
 
 
 @pytest.mark.parametrize("fast", [False, True])

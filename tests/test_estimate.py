@@ -12,7 +12,7 @@ import torch
 from conftest import DEVICE, drafter_config, save_random_drafter, target_config
 
 from dflash_cli.engine.load import attach_drafter, load_drafter, load_target
-from dflash_cli.train.data import Example
+from dflash_cli.train.data import Example, load_examples
 from dflash_cli.train.estimate import accepted_runs, first_tokens, replay, replay_tau
 from dflash_cli.train.trainer import TrainConfig, evaluate, make_head
 
@@ -40,6 +40,23 @@ def _engine_drafts(drafter, target, features, ids, p):
     anchor = ids[p : p + 1]
     return drafter.draft(features[None, :p].float(), anchor, p, drafter.block_size, drafter.new_cache(),
                          target.embed_weight, target.logits_head)
+
+
+def _walked_tau(drafter, target, example):
+    """tau of greedy speculative decoding along a stored reply, step by step with the engine's drafts: at
+    anchor p the leading drafts equal to the reply are accepted, plus the target's own token, never past
+    the reply's end (bench's default 128 tokens are more than these replies hold)."""
+    ids, features = example.ids.to(DEVICE), example.features.to(DEVICE)
+    assert len(ids) - example.prompt_len <= 128
+    p, tokens, steps = example.prompt_len, 0, 0
+    while p < len(ids) - 1:
+        drafts = _engine_drafts(drafter, target, features, ids, p).tolist()
+        accepted = 0
+        while accepted < len(drafts) and p + 1 + accepted < len(ids) and drafts[accepted] == ids[p + 1 + accepted]:
+            accepted += 1
+        committed = min(accepted + 1, len(ids) - 1 - p)
+        tokens, steps, p = tokens + committed, steps + 1, p + committed
+    return tokens / steps
 
 
 @pytest.mark.parametrize("with_draft_vocab", [False, True])
@@ -130,7 +147,7 @@ def test_cli_train_prints_the_estimate_per_prompt_set(tmp_path, tiny_target_dir)
     from dflash_cli.ui.cli import cli
 
     result = CliRunner().invoke(cli, ["train", "-m", str(tiny_target_dir), "-o", str(tmp_path / "d"),
-                                      "--prompts", "mix:40", "--steps", "2", "--block-size", "4",
+                                      "--prompts", "mix:50", "--steps", "2", "--block-size", "4",
                                       "--anchors", "4", "--max-new-tokens", "10", "--device", DEVICE,
                                       "--dtype", "float32", "--taps", "1,4"])
     assert result.exit_code == 0, result.output
@@ -138,9 +155,25 @@ def test_cli_train_prints_the_estimate_per_prompt_set(tmp_path, tiny_target_dir)
     by_set = training["heldout_tau_by_set"]
     from dflash_cli.train.prompt_sets import resolve_prompts_with_categories
 
-    held = [resolve_prompts_with_categories("mix:40")[1][i] for i in (9, 19, 29, 39)]  # split_heldout's picks
+    categories = resolve_prompts_with_categories("mix:50")[1]
+    held_ids = (9, 19, 29, 39, 49)  # split_heldout's picks: 2 code prompts, 3 math ones
+    held = [categories[i] for i in held_ids]
     assert set(by_set) == set(held)
-    assert min(by_set.values()) <= training["heldout_tau"] <= max(by_set.values())
+    # The figures themselves, recomputed independently: greedy speculative decoding walked along each
+    # held-out reply the run stored, with the drafter it saved drafting as the engine does (draft() on a
+    # fresh cache at each anchor), macro-averaged per reply, then per set.
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    drafter = load_drafter(tmp_path / "d", device=DEVICE, dtype="float32")
+    attach_drafter(target, drafter)
+    stored = load_examples(tmp_path / "d" / "data")
+    taus: dict[str, list[float]] = {}
+    for i in held_ids:
+        if i in stored and len(stored[i].ids) - stored[i].prompt_len >= 2:  # what training holds out
+            taus.setdefault(categories[i], []).append(_walked_tau(drafter, target, stored[i]))
+    assert training["heldout_sequences"] == sum(len(v) for v in taus.values()) >= 4
+    assert by_set == {name: pytest.approx(sum(v) / len(v)) for name, v in taus.items()}
+    every = [t for v in taus.values() for t in v]
+    assert training["heldout_tau"] == pytest.approx(sum(every) / len(every))  # over replies, not over sets
     shown = re.search(r"held-out acceptance estimate tau (\d\.\d\d)((?:, \w+ \d\.\d\d)+) \(greedy, full blocks",
                       result.output)
     assert shown and shown.group(1) == f"{training['heldout_tau']:.2f}"

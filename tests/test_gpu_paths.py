@@ -393,3 +393,20 @@ def test_compiling_the_target_compiles_the_drafter_too(tiny_models, monkeypatch)
     forward = enable_fast_path(pair.target, pair.drafter, "on", 400, bnb_quant=None)
     assert "drafter compiled" in forward and pair.drafter.static_draft is not None
     assert generate(pair.target, pair.drafter, random_prompt(20), max_new_tokens=30, stop_ids=[]).tokens == plain
+
+
+def test_a_compiling_load_says_so_on_a_pipe_too(tmp_path, monkeypatch):
+    """Compiling took minutes (a hybrid target: 217 s) under nothing but the 'Loading' spinner, and without
+    a word on a pipe; the load now names the step."""
+    from click.testing import CliRunner
+    from conftest import save_tiny_pair
+
+    from dflash_cli.engine import compile as compile_module
+    from dflash_cli.ui.cli import cli
+
+    target, drafter = save_tiny_pair(tmp_path)
+    monkeypatch.setattr(compile_module, "compiler_for", lambda device: ShapeRecorder())
+    result = CliRunner().invoke(cli, ["generate", "-m", str(target), "--draft", str(drafter), "--compile", "on",
+                                      "-n", "4", "hi"])
+    assert result.exit_code == 0, result.stderr
+    assert "Compiling the decode and verify forwards" in result.stderr

@@ -151,3 +151,20 @@ def test_what_their_format_cannot_express_is_refused(tmp_path):
                                            use_sliding_window=True))  # sliding layers causal: the z-lab rule
     with pytest.raises(InvalidSettingError, match="causal"):
         save_drafter(causal, tmp_path / "b", format="transformers")
+
+
+@pytest.mark.parametrize("field", ["target_layer_ids", "mask_token_id"])
+def test_a_drafter_without_its_taps_or_mask_id_is_refused_not_given_transformers_defaults(both, tmp_path, field):
+    """transformers fills in Muse-Glimmer-30B's taps [1, 13, 25, 37, 49] and mask id 201818 when these are
+    absent: values of one model, not this drafter's. Such a folder is refused by name, with the fix; on a
+    target those taps would not even fit (layer 49 of 6), the drafter is not blamed for taps it never had."""
+    folder = shutil.copytree(both[1], tmp_path / "theirs")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg[field]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    target = save_target(tmp_path / "t", target_config(), seed=1)
+    with pytest.raises(CheckpointError, match=rf"config\.json: .*names no {field}") as error:
+        load_pair(target, folder, device="cpu", dtype="float32")
+    assert "transformers would fill in" in error.value.hint and f'"{field}"' in error.value.hint
+    with pytest.raises(CheckpointError, match=f"names no {field}"):
+        DrafterConfig.from_dict(cfg)

@@ -178,6 +178,40 @@ def test_interrupted_verify_then_continue(pair):
     assert got and got + more.tokens == hf_greedy(pair.target, prompt, len(got) + 10)
 
 
+def test_compiled_greedy_speculation_equals_transformers_generate(tmp_path, tmp_path_factory):
+    """The fast path's short forwards compiled by inductor (CPU) on a hybrid target: the Gated DeltaNet
+    layers traced whole (fullgraph), their state records returned from the compiled call and settled after
+    it, partial acceptances rolling the state back. The reply ends on a stop token, never on the length
+    limit, so every verify is a full block of 8 and one shape is compiled (each costs tens of seconds
+    here); greedy output equals transformers' own greedy generate."""
+    import os
+
+    from dflash_cli.engine.compile import compiler_for
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    target = save_hybrid_target(tmp_path / "target", seed=3)
+    drafter = save_random_drafter(tmp_path / "drafter", drafter_config(dict(hidden_size=64, vocab_size=160,
+                                                                             num_hidden_layers=4), taps=(0, 2, 3)),
+                                  seed=2)
+    compiled = load_pair(target, drafter, device="cpu", dtype="float32")
+    notes: list[str] = []
+    assert compiled.target.enable_fast_path(400, pad_to=8, compile_step=compiler_for(torch.device("cpu")),
+                                            on_fallback=notes.append) is None
+    prompt = prompts(1, seed=1, longest=40)[0]  # a varied reply (many of this model's settle on one token)
+    reference = hf_greedy(compiled.target, prompt, 60)
+    # a stop token whose first occurrence leaves at least a full block of budget at every step before it
+    end = next(i for i in range(45, 19, -1) if reference[i] not in reference[:i])
+    expected = reference[: end + 1]
+    for drafter_used in (compiled.drafter, oracle(compiled, prompt, 0.6, seed=3)):
+        got = generate(compiled.target, drafter_used, prompt, max_new_tokens=60, stop_ids=[reference[end]],
+                       block_size=8, adaptive=False)
+        assert got.tokens == expected
+        assert got.stats.steps > 1
+    assert 1.3 < got.stats.acceptance_length < 8  # the oracle's partial acceptances rolled the state back
+    assert notes == [] and compiled.target.fast_compiled
+    assert list(compiled.target.fast._compiled) == [True]  # the verify forward (with taps) ran compiled
+
+
 def test_transformers_forward_is_refused_for_hybrids(pair):
     target = pair.target
     fast = target.fast

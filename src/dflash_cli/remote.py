@@ -8,7 +8,10 @@ Acceptance statistics come from what the server reports, and from nothing else:
 - SGLang's per-request `meta_info` (`spec_verify_ct`: verify steps; `spec_num_proposed_drafts` /
   `spec_num_correct_drafts` or the older `spec_draft_token_num` / `spec_accept_token_num`), read from a
   stream chunk that carries it (at the top level, in a choice, or in `usage`);
-- vLLM's Prometheus counters on /metrics (`vllm:spec_decode_num_drafts_total`,
+- this request's own `usage.metrics.speculative_decoding` in the final usage chunk (`dflash-cli serve`,
+  and vLLM with per-request metrics): `num_spec_steps`, `num_draft_tokens`, `num_accepted_draft_tokens`,
+  `num_accepted_tokens_per_pos`;
+- as a fallback, vLLM's Prometheus counters on /metrics (`vllm:spec_decode_num_drafts_total`,
   `vllm:spec_decode_num_draft_tokens_total`, `vllm:spec_decode_num_accepted_tokens_total`,
   `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`), read before and after the request and
   differenced. They are server-wide: other clients' requests in the same interval are counted too.
@@ -32,6 +35,8 @@ CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 600.0  # a long prompt's prefill on a busy server; Ctrl-C ends a wait sooner
 MODELS_TIMEOUT = 30.0  # listing the models is instant on a live server: a hung one is said within this
 METRICS_TIMEOUT = 2.0  # the statistics give up quickly, and are not asked for again after a failure
+# a timeout given (--timeout, DFLASH_TIMEOUT) replaces READ_TIMEOUT and MODELS_TIMEOUT, and caps CONNECT_TIMEOUT
+TIMEOUT_HINT = "raise --timeout (DFLASH_TIMEOUT) for a long prompt on a busy server"
 
 
 class RemoteError(DFlashError):
@@ -121,19 +126,30 @@ def status_error(url: str, response: Any, model: str | None = None, models: list
     return RemoteError(f"the engine at {url} answered {code} {response.reason_phrase}" + said)
 
 
-def transport_error(url: str, error: Exception, *, streaming: bool = False) -> RemoteError:
+def transport_error(url: str, error: Exception, *, streaming: bool = False,
+                    timeout: Any = None) -> RemoteError:
+    """One clear error for a failed connection or request; `timeout` (an httpx2.Timeout) names the wait."""
     import httpx2
 
     if isinstance(error, httpx2.ConnectError):
         return RemoteError(f"cannot connect to the engine at {url}: {_reason(error)}",
                            hint="is the server running there? check --engine (or DFLASH_ENGINE)")
+    if isinstance(error, httpx2.ConnectTimeout):
+        within = f" within {seconds(timeout.connect)}" if timeout is not None else ""
+        return RemoteError(f"cannot connect to the engine at {url}: no answer{within}",
+                           hint="is the server running there, and reachable (a firewall, a VPN)?")
     if isinstance(error, httpx2.TimeoutException):
-        return RemoteError(f"the engine at {url} did not answer in time ({type(error).__name__})",
-                           hint="the server may be overloaded; see its log")
+        within = f"within {seconds(timeout.read)}" if timeout is not None else "in time"
+        return RemoteError(f"the engine at {url} did not answer {within} ({type(error).__name__})",
+                           hint=f"the server may be overloaded (see its log); {TIMEOUT_HINT}")
     if streaming:
         return RemoteError(f"the engine at {url} cut the stream off before the reply ended ({_reason(error)})",
                            hint="the server's log has the cause; the text received so far was kept")
     return RemoteError(f"the connection to the engine at {url} failed: {_reason(error)}")
+
+
+def seconds(value: float) -> str:
+    return f"{value:g} s"
 
 
 def _reason(error: Exception) -> str:
@@ -225,8 +241,10 @@ class Counters:
     completion_tokens: int | None = None
     finish_reason: str | None = None
     meta: dict[str, Any] | None = None
+    request_spec: dict[str, Any] | None = None  # usage.metrics.speculative_decoding (dflash-cli serve, vLLM)
     metrics: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    reasoning: bool = False  # inside reasoning sent apart from the content (a server's reasoning parser)
 
     def stats(self, final: bool = True) -> GenerationStats:
         """The figures so far; before the end (`final` False) the server has reported nothing yet."""
@@ -246,6 +264,14 @@ class Counters:
             # each verify step commits its accepted drafts plus one token of the target's own
             accepted = int(accepted) if accepted is not None else max(generated - 1 - steps, 0)
             block = 2
+        elif self.request_spec is not None:
+            reported = True
+            spec = self.request_spec
+            steps, drafted = int(spec.get("num_spec_steps") or 0), int(spec.get("num_draft_tokens") or 0)
+            accepted = int(spec.get("num_accepted_draft_tokens") or 0)
+            pos_accepted = tuple(int(n) for n in spec.get("num_accepted_tokens_per_pos") or ())
+            pos_drafted = (steps,) * len(pos_accepted)
+            block = int(spec.get("block_size") or len(pos_accepted) + 1)
         elif self.metrics is not None:
             reported = True
             steps = int(self.metrics.get(VLLM_DRAFTS, 0))
@@ -286,7 +312,10 @@ class RemoteRuntime:
     pair = None
     load_seconds = 0.0
 
-    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, transport: Any = None):
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, transport: Any = None,
+                 timeout: float | None = None):
+        """`timeout`: seconds to wait for the server (its model list, each part of a reply, the first token
+        included), in the place of READ_TIMEOUT and MODELS_TIMEOUT; None keeps those."""
         import httpx2
 
         connect_to = engine_url(url)
@@ -294,8 +323,13 @@ class RemoteRuntime:
         if api_key:
             check_api_key(api_key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx2.Client(base_url=connect_to, headers=headers, transport=transport,
-                                    timeout=httpx2.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT))
+        if timeout is not None and not 0 < timeout < float("inf"):
+            raise InvalidSettingError(f"--timeout {timeout!r} is not a number of seconds above 0",
+                                      hint=f"for example --timeout {READ_TIMEOUT:g}")
+        read = READ_TIMEOUT if timeout is None else timeout
+        self.timeout = httpx2.Timeout(read, connect=min(CONNECT_TIMEOUT, read))
+        self.models_timeout = MODELS_TIMEOUT if timeout is None else timeout
+        self.client = httpx2.Client(base_url=connect_to, headers=headers, transport=transport, timeout=self.timeout)
         self.metrics_failed = False
         started = time.perf_counter()
         self.models = self._models()
@@ -313,18 +347,23 @@ class RemoteRuntime:
         try:
             return self.client.get(path, **kwargs)
         except httpx2.TransportError as e:
-            raise transport_error(self.url, e) from None
+            raise transport_error(self.url, e, timeout=self.timeout) from None
 
     def _models(self) -> list[str]:
         import httpx2
 
         try:
-            response = self.client.get("/v1/models", timeout=MODELS_TIMEOUT)
+            wait = httpx2.Timeout(self.models_timeout, connect=self.timeout.connect)
+            response = self.client.get("/v1/models", timeout=wait)
+        except httpx2.ConnectTimeout as e:
+            raise transport_error(self.url, e, timeout=self.timeout) from None
         except httpx2.TimeoutException:
-            raise RemoteError(f"the engine at {self.url} did not list its models within {MODELS_TIMEOUT:.0f} s",
-                              hint="the server may still be starting or be hung; see its log") from None
+            raise RemoteError(f"the engine at {self.url} did not list its models within "
+                              f"{seconds(self.models_timeout)}",
+                              hint="the server may still be starting or be hung (see its log); "
+                                   "a slow one needs a higher --timeout (DFLASH_TIMEOUT)") from None
         except httpx2.TransportError as e:
-            raise transport_error(self.url, e) from None
+            raise transport_error(self.url, e, timeout=self.timeout) from None
         if response.status_code != 200:
             raise status_error(self.url, response)
         try:
@@ -403,12 +442,12 @@ class RemoteRuntime:
                     if step is not None:
                         yield step
         except httpx2.TransportError as e:
-            raise transport_error(self.url, e, streaming=True) from None
+            raise transport_error(self.url, e, streaming=True, timeout=self.timeout) from None
         if not done and counters.finish_reason is None:
             raise RemoteError(f"the engine at {self.url} cut the stream off before the reply ended "
                               f"({counters.chunks} chunk(s) received)",
                               hint="the server's log has the cause; the text received so far was kept")
-        if counters.meta is None:
+        if counters.meta is None and counters.request_spec is None:  # the server-wide counters, as a fallback
             counters.metrics = counter_delta(before, self.spec_counters())
         stats = counters.stats()
         yield Step(tokens=(), text="", pieces=(), drafted=stats.drafted, accepted=stats.accepted, from_draft=(),
@@ -423,6 +462,30 @@ class RemoteRuntime:
         wanted = " or ".join(k.__name__ for k in kinds)
         raise RemoteError(f"the engine at {self.url} sent a stream chunk whose {chunk_field} is {shown}, not {wanted}",
                           hint="the server is not speaking OpenAI's streaming format; the text so far was kept")
+
+    def _request_spec(self, usage: dict[str, Any]) -> dict[str, Any] | None:
+        """This request's own speculative statistics, `usage.metrics.speculative_decoding` (dflash-cli serve,
+        vLLM with per-request metrics), checked field by field; None when the server sends none."""
+        metrics = self._field("usage.metrics", usage.get("metrics"), dict)
+        spec = self._field("usage.metrics.speculative_decoding", (metrics or {}).get("speculative_decoding"), dict)
+        if spec is None:
+            return None
+        for key in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "block_size"):
+            self._field(f"usage.metrics.speculative_decoding.{key}", spec.get(key), int)
+        per = self._field("usage.metrics.speculative_decoding.num_accepted_tokens_per_pos",
+                          spec.get("num_accepted_tokens_per_pos"), list) or []
+        for n in per:
+            self._field("usage.metrics.speculative_decoding.num_accepted_tokens_per_pos[i]", n, int, optional=False)
+        return spec
+
+    def _reasoning(self, delta: dict[str, Any]) -> str:
+        """The reasoning a server's reasoning parser sends apart: `reasoning` (vLLM 0.11 and later) or
+        `reasoning_content` (older vLLM, SGLang)."""
+        for name in ("reasoning", "reasoning_content"):
+            value = self._field(f"choices[i].delta.{name}", delta.get(name), str)
+            if value:
+                return value
+        return ""
 
     def _chunk(self, data: str, counters: Counters) -> Step | None:
         try:
@@ -444,6 +507,7 @@ class RemoteRuntime:
             completion = self._field("usage.completion_tokens", usage.get("completion_tokens"), int)
             if completion is not None:
                 counters.completion_tokens = completion
+            counters.request_spec = self._request_spec(usage) or counters.request_spec
         meta = find_meta_info(chunk)
         if meta is not None:
             for key, value in meta.items():
@@ -455,8 +519,7 @@ class RemoteRuntime:
             self._field("choices[i]", choice, dict, optional=False)
             delta = self._field("choices[i].delta", choice.get("delta"), dict) or {}
             content = self._field("choices[i].delta.content", delta.get("content"), str) or ""
-            # a lone UTF-16 surrogate (JSON "\ud800" with no pair) cannot be printed or saved: U+FFFD instead
-            text += _LONE_SURROGATE.sub("\ufffd", content)
+            text += _with_reasoning(counters, self._reasoning(delta), content)
             finish = self._field("choices[i].finish_reason", choice.get("finish_reason"), str)
             if finish:
                 counters.finish_reason = finish
@@ -471,14 +534,32 @@ class RemoteRuntime:
                     draft_seconds=0.0, verify_seconds=0.0, stats=stats)
 
 
+def _with_reasoning(counters: Counters, reasoning: str, content: str) -> str:
+    """The text of one delta: reasoning sent apart goes back between <think> tags, as the model wrote it, so
+    it is shown, hidden and split like a local model's. A lone UTF-16 surrogate (JSON "\\ud800" with no
+    pair) cannot be printed or saved: U+FFFD instead."""
+    text = ""
+    if reasoning:
+        if not counters.reasoning:
+            text += "<think>" if reasoning.startswith("\n") else "<think>\n"
+            counters.reasoning = True
+        text += reasoning
+    if content and counters.reasoning:
+        text += "</think>" if content.startswith("\n") else "</think>\n\n"
+        counters.reasoning = False
+    return _LONE_SURROGATE.sub("\ufffd", text + content)
+
+
 @dataclass
 class RemoteConversation(ChatHistory):
-    """A chat answered by a remote engine; the server's template decides reply_in_thinking (None: its text
-    is printed as it comes)."""
+    """A chat answered by a remote engine (the server applies its own chat template)."""
 
     runtime: RemoteRuntime
 
     def _respond(self, settings: Any) -> Iterator[Step]:
+        # The server's chat template is not known here: a reply that opens with <think> (Qwen3, DeepSeek-R1
+        # without the server's reasoning parser) is told apart as for a local model, anything else is answer.
+        self.reply_in_thinking = False
         sent = ([{"role": "system", "content": self.system}] if self.system else []) + list(self.messages)
         return self._kept(self.runtime.stream_chat(sent, settings))
 

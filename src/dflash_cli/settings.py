@@ -44,6 +44,7 @@ ENV = {
     "compile": "DFLASH_COMPILE",
     "hide_thinking": "DFLASH_HIDE_THINKING",
     "engine": "DFLASH_ENGINE",
+    "timeout": "DFLASH_TIMEOUT",
     "device_map": "DFLASH_DEVICE_MAP",
     "max_memory": "DFLASH_MAX_MEMORY",
 }
@@ -89,7 +90,7 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "model": str, "draft": str, "quant": str, "dtype": str, "device": str, "max_tokens": int,
     "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
     "system": str, "color": str, "provenance": bool, "max_context": int, "compile": str,
-    "hide_thinking": bool, "engine": str, "device_map": str, "max_memory": str,
+    "hide_thinking": bool, "engine": str, "device_map": str, "max_memory": str, "timeout": (int, float),
 }
 
 
@@ -120,7 +121,7 @@ class Config:
         """click's default_map: config values become option defaults (flags and env vars still win)."""
         model_keys = {k: v for k, v in self.values.items()
                       if k in ("model", "draft", "quant", "dtype", "device", "max_context", "block_size", "color",
-                               "compile", "engine", "device_map", "max_memory")}
+                               "compile", "engine", "device_map", "max_memory", "timeout")}
         return {"generate": dict(self.values), "chat": dict(self.values), "bench": model_keys}
 
 

@@ -24,8 +24,15 @@ HF_MODEL_TYPE = "muse_glimmer_assistant"
 HF_ARCHITECTURE = "MuseGlimmerAssistantModel"
 _HF_TOP_LEVEL = ("block_size", "mask_token_id", "target_layer_ids")
 _HF_DEFAULT_THETA = 500000.0  # MuseGlimmerAssistantConfig.default_theta
-_HF_DEFAULT_TAPS = [1, 13, 25, 37, 49]  # what MuseGlimmerAssistantConfig fills in when the field is absent
+# What MuseGlimmerAssistantConfig fills in when these fields are absent: Muse-Glimmer-30B's values, wrong for a
+# drafter of any other target (its taps, its vocabulary). Never used: a config without them is refused.
+_HF_DEFAULT_TAPS = [1, 13, 25, 37, 49]
 _HF_DEFAULT_MASK_ID = 201818
+# the fields a transformers-format drafter must name itself, and what its config.json should then say
+_HF_REQUIRED = {
+    "target_layer_ids": ('the target layers it was trained to read ("target_layer_ids": [...])', _HF_DEFAULT_TAPS),
+    "mask_token_id": ('the mask token id it was trained with ("mask_token_id": N)', _HF_DEFAULT_MASK_ID),
+}
 
 # The fast path reads a prompt in pieces of at most this many tokens (DecodeState.prefill), so its attention mask
 # and MLP intermediates stay this size however long the prompt; the memory planner (models/sizes.py)
@@ -71,12 +78,19 @@ def is_transformers_config(raw: dict[str, Any]) -> bool:
 
 
 def from_transformers_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """A muse_glimmer_assistant config.json as the equivalent config in our (z-lab) format."""
+    """A muse_glimmer_assistant config.json as the equivalent config in our (z-lab) format.
+
+    Taps and mask id are carried only when the config names them: transformers' defaults for them are one
+    model's (Muse-Glimmer-30B), so an absent one stays absent (None to every reader, refused by
+    DrafterConfig.from_dict) instead of being shown or run as if the checkpoint said it."""
     ours = {k: v for k, v in raw.items() if k not in _HF_TOP_LEVEL}
     ours.update(architectures=["DFlashDraftModel"], model_type="qwen3", is_causal=False, attention_bias=False)
-    ours["dflash_config"] = {"mask_token_id": raw.get("mask_token_id", _HF_DEFAULT_MASK_ID),
-                             "target_layer_ids": list(raw.get("target_layer_ids") or _HF_DEFAULT_TAPS),
-                             "block_size": raw.get("block_size", DEFAULT_BLOCK_SIZE)}
+    dflash: dict[str, Any] = {"block_size": raw.get("block_size", DEFAULT_BLOCK_SIZE)}  # 16: also the z-lab default
+    if raw.get("mask_token_id") is not None:
+        dflash["mask_token_id"] = raw["mask_token_id"]
+    if raw.get("target_layer_ids") is not None:
+        dflash["target_layer_ids"] = list(raw["target_layer_ids"])
+    ours["dflash_config"] = dflash
     if not raw.get("rope_parameters") and raw.get("rope_theta") is None:
         ours["rope_parameters"] = {"rope_type": "default", "rope_theta": _HF_DEFAULT_THETA}
     ours.setdefault("layer_types", ["sliding_attention"] * int(raw.get("num_hidden_layers", 5)))
@@ -157,6 +171,13 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
         source_format = "transformers" if is_transformers_config(raw) else "dflash"
+        if source_format == "transformers":
+            for key, (fix, default) in _HF_REQUIRED.items():
+                if raw.get(key) is None:
+                    raise CheckpointError(
+                        f"{source}: this transformers-format drafter ({HF_MODEL_TYPE}) names no {key}",
+                        hint=f"transformers would fill in {default}, Muse-Glimmer-30B's value, not necessarily "
+                             f"this drafter's: add {fix} to its config.json")
         raw = drafter_dict(raw)
         architectures = raw.get("architectures") or ["DFlashDraftModel"]
         if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:

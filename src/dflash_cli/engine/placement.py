@@ -7,7 +7,7 @@ Which layer goes where is planned by models/split.py (pure arithmetic); this mod
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -21,12 +21,48 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
 MAX_MEMORY_HINT = "write DEVICE=SIZE pairs separated by commas, e.g. 0=14GiB,1=14GiB,cpu=30GiB"
 
 
+class SettingError(InvalidSettingError):
+    """A bad --device, --device-map or --max-memory value, or a bad combination of them.
+
+    The message is a template in which {device}, {device_map} and {max_memory} stand for the settings at fault,
+    the first of `settings` being the one to fix. Raised, it reads with the flags' names (`flag_message`
+    instead, where given: the words a flag has always had). The command line, which alone knows where each
+    value came from, renders it naming the flag, the DFLASH_* variable or the config file's line (ui/common.py).
+    """
+
+    def __init__(self, template: str, hint: str | None = None, *, settings: tuple[str, ...],
+                 flag_message: str | None = None):
+        self.template, self.settings = template, settings
+        super().__init__(flag_message or self.render(lambda key, _first: "--" + key.replace("_", "-")), hint)
+
+    def render(self, label: Callable[[str, bool], str]) -> str:
+        """The message with each setting named by `label(key, is_the_one_to_fix)`."""
+        out = self.template
+        for key in self.settings:
+            out = out.replace("{" + key + "}", label(key, key == self.settings[0]), 1)  # not in the values quoted
+        return out
+
+
+def check_device(device: str | None) -> None:
+    """--device names a device this machine has (or auto); as pick_device, with the setting named."""
+    if device in (None, "", "auto"):
+        return
+    from dflash_cli.engine.device import pick_device
+
+    try:
+        pick_device(device)
+    except InvalidSettingError as error:
+        raise SettingError("{device}: " + str(error), error.hint, settings=("device",),
+                           flag_message=str(error)) from None
+
+
 def check_strategy(value: str | None) -> str | None:
     """None (one device, as without the option) or auto/balanced/sequential."""
     if value is None or value in ("", "none"):
         return None
     if value not in STRATEGIES:
-        raise InvalidSettingError(f"unknown device map {value!r}", hint=f"use none, {', '.join(STRATEGIES)}")
+        raise SettingError(f"{{device_map}}: unknown device map {value!r}", hint=f"use none, {', '.join(STRATEGIES)}",
+                           settings=("device_map",), flag_message=f"unknown device map {value!r}")
     return value
 
 
@@ -48,20 +84,24 @@ def parse_max_memory(text: str | None) -> dict[str, int]:
         key, sep, size = item.partition("=")
         key = key.strip().lower()
         if not sep or not key:
-            raise InvalidSettingError(f"--max-memory: {item.strip()!r} is not DEVICE=SIZE", hint=MAX_MEMORY_HINT)
+            raise _memory_error(f"{item.strip()!r} is not DEVICE=SIZE", MAX_MEMORY_HINT)
         name = f"cuda:{key}" if key.isdigit() else "cuda:0" if key == "cuda" else key
         if not (re.fullmatch(r"cuda:\d+", name) or name in ("cpu", "disk", "mps")):
-            raise InvalidSettingError(f"--max-memory: unknown device {key!r}",
-                                      hint="devices are GPU indices (0, 1, ..), cuda:N, mps, cpu or disk")
+            raise _memory_error(f"unknown device {key!r}",
+                                "devices are GPU indices (0, 1, ..), cuda:N, mps, cpu or disk")
         try:
             out[name] = parse_size(size)
         except ValueError:
-            raise InvalidSettingError(f"--max-memory: {size.strip()!r} is not a size",
-                                      hint="sizes are numbers with a unit: 14GiB, 500MiB, 16GB") from None
+            raise _memory_error(f"{size.strip()!r} is not a size",
+                                "sizes are numbers with a unit: 14GiB, 500MiB, 16GB") from None
         if out[name] <= 0:
-            raise InvalidSettingError(f"--max-memory: {key}={size.strip()} leaves no memory",
-                                      hint="give a positive size, or leave the device out")
+            raise _memory_error(f"{key}={size.strip()} leaves no memory",
+                                "give a positive size, or leave the device out")
     return out
+
+
+def _memory_error(detail: str, hint: str) -> SettingError:
+    return SettingError("{max_memory}: " + detail, hint, settings=("max_memory",))
 
 
 def _present() -> list[str]:
@@ -83,12 +123,12 @@ def device_budgets(max_memory: dict[str, int]) -> list[tuple[str, int | None]]:
         missing = [d for d in max_memory if d not in gpus + ["cpu", "disk"]]
         if missing:
             here = ", ".join(gpus) if gpus else "no GPU"
-            raise InvalidSettingError(f"--max-memory names {missing[0]}, which is not here ({here})",
-                                      hint="name only the devices present, plus cpu and disk")
+            raise SettingError(f"{{max_memory}} names {missing[0]}, which is not here ({here})",
+                               hint="name only the devices present, plus cpu and disk", settings=("max_memory",))
         order = [d for d in gpus + ["cpu", "disk"] if d in max_memory]
         if order == ["disk"]:
-            raise InvalidSettingError("--max-memory names only disk: a model cannot run from disk alone",
-                                      hint="add a GPU or cpu, e.g. cpu=30GiB,disk=100GiB")
+            raise SettingError("{max_memory} names only disk: a model cannot run from disk alone",
+                               hint="add a GPU or cpu, e.g. cpu=30GiB,disk=100GiB", settings=("max_memory",))
         return [(d, max_memory[d]) for d in order]
     out: list[tuple[str, int | None]] = [(d, free_memory(torch.device(d))) for d in gpus]
     out.append(("cpu", free_memory(torch.device("cpu"))))
@@ -140,14 +180,17 @@ def offloaded(model: nn.Module) -> bool:
 
 def resolve_split(device: str | None, device_map: str | None,
                   max_memory: str | dict[str, int] | None) -> tuple[str, list[tuple[str, int | None]]] | None:
-    """Checks --device-map, --max-memory and --device together, before any weights load: None for one
-    device (as without the options), else (strategy, the devices with their bytes, hot device first)."""
+    """Checks --device, --device-map and --max-memory, alone and together, before any weights load: None for
+    one device (as without the options), else (strategy, the devices with their bytes, hot device first).
+    Every error is a SettingError, so the command line can say where the bad value was set."""
+    check_device(device)
     strategy = check_strategy(device_map)
     memory = parse_max_memory(max_memory) if isinstance(max_memory, str) or max_memory is None else max_memory
     if strategy is None:
         if memory:
-            raise InvalidSettingError("--max-memory applies to a split: it needs --device-map",
-                                      hint="add --device-map auto (or balanced, sequential)")
+            raise SettingError("{max_memory} applies to a split: it needs {device_map}",
+                               hint="add --device-map auto (or balanced, sequential)",
+                               settings=("max_memory", "device_map"))
         return None
     budgets = device_budgets(memory)
     hot = hot_device(budgets)
@@ -156,6 +199,8 @@ def resolve_split(device: str | None, device_map: str | None,
 
         asked = pick_device(device)
         if str(asked) != hot and not (asked.type == "cuda" and asked.index is None and hot == "cuda:0"):
-            raise InvalidSettingError(f"--device {device} and --device-map {strategy}: the split starts on {hot}",
-                                      hint="leave --device at auto with --device-map; --max-memory picks the devices")
+            raise SettingError(f"{{device}}: the split of {{device_map}} {strategy} starts on {hot}, not on {device}",
+                               hint="leave --device at auto with --device-map; --max-memory picks the devices",
+                               settings=("device", "device_map"),
+                               flag_message=f"--device {device} and --device-map {strategy}: the split starts on {hot}")
     return strategy, budgets

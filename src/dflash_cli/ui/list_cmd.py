@@ -6,7 +6,10 @@ Tables and JSON go to stdout; notes go to stderr.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -44,23 +47,78 @@ def local_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"repo_id": repo.repo_id, "pair": alias, "role": role, "size_bytes": repo.size_on_disk,
                      "revisions": list(repo.revisions), "refs": list(repo.refs),
                      "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(repo.last_modified)),
-                     "last_modified_ts": repo.last_modified, "path": str(repo.path)})
+                     "last_modified_ts": repo.last_modified, "path": str(repo.path), "status": repo.status,
+                     "problem": repo.problem})
     return rows + builtin_rows()
+
+
+BUILTIN_DTYPES = ("bfloat16", "float16", "float32")  # smollm2_dir's folders (only bfloat16 is made by the CLI)
+
+
+def builtin_folders() -> list[tuple[str, Path]]:
+    """(dtype, folder) of each conversion of the built-in SmolLM2-135M on disk, complete or not."""
+    from dflash_cli.models.smollm2 import smollm2_dir
+
+    found = []
+    for dtype in BUILTIN_DTYPES:
+        folder = smollm2_dir(dtype=dtype)
+        if os.path.lexists(folder):
+            found.append((dtype, folder))
+    return found
+
+
+def builtin_problem(folder: Path, dtype: str) -> str | None:
+    """Why a conversion cannot be used as it is, or None: the check every run makes before it uses the folder
+    (a marker, every file, weights as long as their headers say), which converts it again when it fails."""
+    from dflash_cli.models import smollm2
+
+    return None if smollm2.is_complete(folder, dtype, None) else "incomplete or truncated"
+
+
+def folder_size(folder: Path) -> tuple[int, float]:
+    """(bytes of the files in `folder`, the newest modification time), links not followed."""
+    size, modified = 0, 0.0
+    paths = [folder] + (list(folder.rglob("*")) if folder.is_dir() and not folder.is_symlink() else [])
+    for p in paths:
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        modified = max(modified, st.st_mtime)
+        if stat.S_ISREG(st.st_mode):
+            size += st.st_size
+    return size, modified
 
 
 def builtin_rows() -> list[dict[str, Any]]:
     """The built-in SmolLM2-135M once its first run has converted it (it lives outside the Hub cache)."""
-    from dflash_cli.models.smollm2 import smollm2_dir
+    rows = []
+    for dtype, folder in builtin_folders():
+        size, modified = folder_size(folder)
+        problem = builtin_problem(folder, dtype)
+        rows.append({"repo_id": "smollm2-135m" + ("" if dtype == "bfloat16" else f"-{dtype}"), "pair": "demo",
+                     "role": "built in", "size_bytes": size, "revisions": [], "refs": [],
+                     "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(modified)),
+                     "last_modified_ts": modified, "path": str(folder),
+                     "status": "damaged" if problem else "ok", "problem": problem})
+    return rows
 
-    folder = smollm2_dir()
-    if not (folder / "config.json").is_file():
-        return []
-    files = [f for f in folder.rglob("*") if f.is_file()]
-    modified = max(f.stat().st_mtime for f in files)
-    return [{"repo_id": "smollm2-135m", "pair": "demo", "role": "built in",
-             "size_bytes": sum(f.stat().st_size for f in files), "revisions": [], "refs": [],
-             "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(modified)),
-             "last_modified_ts": modified, "path": str(folder)}]
+
+def problem_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per entry that is not ok: what is wrong and the command that fixes it."""
+    notes = []
+    for r in rows:
+        name, problem = r["repo_id"], r["problem"]
+        if r["status"] == "ok":
+            continue
+        if r["role"] == "built in":
+            notes.append(f"{name} is damaged ({problem}): the next run converts it again; "
+                         "`dflash-cli rm demo -y` removes it now")
+        elif r["status"] == "partial":
+            notes.append(f"{name} is only partly downloaded ({problem}): `dflash-cli pull {name}` completes it")
+        else:
+            notes.append(f"{name} is damaged ({problem}): `dflash-cli rm {name} -y` removes it, then pull it again")
+    return notes
 
 
 def known_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
@@ -106,12 +164,14 @@ def run_list(out: Any, quiet: bool, as_json: bool, known: bool) -> int:
                  "(dflash-cli list --known shows the known pairs)")
         return EXIT_OK
     now = time.time()
-    echo(table(["REPO", "PAIR", "ROLE", "SIZE", "REFS", "REVISION", "MODIFIED"],
+    echo(table(["REPO", "PAIR", "ROLE", "SIZE", "REFS", "REVISION", "MODIFIED", "STATUS"],
                  [[r["repo_id"], cell(r["pair"]), cell(r["role"]), fmt_bytes(r["size_bytes"]),
                    ",".join(r["refs"]) or "-",
                    (r["revisions"][0][:12] if r["revisions"] else "-")
                    + (f" (+{len(r['revisions']) - 1})" if len(r["revisions"]) > 1 else ""),
-                   _ago(r["last_modified_ts"], now)] for r in rows]))
+                   _ago(r["last_modified_ts"], now), r["status"]] for r in rows]))
+    for note in problem_notes(rows):
+        out.warn(note)
     return EXIT_OK
 
 

@@ -13,8 +13,9 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO
 
 from dflash_cli.units import fmt_bytes
@@ -230,6 +231,23 @@ class Output:
                                   hold=self._at_pending_wrap)
         return self._status
 
+    def until_first(self, steps: Iterable[Any], message: str) -> Iterator[Any]:
+        """`steps`, with `message` and the seconds waited on the status line until the first Step comes (a
+        remote engine's queue and prefill), cleared before it is printed; as they are without a status line."""
+        ticker = _Ticker(self._status, message) if self._status is not None else None
+        try:
+            for step in steps:
+                if ticker is not None:
+                    ticker.stop()
+                    ticker = None
+                yield step
+        finally:
+            if ticker is not None:
+                ticker.stop()
+            close = getattr(steps, "close", None)
+            if close is not None:  # closing this closes the reply too (its bookkeeping runs now)
+                close()
+
     def close_status(self) -> None:
         if self._status is not None:
             self._status.close()
@@ -330,6 +348,11 @@ class StatusLine:
         else:
             self._raw(f"\r\x1b[2K{line}")
 
+    def blank(self) -> None:
+        """Clears the line and forgets it: nothing is redrawn until the next update."""
+        self.clear()
+        self._line = ""
+
     def clear(self) -> None:
         if self.reserve:
             self._raw(f"\x1b7\x1b[{self.rows};1H\x1b[2K\x1b8")
@@ -341,6 +364,35 @@ class StatusLine:
         if self.reserve:
             self._raw(f"\x1b7\x1b[1;{self.rows}r\x1b8")
         self._line = ""
+
+
+WAIT_SHOWN_AFTER = 0.3  # seconds: a quick answer does not flash a line
+
+
+class _Ticker:
+    """A thread that shows `◌ message · Ns` on a status line until stop(), which blanks the line. The main
+    thread is blocked on the network meanwhile, so the two never write at once."""
+
+    def __init__(self, status: StatusLine, message: str):
+        self.status, self.message = status, message
+        self.started = time.monotonic()
+        self._stopped = threading.Event()
+        self._shown = False
+        self._thread = threading.Thread(target=self._run, name="dflash-wait-status", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        delay = WAIT_SHOWN_AFTER
+        while not self._stopped.wait(delay):
+            self._shown = True
+            self.status.update(f"◌ {self.message} · {time.monotonic() - self.started:.0f}s", force=True)
+            delay = 0.5
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+        if self._shown:
+            self.status.blank()
 
 
 def block_summary(stats: Any) -> str:

