@@ -181,7 +181,7 @@ def _check_options(drafter_format: str, distill: float, distill_topk: int, draft
     if distill > 0 and distill_topk <= 0:
         raise InvalidSettingError("--distill needs the target's top-k distributions", hint="add --distill-topk 32")
     if draft_vocab and not sub_vocab:
-        raise InvalidSettingError("--draft-vocab needs the training vocabulary", hint="drop --no-sub-vocab")
+        raise InvalidSettingError("--draft-vocab needs the training vocabulary", hint="drop --full-vocab")
 
 
 def _resolve_prompts(prompts: Sequence[str] | str | Path | None) -> tuple[list[str], list[str] | None, str]:

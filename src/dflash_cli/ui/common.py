@@ -37,10 +37,11 @@ def apply_all(options: list[Callable]) -> Callable:
 
 model_options = apply_all([
     click.option("-m", "--model", envvar=S.ENV["model"], show_envvar=True, metavar="MODEL",
-                 help="Target model: a local folder with config.json and *.safetensors, or smollm2-135m "
-                      "(built in, offline)."),
+                 help="Target model: a known name (list --known: qwen3-8b, demo, ...; demo and smollm2-135m are "
+                      "built in and offline), a Hub repo id, or a local folder with config.json and *.safetensors."),
     click.option("--draft", envvar=S.ENV["draft"], show_envvar=True, metavar="DRAFTER",
-                 help="DFlash drafter folder for the target. Without one, decoding is plain (speculation off)."),
+                 help="DFlash drafter for the target: a Hub repo id or a local folder [default: the registry's "
+                      "drafter for a known target]. Without one, decoding is plain (speculation off)."),
     click.option("--no-draft", is_flag=True, help="Plain decoding: do not load or use a drafter."),
     click.option("--quant", type=click.Choice(["none", "int8", "nf4", "q4", "q8", "auto"]), default=S.DEFAULT_QUANT,
                  envvar=S.ENV["quant"], show_envvar=True, show_default="none; auto for the built-in models",
