@@ -168,11 +168,12 @@ def test_mask_id_outside_target_vocabulary(tiny_models, tmp_path):
 
 
 def test_hybrids_other_than_qwen3_5_are_refused_before_loading_weights(tmp_path):
-    # Qwen3.5's Gated DeltaNet state rolls back (tests/test_hybrid.py); another family's does not yet
-    folder = tmp_path / "next"
+    # Qwen3.5's and Qwen3-Next's Gated DeltaNet state rolls back (tests/test_hybrid.py, test_qwen3_next.py);
+    # another family's (Kimi Linear's KDA) does not yet
+    folder = tmp_path / "kimi-linear"
     folder.mkdir()
     config = json.loads((DATA / "Qwen__Qwen3.5-4B" / "config.json").read_text())
-    config["text_config"]["model_type"] = "qwen3_next"
+    config["text_config"]["model_type"] = "kimi_linear"
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="linear_attention layers"):
         load_target(folder, device="cpu")

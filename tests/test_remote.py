@@ -635,3 +635,15 @@ def test_a_requests_own_statistics_in_its_usage_chunk_are_read(engine):
 def test_a_usage_chunk_with_a_wrong_statistic_names_it(engine):
     result = generate(engine, "-n", "8", "hi")
     assert result.exit_code == 1 and "speculative_decoding.num_draft_tokens is 'x'" in result.stderr
+
+
+VLLM_TOP_LEVEL = ('{"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9}, "metrics": '
+                  '{"speculative_decoding": {"num_spec_steps": 3, "num_draft_tokens": 9, '
+                  '"num_accepted_draft_tokens": 5}}}')
+
+
+@pytest.mark.parametrize("engine", [{"kind": "plain", "inject": VLLM_TOP_LEVEL}], indirect=True)
+def test_vllms_per_request_metrics_at_the_top_level_are_read(engine):
+    """vLLM's --per-request-spec-decode-metrics puts them beside usage, not in it."""
+    data = as_json(generate(engine, "--json", "-n", "8", "hi"))
+    assert (data["steps"], data["drafted"], data["accepted"]) == (3, 9, 5)

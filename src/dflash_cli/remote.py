@@ -463,19 +463,21 @@ class RemoteRuntime:
         raise RemoteError(f"the engine at {self.url} sent a stream chunk whose {chunk_field} is {shown}, not {wanted}",
                           hint="the server is not speaking OpenAI's streaming format; the text so far was kept")
 
-    def _request_spec(self, usage: dict[str, Any]) -> dict[str, Any] | None:
-        """This request's own speculative statistics, `usage.metrics.speculative_decoding` (dflash-cli serve,
-        vLLM with per-request metrics), checked field by field; None when the server sends none."""
-        metrics = self._field("usage.metrics", usage.get("metrics"), dict)
-        spec = self._field("usage.metrics.speculative_decoding", (metrics or {}).get("speculative_decoding"), dict)
+    def _request_spec(self, holder: dict[str, Any]) -> dict[str, Any] | None:
+        """This request's own speculative statistics, `metrics.speculative_decoding` of the final chunk or of its
+        usage (dflash-cli serve sends both; vLLM with per-request metrics the first), checked field by field;
+        None when the server sends none."""
+        where = "usage.metrics" if "prompt_tokens" in holder else "metrics"
+        metrics = self._field(where, holder.get("metrics"), dict)
+        spec = self._field(f"{where}.speculative_decoding", (metrics or {}).get("speculative_decoding"), dict)
         if spec is None:
             return None
         for key in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "block_size"):
-            self._field(f"usage.metrics.speculative_decoding.{key}", spec.get(key), int)
-        per = self._field("usage.metrics.speculative_decoding.num_accepted_tokens_per_pos",
+            self._field(f"{where}.speculative_decoding.{key}", spec.get(key), int)
+        per = self._field(f"{where}.speculative_decoding.num_accepted_tokens_per_pos",
                           spec.get("num_accepted_tokens_per_pos"), list) or []
         for n in per:
-            self._field("usage.metrics.speculative_decoding.num_accepted_tokens_per_pos[i]", n, int, optional=False)
+            self._field(f"{where}.speculative_decoding.num_accepted_tokens_per_pos[i]", n, int, optional=False)
         return spec
 
     def _reasoning(self, delta: dict[str, Any]) -> str:
@@ -508,6 +510,8 @@ class RemoteRuntime:
             if completion is not None:
                 counters.completion_tokens = completion
             counters.request_spec = self._request_spec(usage) or counters.request_spec
+        if usage is not None or chunk.get("choices") == []:  # the final chunk: vLLM puts them at the top level
+            counters.request_spec = self._request_spec(chunk) or counters.request_spec
         meta = find_meta_info(chunk)
         if meta is not None:
             for key, value in meta.items():

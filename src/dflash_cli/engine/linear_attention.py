@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers (Qwen3.5's "linear_attention") on the fast path, with exact rollback.
+"""Gated DeltaNet layers (Qwen3.5's and Qwen3-Next's "linear_attention") on the fast path, with exact rollback.
 
 A linear-attention layer keeps no per-token K/V: it carries a recurrent state S (heads, dk, dv) and the
 last K-1 inputs of its causal convolution. A verify forward runs a whole block of drafts through it, and
@@ -88,24 +88,51 @@ def is_linear_attention(layer: nn.Module) -> bool:
     return hasattr(layer, "linear_attn")
 
 
+def input_linears(net: HFModule) -> tuple[nn.Module, ...]:
+    """A layer's input projections: Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, or Qwen3-Next's
+    in_proj_qkvz, in_proj_ba (the same rows, grouped per key head: see `split_inputs`)."""
+    if hasattr(net, "in_proj_qkvz"):
+        return (net.in_proj_qkvz, net.in_proj_ba)
+    return (net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a)
+
+
 def linear_projections(layer: HFModule, pack: Callable[..., nn.Module | None]) -> nn.ModuleDict:
-    """in_proj_qkv|z|b|a as one map (split outputs) and out_proj; `pack(*linears)` fuses them or None."""
+    """The input projections as one map (split outputs) and out_proj; `pack(*linears)` fuses them or None."""
     net = layer.linear_attn
-    ins = (net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a)
+    ins = input_linears(net)
     from dflash_cli.engine.packed import Parallel
 
     return nn.ModuleDict(dict(inputs=pack(*ins) or Parallel(*ins), out=pack(net.out_proj) or net.out_proj))
 
 
+def split_inputs(net: HFModule, outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The input projections' outputs as Qwen3.5 lays them out: (q|k|v, z, b, a), each (1, n, width).
+
+    Qwen3-Next's in_proj_qkvz groups its output per key head, [q_g, k_g, v_g, z_g] for g in 0..nk-1 (v_g
+    and z_g the r = nv/nk value heads that share key head g), and in_proj_ba likewise [b_g, a_g]; this is
+    transformers' Qwen3NextGatedDeltaNet.fix_query_key_value_ordering, so the channels reach the
+    convolution, the norm and the decay in the same order as there."""
+    if len(outs) == 4:
+        return outs
+    qkvz, ba = outs
+    lead, nk, dk = qkvz.shape[:-1], net.num_k_heads, net.head_k_dim
+    r = net.num_v_heads // nk
+    q, k, v, z = qkvz.reshape(*lead, nk, -1).split([dk, dk, r * net.head_v_dim, r * net.head_v_dim], dim=-1)
+    b, a = ba.reshape(*lead, nk, 2 * r).split([r, r], dim=-1)
+    q, k, v, z, b, a = (t.reshape(*lead, -1) for t in (q, k, v, z, b, a))
+    return torch.cat([q, k, v], dim=-1), z, b, a
+
+
 def gated_delta_net(net: HFModule, proj: nn.ModuleDict, x: torch.Tensor, conv_state: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, BlockRecord]:
-    """One Gated DeltaNet layer (transformers' Qwen3_5GatedDeltaNet weights) over x (1, n, H).
+    """One Gated DeltaNet layer (transformers' Qwen3_5GatedDeltaNet or Qwen3NextGatedDeltaNet weights) over
+    x (1, n, H).
 
     Reads the convolution state (1, C, K-1) and recurrent state (h, dk, dv) without writing them; returns
     the layer output (1, n, H) and the record that settles the state at any point of the last chunk.
     """
     n = x.shape[1]
-    mixed, z, b, a = proj["inputs"](x)
+    mixed, z, b, a = split_inputs(net, proj["inputs"](x))
     conv_in = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # (1, C, K-1+n)
     weight = net.conv1d.weight  # (C, 1, K)
     mixed = F.conv1d(conv_in.to(weight.dtype), weight, net.conv1d.bias, groups=weight.shape[0])  # (1, C, n)

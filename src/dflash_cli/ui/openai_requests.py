@@ -188,7 +188,7 @@ class ResponseShape:
             choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}
-        return {**self.envelope(False), "choices": [choice], "usage": use}
+        return {**self.envelope(False), "choices": [choice], "usage": use, **self._metrics(use)}
 
     def chunk(self, text: str = "", *, reasoning: bool = False, reason: str | None = None, role: bool = False,
               metrics: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -205,4 +205,9 @@ class ResponseShape:
         return out
 
     def usage_chunk(self, use: dict[str, Any]) -> dict[str, Any]:
-        return {**self.envelope(True), "choices": [], "usage": use}
+        return {**self.envelope(True), "choices": [], "usage": use, **self._metrics(use)}
+
+    @staticmethod
+    def _metrics(use: dict[str, Any]) -> dict[str, Any]:
+        """The statistics also at the top level, where vLLM's per-request metrics put them."""
+        return {"metrics": use["metrics"]} if "metrics" in use else {}
