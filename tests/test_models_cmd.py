@@ -354,3 +354,186 @@ def test_show_and_list_the_built_in_model_before_and_after_its_first_run(env, tm
     rows = invoke("list").stdout.splitlines()
     assert rows[0].split()[:3] == ["REPO", "PAIR", "ROLE"]
     assert rows[1].split()[:4] == ["smollm2-135m", "demo", "built", "in"]
+
+
+# -- issue 27: the new pairs, offline (the loopback Hub serves the stored configs) ----------------------------
+
+DATA = Path(__file__).parent / "data" / "hf-configs"
+
+
+def _stored(name: str) -> bytes:
+    return (DATA / name / "config.json").read_bytes()
+
+
+def _gemma_31b() -> bytes:
+    """The stand-in for google/gemma-4-31B-it: NVIDIA's NVFP4 re-release of it without its NVFP4 block
+    (SOURCES.md: the google file is expected to be exactly that)."""
+    config = json.loads(_stored("nvidia__Gemma-4-31B-IT-NVFP4"))
+    config.pop("quantization_config")
+    return json.dumps(config, indent=2).encode()
+
+
+def _glm_fp8() -> bytes:
+    """zai-org/GLM-5.1-FP8 (the drafter's target): the stored GLM-5.1 file, whose architecture it shares, with
+    a block-wise fp8 quantization_config (the FP8 release's exact file was not found)."""
+    config = json.loads(_stored("zai-org__GLM-5.1"))
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    return json.dumps(config, indent=2).encode()
+
+
+def _drafter(hidden: int, layers: int, inter: int, heads: int, kv: int, head_dim: int, vocab: int, block: int,
+             mask: int, taps: list[int], target_layers: int, sliding: int = 0) -> bytes:
+    """A drafter config.json from the fields SOURCES.md ("New pairs") gives: none of these files was found
+    verbatim."""
+    kinds = ["sliding_attention"] * sliding + ["full_attention"] * (layers - sliding)
+    return json.dumps({"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": block,
+                       "dflash_config": {"mask_token_id": mask, "target_layer_ids": taps},
+                       "num_target_layers": target_layers, "num_hidden_layers": layers, "hidden_size": hidden,
+                       "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
+                       "head_dim": head_dim, "vocab_size": vocab, "layer_types": kinds,
+                       "sliding_window": 2048 if sliding else None, "use_sliding_window": bool(sliding)}).encode()
+
+
+def _qwen3_coder_next() -> bytes:
+    from test_plan import QWEN3_CODER_NEXT
+
+    return json.dumps(QWEN3_CODER_NEXT).encode()
+
+
+# name: (target repo, its config.json, drafter repo, its config.json or None: not on the (fake) Hub)
+NEW = {
+    "gpt-oss-120b": ("openai/gpt-oss-120b", lambda: _stored("openai__gpt-oss-120b"), "z-lab/gpt-oss-120b-DFlash",
+                     lambda: _drafter(2880, 8, 7680, 64, 8, 64, 201088, 10, 200000, [1, 9, 17, 25, 33], 36)),
+    "kimi-k2.5": ("moonshotai/Kimi-K2.5", lambda: _stored("moonshotai__Kimi-K2.5"), "z-lab/Kimi-K2.5-DFlash",
+                  lambda: _drafter(7168, 6, 18432, 64, 8, 128, 163840, 8, 163838, [1, 12, 24, 35, 47, 58], 61)),
+    "glm-5.1": ("zai-org/GLM-5.1-FP8", _glm_fp8, "z-lab/GLM-5.1-FP8-DFlash", None),  # nothing published
+    "gemma-4-26b-a4b": ("google/gemma-4-26B-A4B-it", lambda: _stored("google__gemma-4-26B-A4B-it"),
+                        "z-lab/gemma-4-26B-A4B-it-DFlash",
+                        lambda: _drafter(2816, 5, 5632, 32, 8, 128, 262144, 16, 4, [1, 6, 11, 17, 22, 27], 30, 4)),
+    "gemma-4-31b": ("google/gemma-4-31B-it", _gemma_31b, "z-lab/gemma-4-31B-it-DFlash",
+                    lambda: _drafter(5376, 5, 10752, 64, 8, 128, 262144, 16, 4, [1, 12, 23, 35, 46, 57], 60, 4)),
+    "qwen3-coder-next": ("Qwen/Qwen3-Coder-Next", _qwen3_coder_next, "z-lab/Qwen3-Coder-Next-DFlash",
+                         lambda: _drafter(2048, 8, 6144, 32, 4, 64, 151936, 16, 151669, [3, 11, 23, 35, 43], 48)),
+}
+WEIGHTS = {"model-00001-of-00002.safetensors": b"\0" * 64, "model-00002-of-00002.safetensors": b"\0" * 32,
+           "tokenizer.json": b"{}"}
+
+
+@pytest.fixture
+def new_pairs(fake):
+    for target, target_cfg, drafter, drafter_cfg in NEW.values():
+        fake.add_revision(target, {"config.json": target_cfg(), **WEIGHTS})
+        if drafter_cfg is not None:
+            fake.add_revision(drafter, {"config.json": drafter_cfg(), "model.safetensors": b"\0" * 16})
+    fake.reset_requests()
+    return fake
+
+
+def _weights_asked(fake) -> list:
+    return [r for r in fake.requests if ".safetensors" in r.path and "/resolve/" in r.path]
+
+
+@pytest.mark.parametrize("name", list(NEW))
+def test_show_every_new_pair_offline(new_pairs, online, env, name):
+    target, _, drafter, drafter_cfg = NEW[name]
+    result = invoke("show", name, "--device", "cpu", endpoint=new_pairs.endpoint)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert f"target      {target}" in out and f"drafter     {drafter}" in out
+    assert "memory plan (against free system memory on cpu)" in out and "target weights (bf16)" in out
+    engine = name in ("kimi-k2.5", "glm-5.1")
+    assert ("runs        on a multi-GPU server (serve-cmd, tp 8)" in out) == engine
+    assert ("needs a multi-GPU server: weights" in out) == engine
+    if engine:  # where it runs instead of knobs that would not make it fit here
+        assert f"serve it there: dflash-cli serve-cmd {name} --engine vllm --tp 8 (or --engine sglang)" in out
+        assert f"--engine http://SERVER:8000 -m {name}" in out and "alternatives:" not in out
+    if drafter_cfg is None:  # GLM-5.1's drafter config is not published: the plan goes on without it
+        assert "drafter weights (none)" in out
+    else:
+        assert f"block size {load_block(drafter_cfg())}" in out
+    if name == "gpt-oss-120b":
+        assert "MXFP4 experts dequantized to bf16 when loaded: transformers dequantizes them on cpu" in out
+        assert "MXFP4 experts kept packed (a CUDA GPU" in out  # the alternative that fits a big GPU
+    assert not _weights_asked(new_pairs)
+    data = json.loads(invoke("show", name, "--json", endpoint=new_pairs.endpoint).stdout)
+    assert data["runs"] == ("engine" if engine else "local") and ("server" in data) == engine
+    if engine:
+        assert {g["count"] for g in data["server"]["gpus"] if g["gpu_bytes"] == 80 << 30} == {8 if name == "kimi-k2.5"
+                                                                                              else 10}
+
+
+def load_block(drafter_cfg: bytes) -> int:
+    return json.loads(drafter_cfg)["block_size"]
+
+
+@pytest.mark.parametrize("name", list(NEW))
+def test_pull_dry_run_every_new_pair_offline(new_pairs, online, env, name):
+    target, _, drafter, drafter_cfg = NEW[name]
+    args = ["pull", name, "--dry-run"] + ([] if drafter_cfg else ["--no-draft"])
+    result = invoke(*args, endpoint=new_pairs.endpoint)
+    assert result.exit_code == 0, result.output
+    assert f"target {target} (revision main" in result.stdout
+    assert (f"drafter {drafter} (revision main" in result.stdout) == bool(drafter_cfg)
+    assert "model-00001-of-00002.safetensors" in result.stdout and "nothing downloaded" in result.stderr
+    assert not _weights_asked(new_pairs) and not any(env.rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("model", ["kimi-k2.5", "moonshotai/Kimi-K2.5", "glm-5.1"])
+def test_running_a_giant_here_is_refused_before_any_request(new_pairs, online, env, model):
+    result = invoke("generate", "-m", model, "hi")
+    assert result.exit_code == 1, result.output  # an error, as a pair that does not fit (README: 1 error, 2 usage)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and result.stdout == "", lines
+    name, target = ("glm-5.1", "zai-org/GLM-5.1-FP8") if model == "glm-5.1" else ("kimi-k2.5", "moonshotai/Kimi-K2.5")
+    assert lines[0] == (f"Error: {name} ({target}) is served by a multi-GPU server (vLLM or SGLang), not run here: "
+                        "nothing was downloaded")
+    assert lines[1].startswith(f"Hint: on the server: dflash-cli serve-cmd {name} --engine vllm --tp 8")
+    assert f"--engine http://SERVER:8000 -m {name}" in lines[1]
+    assert new_pairs.requests == []  # not even config.json
+    assert not any(env.rglob("*"))
+
+
+def test_a_giant_is_refused_the_same_way_offline(env):
+    result = invoke("generate", "-m", "kimi-k2.5", "--device", "cpu", "hi")  # HF_HUB_OFFLINE is set (conftest)
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: kimi-k2.5 (moonshotai/Kimi-K2.5) is served by a multi-GPU server")
+
+
+def test_bitsandbytes_on_an_mxfp4_target_is_refused_before_the_weights(new_pairs, online, env):
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.models.resolve import resolve_pair
+    from dflash_cli.ui.errors import EXIT_USAGE, describe
+
+    # transformers would refuse it only after the download ("The model is quantized with Mxfp4Config but
+    # you are passing a BitsAndBytesConfig")
+    with pytest.raises(InvalidSettingError) as refused:
+        resolve_pair("gpt-oss-120b", quant="nf4", endpoint=new_pairs.endpoint)
+    message, hint, code = describe(refused.value)
+    assert message == "--quant nf4: gpt-oss-120b is published quantized (mxfp4), and transformers does not " \
+                      "quantize it again"
+    assert hint == "leave --quant out (or --quant auto)" and code == EXIT_USAGE
+    assert new_pairs.gets("/config.json") and not _weights_asked(new_pairs)
+
+
+def test_list_known_says_which_pairs_run_here_and_which_through_an_engine(env):
+    known = invoke("list", "--known")
+    assert known.exit_code == 0
+    lines = known.stdout.splitlines()
+    header = lines[0].split()
+    assert header == ["NAME", "TARGET", "DRAFTER", "BLOCK", "THINKING", "RUNS", "STATUS"]
+    column = lines[0].index("RUNS")
+    runs = {line.split()[0]: line[column:].split("   ")[0].strip() for line in lines[1:]}
+    assert runs["kimi-k2.5"] == runs["glm-5.1"] == "engine (tp 8)"
+    assert {runs[n] for n in runs if n not in ("kimi-k2.5", "glm-5.1")} == {"here"}
+    assert "serve-cmd NAME --engine vllm|sglang" in known.stderr and "--engine URL" in known.stderr
+    data = {d["alias"]: d for d in json.loads(invoke("list", "--known", "--json").stdout)}
+    assert data["kimi-k2.5"]["runs"] == "engine" and data["kimi-k2.5"]["serve_tp"] == 8
+    assert data["gpt-oss-120b"]["runs"] == "local" and data["gpt-oss-120b"]["block_size"] == 10
+    assert data["gpt-oss-20b"]["block_size"] == 8 and data["demo"]["runs"] == "local"
+
+
+def test_pulling_a_giant_is_refused_before_any_request(new_pairs, online, env):
+    result = invoke("pull", "kimi-k2.5")
+    assert result.exit_code == 1 and "nothing was downloaded" in result.stderr, result.output
+    assert new_pairs.requests == [] and not any(env.rglob("*.safetensors"))

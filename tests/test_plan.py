@@ -322,3 +322,247 @@ def test_dflash2_drafter_is_counted_tensor_for_tensor_against_its_published_head
     assert estimate.total_params == published  # layers, convolutions, selector and codebooks
     # quantizing the drafter leaves the codebooks 16-bit (quantized codebooks drop acceptance to ~0)
     assert drafter_weight_bytes(cfg("z-lab__dflash2-muse-glimmer-fixture"), "nf4").total > 2 * 202048 * 256 * 2
+
+
+# --- issue 27: gpt-oss-120b (MXFP4), the giants (MLA mixture-of-experts), Gemma 4, Qwen3-Next ----------------
+# Each count below is written out from the stored config.json by hand, term by term, as transformers 5.24
+# builds the model (modeling_gpt_oss / deepseek_v3 / glm_moe_dsa / gemma4 / qwen3_next).
+
+
+def gpt_oss_120b_by_hand() -> dict[str, int]:
+    h, layers, vocab, experts, inter = 2880, 36, 201088, 128, 2880
+    attn = (h * 64 * 64 + 64 * 64) + 2 * (h * 8 * 64 + 8 * 64) + (64 * 64 * h + h) + 64  # q, k, v, o (biased), sinks
+    expert_w = experts * (2 * inter * h + h * inter)  # gate_up_proj + down_proj
+    expert_b = experts * (2 * inter + h)
+    router = experts * h + experts
+    norms = 2 * h
+    return {"expert_w": layers * expert_w, "expert_b": layers * expert_b,
+            "rest": 2 * vocab * h + layers * (attn + router + norms) + h}
+
+
+def test_gpt_oss_120b_parameters_disk_and_memory_by_hand():
+    c = cfg("openai__gpt-oss-120b")
+    hand = gpt_oss_120b_by_hand()
+    total = sum(hand.values())
+    est = target_weight_bytes(c)  # bf16, MXFP4 dequantized (a CPU, or a GPU without triton + kernels)
+    assert est.total_params == total == 116_829_156_672  # "117B"
+    # on disk: fp4 pairs in bytes + one uint8 scale per 32 values, the rest (expert biases included) bf16
+    disk = hand["expert_w"] // 2 + hand["expert_w"] // 32 + 2 * (hand["expert_b"] + hand["rest"])
+    assert est.disk_bytes == disk and within(disk, 65.25e9, 0.01)  # the Hub lists about 65.3 GB
+    assert est.total == 2 * total and est.mxfp4 == "dequantized"  # dequantized: every parameter bf16
+    packed = target_weight_bytes(c, mxfp4_packed=True)  # transformers' Mxfp4GptOssExperts: fp32 biases
+    assert packed.experts == hand["expert_w"] // 2 + hand["expert_w"] // 32 + 4 * hand["expert_b"]
+    assert packed.total == packed.experts + 2 * hand["rest"] and packed.mxfp4 == "packed"
+    assert 60 * GIB < packed.total < 62 * GIB < 200 * GIB < est.total
+    # 18 full-attention layers keep every row; 18 sliding layers (window 128) at most 128: 8 KV heads x 64
+    per_row = 2 * 8 * 64 * 2
+    assert kv_cache_bytes(c, 10_000) == 18 * per_row * 10_000 + 18 * per_row * 128
+
+
+def test_gpt_oss_120b_on_an_80gib_gpu_fits_only_with_the_mxfp4_kernels():
+    c = cfg("openai__gpt-oss-120b")
+    d = GPT_OSS_120B_DRAFTER
+    kept = plan_memory(c, d, quant="bf16", context_tokens=8192, available_bytes=80 * GIB, mxfp4_packed=True)
+    assert kept.fits and kept.block_size == 10
+    dequantized = plan_memory(c, d, quant="bf16", context_tokens=8192, available_bytes=80 * GIB)
+    assert not dequantized.fits
+    # the way out is the kernels, never bitsandbytes (transformers refuses it on an MXFP4 checkpoint)
+    assert dequantized.alternatives[0].knob == "mxfp4" and dequantized.alternatives[0].fits
+    assert not any(a.knob == "quant" or "--quant" in a.text for a in dequantized.alternatives)
+    assert choose_quant(c, d, context_tokens=8192, available_bytes=80 * GIB, mxfp4_packed=True) == "bf16"
+    assert choose_quant(c, d, context_tokens=8192, available_bytes=80 * GIB) is None
+    assert plan_memory(c, d, quant="auto", context_tokens=8192, available_bytes=80 * GIB).quant == "bf16"
+
+
+# z-lab/gpt-oss-120b-DFlash: the fields SOURCES.md lists ("New pairs"); no copy of the file was found
+GPT_OSS_120B_DRAFTER = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 10,
+    "dflash_config": {"mask_token_id": 200000, "target_layer_ids": [1, 9, 17, 25, 33]}, "num_target_layers": 36,
+    "num_hidden_layers": 8, "hidden_size": 2880, "intermediate_size": 7680, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "layer_types": ["full_attention"] * 8,
+}
+
+
+def test_gpt_oss_120b_drafter_is_the_size_its_card_gives():
+    est = drafter_weight_bytes(GPT_OSS_120B_DRAFTER)
+    assert 0.75e9 < est.total_params < 0.85e9  # "0.8B parameters"
+    assert within(est.disk_bytes, 1.46 * GIB, 0.02)  # the spec table's 1.46 GiB
+
+
+def kimi_k25_by_hand() -> dict[str, int]:
+    h, layers, vocab = 7168, 61, 163840
+    heads, q_lora, kv_lora, nope, rope, v = 64, 1536, 512, 128, 64, 128
+    attn = (h * q_lora + q_lora * heads * (nope + rope)            # q_a_proj, q_b_proj
+            + h * (kv_lora + rope) + kv_lora * heads * (nope + v)  # kv_a_proj_with_mqa, kv_b_proj
+            + heads * v * h)                                       # o_proj
+    attn_norms = q_lora + kv_lora                                  # q_a_layernorm, kv_a_layernorm
+    dense = 3 * h * 18432                                          # layer 0 (first_k_dense_replace 1)
+    experts, moe_inter = 384, 2048
+    routed = experts * 3 * moe_inter * h
+    shared = 3 * h * moe_inter                                     # n_shared_experts 1
+    router = experts * h + experts                                 # weight + e_score_correction_bias
+    return {"routed": 60 * routed, "routed_matrices": 60 * experts * 3,
+            "rest": 2 * vocab * h + layers * (attn + attn_norms + 2 * h) + dense + 60 * (shared + router) + h}
+
+
+def test_kimi_k25_text_model_by_hand():
+    c = cfg("moonshotai__Kimi-K2.5")
+    hand = kimi_k25_by_hand()
+    est = target_weight_bytes(c)
+    assert est.total_params == hand["routed"] + hand["rest"] == 1_026_408_232_448  # "1T"
+    # on disk: the routed experts in int4 groups of 32 (compressed-tensors pack-quantized: 4 bits a weight, a
+    # bf16 scale per group, an int32 pair giving each matrix's shape); everything the ignore list names bf16
+    scales = 60 * 384 * (2 * 2048 * (7168 // 32) + 7168 * (2048 // 32)) * 2
+    assert est.disk_bytes == hand["routed"] // 2 + scales + 8 * hand["routed_matrices"] + 2 * hand["rest"]
+    assert 550 * GIB < est.disk_bytes < 554.3 * GIB  # a spec table: 554.30 GiB with the vision tower
+    assert est.disk_format.startswith("int4")
+    # multi-head latent attention caches the latent: kv_lora_rank + qk_rope_head_dim values a row and layer
+    assert kv_cache_bytes(c, 1000) == 61 * (512 + 64) * 2 * 1000
+    # transformers refuses bitsandbytes on a quantized checkpoint: auto never picks it, nor do the knobs
+    assert choose_quant(c, None, context_tokens=8192, available_bytes=80 * GIB) is None
+    plan = plan_memory(c, None, quant="auto", context_tokens=8192, available_bytes=80 * GIB)
+    assert plan.quant == "bf16" and not plan.fits
+    assert not any("--quant" in a.text for a in plan.alternatives)
+
+
+def glm_51_by_hand() -> dict[str, int]:
+    h, layers, vocab = 6144, 78, 154880
+    heads, q_lora, kv_lora, nope, rope, v = 64, 2048, 512, 192, 64, 256
+    attn = (h * q_lora + q_lora * heads * (nope + rope) + h * (kv_lora + rope) + kv_lora * heads * (nope + v)
+            + heads * v * h)
+    indexer = q_lora * 32 * 128 + h * 128 + h * 32 + 2 * 128     # wq_b, wk, weights_proj, k_norm (LayerNorm)
+    norms = q_lora + kv_lora + 2 * h
+    dense = 3 * h * 12288                                         # layers 0-2 (first_k_dense_replace 3)
+    routed = 256 * 3 * 2048 * h
+    moe_rest = 3 * h * 2048 + 256 * h + 256                       # shared expert, router weight and bias
+    return {"routed": 75 * routed, "rest": 2 * vocab * h + layers * (attn + indexer + norms) + 3 * dense
+            + 75 * moe_rest + h}
+
+
+def test_glm_51_by_hand():
+    c = cfg("zai-org__GLM-5.1")
+    hand = glm_51_by_hand()
+    est = target_weight_bytes(c)
+    assert est.total_params == hand["routed"] + hand["rest"] == 743_911_218_432  # "744B"
+    assert est.disk_bytes == 2 * est.total_params  # this file is the bf16 release
+    assert any("multi-token-prediction" in n for n in est.notes)  # layer 78 is on disk, not loaded: not counted
+    # the latent (512 + 64) and every layer's indexer key (128; index_topk_freq 1: all layers run one)
+    assert kv_cache_bytes(c, 1000) == 78 * (512 + 64 + 128) * 2 * 1000
+    # the FP8 release (the drafter's target): the same file plus a block-wise fp8 quantization_config
+    fp8 = dict(c, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    est8 = target_weight_bytes(fp8)
+    quantized = est.params["layers_linear"] + est.params["experts"]
+    assert est8.total_params == est.total_params
+    assert quantized < est8.disk_bytes - 2 * (est.total_params - quantized) < 1.001 * quantized  # + fp32 scales
+    assert 690 * GIB < est8.disk_bytes < 700 * GIB
+
+
+def test_a_giant_needs_a_server_and_the_estimate_says_how_many_gpus():
+    est = P.server_estimate(cfg("moonshotai__Kimi-K2.5"), None, context_tokens=8192)
+    assert est.target_bytes == target_weight_bytes(cfg("moonshotai__Kimi-K2.5")).disk_bytes
+    assert est.kv_bytes == kv_cache_bytes(cfg("moonshotai__Kimi-K2.5"), 8192) and est.drafter_bytes is None
+    assert dict(est.gpus) == {80 * GIB: math.ceil(est.total / (0.9 * 80 * GIB)), 141 * GIB: 5}
+    assert dict(est.gpus)[80 * GIB] == 8
+    lines = P.format_server(est, "kimi-k2.5", 8)
+    assert lines[0].startswith("needs a multi-GPU server: weights 553.4 GiB as published (int4")
+    assert "at least 8 x 80 GiB or 5 x 141 GiB GPUs" in lines[0]
+    assert "dflash-cli serve-cmd kimi-k2.5 --engine vllm --tp 8 (or --engine sglang)" in lines[1]
+    assert "--engine http://SERVER:8000 -m kimi-k2.5" in lines[2]
+    assert P.format_server(None, "glm-5.1")[0] == "needs a multi-GPU server (its config.json gives the numbers)"
+
+
+def gemma4_config(name: str) -> dict:
+    """The stored Gemma 4 config; the 31B stand-in without its NVFP4 block (SOURCES.md: the google file is
+    expected to be this one minus `quantization_config`)."""
+    c = cfg(name)
+    c.pop("quantization_config", None)
+    return c
+
+
+def test_gemma_4_26b_a4b_by_hand():
+    c = gemma4_config("google__gemma-4-26B-A4B-it")
+    h, heads, vocab = 2816, 16, 262144
+    sliding = h * heads * 256 + 2 * h * 8 * 256 + heads * 256 * h + 2 * 256  # q, k, v, o; q_norm, k_norm
+    full = h * heads * 512 + h * 2 * 512 + heads * 512 * h + 2 * 512  # attention_k_eq_v: no v_proj, 2 KV heads
+    mlp = 3 * h * 2112
+    moe = h * 128 + h + 128 + 3 * h + 128 * 3 * 704 * h  # router proj, scale, per-expert scale; 3 norms; experts
+    per_layer = mlp + moe + 4 * h + 1  # four norms and layer_scalar
+    total = vocab * h + 25 * sliding + 5 * full + 30 * per_layer + h  # tied embeddings
+    assert target_weight_bytes(c).total_params == total == 25_233_141_790  # "25.2B" (text)
+    # sliding layers: 8 KV heads x 256, at most 1024 rows; full layers: 2 KV heads x 512, every row
+    assert kv_cache_bytes(c, 4096) == 25 * 2 * 8 * 256 * 1024 * 2 + 5 * 2 * 2 * 512 * 4096 * 2
+
+
+def test_gemma_4_31b_by_hand():
+    c = gemma4_config("nvidia__Gemma-4-31B-IT-NVFP4")
+    h, heads, vocab = 5376, 32, 262144
+    sliding = h * heads * 256 + 2 * h * 16 * 256 + heads * 256 * h + 2 * 256
+    full = h * heads * 512 + h * 4 * 512 + heads * 512 * h + 2 * 512
+    per_layer = 3 * h * 21504 + 4 * h + 1
+    total = vocab * h + 50 * sliding + 10 * full + 60 * per_layer + h
+    assert target_weight_bytes(c).total_params == total == 30_697_345_340  # "30.7B"
+    assert kv_cache_bytes(c, 1000) == 50 * 2 * 16 * 256 * 1000 * 2 + 10 * 2 * 4 * 512 * 1000 * 2
+    # the stand-in as stored says NVFP4: its size is then flagged approximate
+    assert target_weight_bytes(cfg("nvidia__Gemma-4-31B-IT-NVFP4")).approximate
+
+
+# Qwen/Qwen3-Coder-Next: no exact copy of its config was found; these are the fields SOURCES.md lists
+# ("New pairs"), in transformers' Qwen3NextConfig names. No layer_types: full_attention_interval decides.
+QWEN3_CODER_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "intermediate_size": 5120,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 151936,
+    "max_position_embeddings": 262144, "rope_theta": 5000000, "tie_word_embeddings": False,
+}
+
+
+def test_qwen3_next_layers_follow_the_interval_and_its_attention_is_gated():
+    from dflash_cli.models.sizes import count_target, target_layer_kinds
+
+    kinds = target_layer_kinds(QWEN3_CODER_NEXT)
+    assert kinds.count("full_attention") == 12 and kinds[3::4] == ["full_attention"] * 12
+    c = count_target(QWEN3_CODER_NEXT)
+    q_projs = [lin for lin in c.linears if lin.role == "attn" and lin.inp == 2048 and lin.count == 1]
+    assert q_projs[0].out == 16 * 256 * 2  # q and its output gate
+    est = target_weight_bytes(QWEN3_CODER_NEXT)
+    assert 79e9 < est.total_params < 81e9  # "80B total"
+    # 12 attention layers (2 KV heads x 256) plus 36 Gated DeltaNet states that do not grow
+    grows = kv_cache_bytes(QWEN3_CODER_NEXT, 2000) - kv_cache_bytes(QWEN3_CODER_NEXT, 1000)
+    assert grows == 12 * 2 * 2 * 256 * 1000 * 2
+
+
+@pytest.mark.parametrize(("capability", "triton", "kernels"), [
+    ((9, 0), True, True), ((9, 0), False, True), ((9, 0), True, False), ((7, 0), True, True), ((7, 5), True, True),
+])
+def test_mxfp4_kept_agrees_with_transformers_own_decision(monkeypatch, capability, triton, kernels):
+    """models/resolve.mxfp4_kept against transformers 5.24's Mxfp4HfQuantizer on a (simulated) CUDA GPU:
+    the experts stay packed exactly when transformers does not set `dequantize`."""
+    import torch
+    import transformers.quantizers.quantizer_mxfp4 as quantizer_module
+    import transformers.utils.import_utils as import_utils
+    from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
+    from transformers.utils.quantization_config import Mxfp4Config
+
+    from dflash_cli.models.resolve import mxfp4_kept
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    monkeypatch.setattr(quantizer_module, "get_current_accelerator", lambda: torch.device("cuda"))
+    for module in (quantizer_module, import_utils):
+        monkeypatch.setattr(module, "is_triton_available", lambda *_: triton)
+        monkeypatch.setattr(module, "is_kernels_available", lambda *_: kernels)
+    theirs = Mxfp4HfQuantizer(Mxfp4Config(), pre_quantized=True)
+    theirs.validate_environment()
+    kept, why = mxfp4_kept("cuda:0")
+    assert kept == (not theirs.quantization_config.dequantize)
+    assert ("triton 3.4 or later is not installed" in why) == (not triton and capability >= (7, 5))
+
+
+def test_mxfp4_is_dequantized_on_a_cpu():
+    from dflash_cli.models.resolve import mxfp4_kept
+
+    assert mxfp4_kept("cpu") == (False, "transformers dequantizes them on cpu")

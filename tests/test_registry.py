@@ -64,3 +64,56 @@ def test_user_pairs_add_and_override():
 def test_malformed_user_pairs_are_named(raw, message):
     with pytest.raises(RegistryError, match=message):
         load_registry({"broken": raw})
+
+
+# issue 27's table: (alias, target, drafter, block size); the drafters' configs are unpublished, these values
+# are SOURCES.md's "New pairs"
+NEW_PAIRS = [
+    ("gemma-4-31b", "google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", 16),
+    ("gemma-4-26b-a4b", "google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", 16),
+    ("qwen3-coder-next", "Qwen/Qwen3-Coder-Next", "z-lab/Qwen3-Coder-Next-DFlash", 16),
+    ("gpt-oss-120b", "openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", 10),
+    ("gpt-oss-20b", "openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", 8),
+    ("kimi-k2.5", "moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", 8),
+    ("glm-5.1", "zai-org/GLM-5.1-FP8", "z-lab/GLM-5.1-FP8-DFlash", 8),
+]
+
+
+@pytest.mark.parametrize(("alias", "target", "drafter", "block"), NEW_PAIRS, ids=[p[0] for p in NEW_PAIRS])
+def test_the_new_pairs_with_their_drafters_and_block_sizes(alias, target, drafter, block):
+    entry = load_registry()[alias]
+    assert (entry.target, entry.drafter, entry.block_size) == (target, drafter, block)
+    assert entry.unsupported is None and entry.notes
+    assert find_pair(target, load_registry()).alias == alias
+
+
+def test_which_pairs_run_here_and_which_on_a_server():
+    registry = load_registry()
+    engine = {alias for alias, e in registry.items() if e.engine_only}
+    assert engine == {"kimi-k2.5", "glm-5.1"}
+    for alias in engine:
+        assert registry[alias].runs == "engine" and registry[alias].serve_tp == 8
+    assert registry["kimi-k2.5"].trust_remote_code and not registry["glm-5.1"].trust_remote_code
+    for alias in set(registry) - engine:
+        assert registry[alias].runs == "local" and registry[alias].serve_tp is None
+    # thinking: Qwen3-Coder-Next has no thinking mode; the other new drafters' training mode is not published
+    assert registry["qwen3-coder-next"].thinking is False
+    for alias in ("gemma-4-31b", "gemma-4-26b-a4b", "gpt-oss-120b", "kimi-k2.5", "glm-5.1"):
+        assert registry[alias].thinking is None
+
+
+def test_a_user_pair_can_be_engine_only():
+    registry = load_registry({"big": {"target": "org/huge", "drafter": "org/huge-dflash", "block_size": 8,
+                                      "runs": "engine", "serve_tp": 16}})
+    assert registry["big"].engine_only and registry["big"].serve_tp == 16
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"target": "a/b", "runs": "cluster"}, "neither"),
+    ({"target": "a/b", "serve_tp": 0}, "serve_tp must be a positive integer"),
+    ({"target": "a/b", "block_size": "16"}, "block_size must be a positive integer"),
+    ({"target": "a/b", "trust_remote_code": "yes"}, "trust_remote_code must be true or false"),
+])
+def test_bad_values_of_the_new_fields_are_named(raw, message):
+    with pytest.raises(RegistryError, match=message):
+        load_registry({"broken": raw})

@@ -93,12 +93,14 @@ def test_unknown_names_folders_and_built_ins_are_refused(tmp_path):
     one_error(run("some-org/not-a-pair", "--engine", "vllm"), 2, "not a registry pair")
 
 
-def test_bad_tp_port_and_missing_block_size():
+def test_bad_tp_port_and_missing_block_size(empty_config):
     one_error(run("qwen3-8b", "--engine", "vllm", "--tp", "0"), 2, "--tp 0")
     one_error(run("qwen3-8b", "--engine", "vllm", "--tp", "-2"), 2, "--tp -2")
+    one_error(run("kimi-k2.5", "--engine", "vllm", "--tp", "0"), 2, "--tp 0")  # not replaced by the registry's 8
     bad_port = run("qwen3-8b", "--engine", "vllm", "--port", "70000")
     assert bad_port.exit_code == 2 and bad_port.stderr.startswith("Error: --port 70000")
-    one_error(run("gpt-oss-20b", "--engine", "vllm"), 2, "block size")
+    empty_config.write_text('[pairs.unsized]\ntarget = "org/target"\ndrafter = "org/drafter"\n')
+    one_error(run("unsized", "--engine", "vllm"), 2, "block size")
     assert run("qwen3-8b", "--engine", "tgi").exit_code == 2  # click's own choice check
     # 0 is a value, not "the registry's": it used to fall back to 16 silently
     one_error(run("qwen3-8b", "--engine", "vllm", "--block-size", "0"), 2, "--block-size 0")
@@ -162,3 +164,28 @@ def test_exec_sglang_with_a_python_that_lacks_it_prints_the_install_line(tmp_pat
     lines = ran.stderr.splitlines()
     assert lines[0] == "Error: python3 on PATH has no sglang module: install sglang to run this command"
     assert lines[1].startswith("Hint: pip install") and len(lines) == 2
+
+
+def test_the_new_pairs_get_their_block_sizes_and_the_giants_their_server_flags():
+    """Issue 27: gpt-oss-20b's block (8) no longer has to be passed; gpt-oss-120b drafts blocks of 10;
+    Kimi K2.5 and GLM-5.1 are served on 8 GPUs unless --tp says otherwise, Kimi with --trust-remote-code
+    (its tokenizer is code); Qwen3-Coder-Next is a Gated DeltaNet hybrid, which SGLang serves with
+    --mamba-scheduler-strategy extra_buffer."""
+    def spec(*args):
+        argv = shlex.split(run(*args).stdout)
+        return argv, json.loads(argv[argv.index("--speculative-config") + 1]) if "vllm" in args else None
+
+    assert spec("gpt-oss-20b", "--engine", "vllm")[1]["num_speculative_tokens"] == 7
+    assert spec("gpt-oss-120b", "--engine", "vllm")[1]["num_speculative_tokens"] == 9
+    for name, target in (("kimi-k2.5", "moonshotai/Kimi-K2.5"), ("glm-5.1", "zai-org/GLM-5.1-FP8")):
+        argv, speculative = spec(name, "--engine", "vllm")
+        assert argv[2] == target and argv[argv.index("--tensor-parallel-size") + 1] == "8"
+        assert speculative["num_speculative_tokens"] == 7  # block 8
+        assert ("--trust-remote-code" in argv) == (name == "kimi-k2.5")
+        sgl = shlex.split(run(name, "--engine", "sglang", "--tp", "16").stdout)
+        assert sgl[sgl.index("--tp-size") + 1] == "16" and sgl[sgl.index("--speculative-num-draft-tokens") + 1] == "8"
+        assert ("--trust-remote-code" in sgl) == (name == "kimi-k2.5")
+    assert "--trust-remote-code" not in run("qwen3-8b", "--engine", "vllm").stdout
+    coder = shlex.split(run("qwen3-coder-next", "--engine", "sglang").stdout)
+    assert coder[-2:] == ["--mamba-scheduler-strategy", "extra_buffer"]
+    assert "--mamba-scheduler-strategy" not in run("gemma-4-26b-a4b", "--engine", "sglang").stdout

@@ -9,7 +9,11 @@ against the engines' DFlash documentation and source (see README, "When one GPU 
 - SGLang: `python3 -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH
   --speculative-draft-model-path DRAFTER --speculative-num-draft-tokens B`: for DFLASH SGLang counts the
   whole block (its server args derive `speculative_num_steps = B - 1` from it; z-lab's example passes 16),
-  and hybrid Qwen3.5/3.6 targets (Gated DeltaNet state) need `--mamba-scheduler-strategy extra_buffer`.
+  and hybrid Qwen3.5/3.6 and Qwen3-Next targets (Gated DeltaNet state) need
+  `--mamba-scheduler-strategy extra_buffer` (SGLang's mamba cache strategy compatible with speculative
+  decoding).
+- Both: `--trust-remote-code` for targets whose tokenizer is code in their repo (Kimi K2.5; registry
+  `trust_remote_code`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ INSTALL = {"vllm": "pip install vllm (a release with the dflash speculative meth
            "sglang": "pip install sglang (a release with --speculative-algorithm DFLASH)"}
 # Target repo names (lower case, without the org) of hybrid targets whose linear-attention state SGLang's
 # scheduler must keep in an extra buffer for speculative decoding.
-SGLANG_HYBRID_PREFIXES = ("qwen3.5-", "qwen3.6-")
+SGLANG_HYBRID_PREFIXES = ("qwen3.5-", "qwen3.6-", "qwen3-next-", "qwen3-coder-next")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class ServePair:
     target: str
     drafter: str
     block_size: int
+    trust_remote_code: bool = False
 
 
 def is_sglang_hybrid(target: str) -> bool:
@@ -53,6 +58,8 @@ def server_argv(pair: ServePair, engine: str, tp: int = 1, port: int | None = No
             argv += ["--mamba-scheduler-strategy", "extra_buffer"]
     else:
         raise ValueError(f"unknown engine {engine!r}")
+    if pair.trust_remote_code:
+        argv.append("--trust-remote-code")
     if port is not None:
         argv += ["--port", str(port)]
     return argv

@@ -6,6 +6,7 @@ downloaded. The sizes it adds up, and how they are counted, are in `models/sizes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,11 +21,15 @@ from dflash_cli.models.sizes import (
     gib,
     kv_cache_bytes,
     normalize_quant,
+    prequantized,
     target_weight_bytes,
 )
 
-__all__ = ["GIB", "Alternative", "MemoryPlan", "choose_quant", "format_plan", "max_context_that_fits",
-           "plan_memory"]
+__all__ = ["GIB", "Alternative", "MemoryPlan", "ServerEstimate", "choose_quant", "format_plan", "format_server",
+           "max_context_that_fits", "plan_memory", "server_estimate"]
+
+#: bitsandbytes quantizations, which transformers refuses on a checkpoint published quantized (MXFP4, fp8, ...)
+BNB_QUANTS = ("int8", "nf4")
 
 @dataclass(frozen=True)
 class Alternative:
@@ -54,6 +59,7 @@ class MemoryPlan:
     drafter_estimate: WeightEstimate | None
     alternatives: tuple[Alternative, ...] = ()
     notes: tuple[str, ...] = ()
+    mxfp4_packed: bool = False  # the target's MXFP4 experts stay packed (transformers' kernels), else dequantized
 
     @property
     def total(self) -> int:
@@ -79,10 +85,10 @@ class MemoryPlan:
 
 
 def _plan(target_config, drafter_config, quant, drafter_quant, context_tokens, block_size, available_bytes,
-          kv_dtype_bytes) -> MemoryPlan:
+          kv_dtype_bytes, mxfp4_packed: bool = False) -> MemoryPlan:
     quant = normalize_quant(quant)
     dq = normalize_quant(drafter_quant) if drafter_config is not None else None
-    t = target_weight_bytes(target_config, quant)
+    t = target_weight_bytes(target_config, quant, mxfp4_packed=mxfp4_packed)
     d = drafter_weight_bytes(drafter_config, dq) if drafter_config is not None else None
     rows = context_tokens + block_size  # a verified block sits in the cache until it is cropped
     t_kv = kv_cache_bytes(target_config, rows, kv_dtype_bytes)
@@ -97,15 +103,16 @@ def _plan(target_config, drafter_config, quant, drafter_quant, context_tokens, b
                       available_bytes=int(available_bytes), target_weights=t.total,
                       drafter_weights=d.total if d else 0, target_kv=t_kv, drafter_kv=d_kv,
                       activations=sum(parts.values()), activation_parts=parts, target_estimate=t,
-                      drafter_estimate=d, notes=tuple(notes))
+                      drafter_estimate=d, notes=tuple(notes), mxfp4_packed=mxfp4_packed)
 
 
 def max_context_that_fits(target_config, drafter_config, *, quant, block_size, available_bytes,
-                          drafter_quant=None, kv_dtype_bytes: int = 2, upper: int = 1 << 22) -> int | None:
+                          drafter_quant=None, kv_dtype_bytes: int = 2, upper: int = 1 << 22,
+                          mxfp4_packed: bool = False) -> int | None:
     """The longest context (tokens) whose plan fits, by bisection; None if not even 1 token fits."""
     def fits(n: int) -> bool:
         return _plan(target_config, drafter_config, quant, drafter_quant, n, block_size, available_bytes,
-                     kv_dtype_bytes).fits
+                     kv_dtype_bytes, mxfp4_packed).fits
 
     if not fits(1):
         return None
@@ -123,25 +130,32 @@ def _alternatives(plan: MemoryPlan, target_config, drafter_config, kv_dtype_byte
                 block_size=plan.block_size)
     out: list[Alternative] = []
 
+    packed = plan.mxfp4_packed
+
     def add(knob: str, value: Any, label: str, **changes) -> None:
-        kw = dict(args, quant=plan.quant)
+        kw = dict(args, quant=plan.quant, mxfp4_packed=packed)
         kw.update(changes)
         alt = _plan(target_config, drafter_config if kw.pop("drafter", True) else None, kw["quant"],
                     kw["drafter_quant"], kw["context_tokens"], kw["block_size"], plan.available_bytes,
-                    kv_dtype_bytes)
+                    kv_dtype_bytes, kw["mxfp4_packed"])
         verdict = "fits" if alt.fits else f"still {gib(-alt.headroom)} over"
         out.append(Alternative(knob, value, alt.total, alt.fits,
                                f"{label}: {gib(alt.total)} total ({verdict})"))
 
+    bnb = prequantized(target_config) is None  # bitsandbytes cannot requantize a quantized checkpoint
+    if plan.target_estimate.mxfp4 == "dequantized":
+        add("mxfp4", True, "MXFP4 experts kept packed (a CUDA GPU of compute capability 7.5+ with triton>=3.4 "
+            "and kernels installed)", mxfp4_packed=True)
     smaller = {"bf16": ("int8", "nf4"), "fp16": ("int8", "nf4"), "fp32": ("int8", "nf4"), "int8": ("nf4",)}
-    for q in smaller.get(plan.quant, ()):
+    for q in smaller.get(plan.quant, ()) if bnb else ():
         add("quant", q, f"target in {'4' if q == 'nf4' else '8'}-bit (--quant {q})", quant=q)
     n = max_context_that_fits(target_config, drafter_config, quant=plan.quant, block_size=plan.block_size,
                               available_bytes=plan.available_bytes, drafter_quant=plan.drafter_quant,
-                              kv_dtype_bytes=kv_dtype_bytes, upper=max(plan.context_tokens - 1, 1))
+                              kv_dtype_bytes=kv_dtype_bytes, upper=max(plan.context_tokens - 1, 1),
+                              mxfp4_packed=packed)
     if n is not None and n < plan.context_tokens:
         add("context_tokens", n, f"a context of at most {n:,} tokens", context_tokens=n)
-    elif plan.quant != "nf4" and not any(a.knob == "quant" and a.value == "nf4" and a.fits for a in out):
+    elif bnb and plan.quant != "nf4" and not any(a.knob == "quant" and a.value == "nf4" and a.fits for a in out):
         n = max_context_that_fits(target_config, drafter_config, quant="nf4", block_size=plan.block_size,
                                   available_bytes=plan.available_bytes, drafter_quant=plan.drafter_quant,
                                   kv_dtype_bytes=kv_dtype_bytes, upper=max(plan.context_tokens - 1, 1))
@@ -158,9 +172,12 @@ def _alternatives(plan: MemoryPlan, target_config, drafter_config, kv_dtype_byte
             add("drafter_quant", "int8", "drafter layers in int8 (drafter quant int8)", drafter_quant="int8")
         add("draft", False, "no drafter (--no-draft)", drafter=False)
     if not any(a.fits for a in out):
-        small = dict(quant="nf4", block_size=min(plan.block_size, 8), context_tokens=min(plan.context_tokens, 1024))
-        label = f"everything smallest (--quant nf4, --block-size {small['block_size']}, " \
-                f"context {small['context_tokens']:,} tokens"
+        q = "nf4" if bnb else plan.quant  # a checkpoint published quantized stays as it is
+        small = dict(quant=q, block_size=min(plan.block_size, 8), context_tokens=min(plan.context_tokens, 1024),
+                     mxfp4_packed=True if plan.target_estimate.mxfp4 else packed)
+        label = ("everything smallest (" + ("--quant nf4, " if bnb else "")
+                 + ("MXFP4 kept packed, " if plan.target_estimate.mxfp4 else "")
+                 + f"--block-size {small['block_size']}, context {small['context_tokens']:,} tokens")
         if drafter_config is not None:
             small["drafter_quant"] = "nf4"
             label += ", drafter quant nf4"
@@ -170,20 +187,24 @@ def _alternatives(plan: MemoryPlan, target_config, drafter_config, kv_dtype_byte
 
 def plan_memory(target_config: dict[str, Any], drafter_config: dict[str, Any] | None = None, *,
                 quant: str = "bf16", context_tokens: int, block_size: int | None = None,
-                available_bytes: int, drafter_quant: str | None = None, kv_dtype_bytes: int = 2) -> MemoryPlan:
+                available_bytes: int, drafter_quant: str | None = None, kv_dtype_bytes: int = 2,
+                mxfp4_packed: bool = False) -> MemoryPlan:
     """Plans GPU memory for a target (+ drafter) and, when it does not fit, re-plans alternatives.
 
-    `quant` may be "auto" (the best of bf16, int8, nf4 that fits; nf4 if none does).
+    `quant` may be "auto" (the best of bf16, int8, nf4 that fits; nf4 if none does; a checkpoint published
+    quantized, MXFP4 or fp8, only bf16: transformers refuses bitsandbytes on top of it).
     `block_size` defaults to the drafter's (1 without a drafter). `drafter_quant` defaults to bf16.
+    `mxfp4_packed`: an MXFP4 target keeps its experts packed (see models/resolve.mxfp4_kept).
     """
     if block_size is None:
         block_size = drafter_block_size(drafter_config) if drafter_config is not None else 1
     if str(quant).lower() == "auto":
+        fallback = "nf4" if prequantized(target_config) is None else "bf16"
         quant = choose_quant(target_config, drafter_config, context_tokens=context_tokens, block_size=block_size,
                              available_bytes=available_bytes, drafter_quant=drafter_quant,
-                             kv_dtype_bytes=kv_dtype_bytes) or "nf4"
+                             kv_dtype_bytes=kv_dtype_bytes, mxfp4_packed=mxfp4_packed) or fallback
     plan = _plan(target_config, drafter_config, quant, drafter_quant, context_tokens, block_size,
-                 available_bytes, kv_dtype_bytes)
+                 available_bytes, kv_dtype_bytes, mxfp4_packed)
     if not plan.fits:
         plan = replace(plan, alternatives=tuple(_alternatives(plan, target_config, drafter_config, kv_dtype_bytes)))
     return plan
@@ -191,15 +212,70 @@ def plan_memory(target_config: dict[str, Any], drafter_config: dict[str, Any] | 
 
 def choose_quant(target_config: dict[str, Any], drafter_config: dict[str, Any] | None = None, *,
                  context_tokens: int, block_size: int | None = None, available_bytes: int,
-                 drafter_quant: str | None = None, kv_dtype_bytes: int = 2) -> str | None:
-    """`--quant auto`: the best quality that fits (bf16, then int8, then nf4); None if nothing fits."""
+                 drafter_quant: str | None = None, kv_dtype_bytes: int = 2, mxfp4_packed: bool = False) -> str | None:
+    """`--quant auto`: the best quality that fits (bf16, then int8, then nf4; only bf16 for a checkpoint
+    published quantized); None if nothing fits."""
     if block_size is None:
         block_size = drafter_block_size(drafter_config) if drafter_config is not None else 1
-    for q in AUTO_ORDER:
+    order = AUTO_ORDER if prequantized(target_config) is None else AUTO_ORDER[:1]
+    for q in order:
         if _plan(target_config, drafter_config, q, drafter_quant, context_tokens, block_size, available_bytes,
-                 kv_dtype_bytes).fits:
+                 kv_dtype_bytes, mxfp4_packed).fits:
             return q
     return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# pairs that only a multi-GPU server runs (registry `runs = "engine"`)
+
+#: the GPU sizes a server estimate is given for (80 GiB: A100/H100; 141 GiB: H200)
+SERVER_GPUS = (80 * GIB, 141 * GIB)
+#: the share of a GPU an engine gives to weights and KV cache (vLLM's default --gpu-memory-utilization)
+SERVER_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class ServerEstimate:
+    """What serving a pair takes: its weights as published (an engine keeps the checkpoint's format: int4,
+    fp8, MXFP4), the target's KV cache at the context, and the fewest GPUs of each size that hold them."""
+
+    target_bytes: int
+    target_format: str
+    drafter_bytes: int | None  # None: the drafter's config was not read
+    kv_bytes: int
+    context_tokens: int
+    gpus: tuple[tuple[int, int], ...]  # (GPU bytes, GPUs needed), for SERVER_GPUS
+
+    @property
+    def total(self) -> int:
+        return self.target_bytes + (self.drafter_bytes or 0) + self.kv_bytes
+
+
+def server_estimate(target_config: dict[str, Any], drafter_config: dict[str, Any] | None = None, *,
+                    context_tokens: int, kv_dtype_bytes: int = 2) -> ServerEstimate:
+    t = target_weight_bytes(target_config)
+    d = drafter_weight_bytes(drafter_config).disk_bytes if drafter_config is not None else None
+    kv = kv_cache_bytes(target_config, context_tokens, kv_dtype_bytes)
+    total = t.disk_bytes + (d or 0) + kv
+    gpus = tuple((size, max(1, math.ceil(total / (size * SERVER_UTILIZATION)))) for size in SERVER_GPUS)
+    return ServerEstimate(t.disk_bytes, t.disk_format, d, kv, context_tokens, gpus)
+
+
+def format_server(est: ServerEstimate | None, name: str, serve_tp: int | None = None) -> list[str]:
+    """Why the pair needs a multi-GPU server (the numbers when its config was read), what serves it, and
+    how to use it from here."""
+    tp = f" --tp {serve_tp}" if serve_tp else ""
+    if est is None:
+        first = "needs a multi-GPU server (its config.json gives the numbers)"
+    else:
+        need = " or ".join(f"{n} x {size // GIB} GiB" for size, n in est.gpus)
+        drafter = f" + drafter {gib(est.drafter_bytes)}" if est.drafter_bytes is not None else ""
+        first = (f"needs a multi-GPU server: weights {gib(est.target_bytes)} as published ({est.target_format})"
+                 f"{drafter} + KV cache {gib(est.kv_bytes)} at {est.context_tokens:,} tokens = {gib(est.total)}: "
+                 f"at least {need} GPUs")
+    return [first,
+            f"serve it there: dflash-cli serve-cmd {name} --engine vllm{tp} (or --engine sglang)",
+            f"use it from here: dflash-cli chat --engine http://SERVER:8000 -m {name} (generate and bench too)"]
 
 
 def format_plan(plan: MemoryPlan) -> list[str]:

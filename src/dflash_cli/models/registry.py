@@ -27,10 +27,19 @@ class PairEntry:
     unsupported: str | None = None
     notes: str = ""
     source: str = "built-in"
+    runs: str = "local"  # "local": this engine runs it; "engine": only a multi-GPU server does (serve-cmd)
+    serve_tp: int | None = None  # the tensor-parallel size serve-cmd uses when --tp is not given
+    trust_remote_code: bool = False  # the serving engines need --trust-remote-code (custom tokenizer code)
+
+    @property
+    def engine_only(self) -> bool:
+        """Too big for one machine: served by vLLM/SGLang (serve-cmd) and used with --engine URL."""
+        return self.runs == "engine"
 
 
 _FIELDS = {"target", "drafter", "target_revision", "drafter_revision", "block_size", "thinking", "unsupported",
-           "notes"}
+           "notes", "runs", "serve_tp", "trust_remote_code"}
+RUNS = ("local", "engine")
 
 
 def _entry(alias: str, raw: Any, source: str) -> PairEntry:
@@ -40,6 +49,16 @@ def _entry(alias: str, raw: Any, source: str) -> PairEntry:
     if unknown:
         raise RegistryError(f"pair {alias!r} in {source} has unknown field(s) {', '.join(sorted(unknown))}",
                             hint=f"known fields: {', '.join(sorted(_FIELDS))}")
+    if raw.get("runs", "local") not in RUNS:
+        raise RegistryError(f"pair {alias!r} in {source}: runs = {raw['runs']!r} is neither \"local\" nor \"engine\"",
+                            hint='"engine": a serving engine runs it (dflash-cli serve-cmd), used with --engine URL')
+    for key in ("block_size", "serve_tp"):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RegistryError(f"pair {alias!r} in {source}: {key} must be a positive integer, not {value!r}")
+    for key in ("thinking", "trust_remote_code"):
+        if key in raw and not isinstance(raw[key], bool):
+            raise RegistryError(f"pair {alias!r} in {source}: {key} must be true or false, not {raw[key]!r}")
     return PairEntry(alias=alias, source=source, **raw)
 
 

@@ -107,6 +107,61 @@ class MemoryPlanError(DFlashError):
     """The pair cannot fit in the memory available, at any setting tried."""
 
 
+class EngineOnlyError(DFlashError):
+    """The pair runs on a multi-GPU server only (registry `runs = "engine"`): nothing is downloaded here."""
+
+
+def engine_only_error(entry: PairEntry) -> EngineOnlyError:
+    """The refusal for running (or downloading) an engine-only pair here: where it runs instead."""
+    tp = f" --tp {entry.serve_tp}" if entry.serve_tp else ""
+    return EngineOnlyError(
+        f"{entry.alias} ({entry.target}) is served by a multi-GPU server (vLLM or SGLang), not run here: "
+        "nothing was downloaded",
+        hint=f"on the server: dflash-cli serve-cmd {entry.alias} --engine vllm{tp} (or --engine sglang); from here: "
+             f"dflash-cli generate --engine http://SERVER:8000 -m {entry.alias} ...; "
+             f"dflash-cli show {entry.alias} plans its memory")
+
+
+def mxfp4_kept(device: str) -> tuple[bool, str]:
+    """(kept, why): whether transformers keeps an MXFP4 checkpoint's experts packed when the engine loads it
+    on `device` (from_pretrained without use_kernels, as engine/load.py does); otherwise it dequantizes them
+    to the model's dtype (bf16 on a GPU). transformers 5.24, quantizers/quantizer_mxfp4.py: on a CPU always
+    dequantized (packed MXFP4 there needs use_kernels); on CUDA kept when the GPU's compute capability is 7.5
+    or more, triton is 3.4 or later and the `kernels` package is installed in the version range transformers
+    accepts."""
+    import torch
+
+    where = torch.device(device)
+    if where.type != "cuda":
+        return False, f"transformers dequantizes them on {where.type}"
+    from transformers.utils.import_utils import (
+        KERNELS_MAX_VERSION,
+        KERNELS_MIN_VERSION,
+        is_kernels_available,
+        is_triton_available,
+    )
+
+    if torch.cuda.get_device_capability(where) < (7, 5):
+        return False, "the GPU's compute capability is below 7.5"
+    if not is_triton_available("3.4.0"):
+        return False, "triton 3.4 or later is not installed"
+    if not is_kernels_available():
+        return False, f"the kernels package ({KERNELS_MIN_VERSION} <= version < {KERNELS_MAX_VERSION}) is not installed"
+    return True, "a CUDA GPU of compute capability 7.5+ with triton and kernels installed"
+
+
+def check_prequantized(target_cfg: dict, quant: str | None, name: str) -> None:
+    """--quant int8/nf4 on a checkpoint published quantized (gpt-oss's MXFP4, fp8, ...): transformers refuses
+    a bitsandbytes config on top of it, after the download; refused here, before it."""
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.models.sizes import prequantized
+
+    method = prequantized(target_cfg)
+    if method is not None and quant in ("int8", "nf4"):
+        raise InvalidSettingError(f"--quant {quant}: {name} is published quantized ({method}), and transformers "
+                                  "does not quantize it again", hint="leave --quant out (or --quant auto)")
+
+
 @dataclass(frozen=True)
 class ResolvedPair:
     target_dir: Path
@@ -133,14 +188,26 @@ class MemoryBudget:
     gpus: int = 0  # GPUs on this machine (a pair too big for one of several can be split over them)
 
 
+def mxfp4_packed_on(target_cfg: dict, budget: MemoryBudget) -> bool:
+    """An MXFP4 target's experts stay packed on the budget's device(s) (mxfp4_kept; all of a split on GPUs)."""
+    from dflash_cli.models.sizes import prequantized
+
+    if prequantized(target_cfg) != "mxfp4":
+        return False
+    devices = [d for d, _ in budget.devices] if budget.strategy is not None else [budget.device]
+    return all(d.startswith("cuda") for d in devices) and mxfp4_kept(devices[0])[0]
+
+
 def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, budget: MemoryBudget,
                      name: str) -> str:
     """Returns the quantization to use; raises MemoryPlanError naming components and alternatives."""
     from dflash_cli.models.plan import GIB, choose_quant, plan_memory
+    from dflash_cli.models.sizes import prequantized
 
     planned = budget.dtype if quant == "none" else quant
     if budget.strategy is not None:
         return preflight_split(target_cfg, drafter_cfg, quant, budget, name)
+    packed = mxfp4_packed_on(target_cfg, budget)
     if quant == "auto" and budget.device == "cpu":
         from dflash_cli.engine.device import cpu_auto_quant
 
@@ -152,12 +219,13 @@ def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, bud
             quant, planned = "none", budget.dtype  # q4 keeps the 16-bit weights beside its codes: try without
     elif quant == "auto":
         chosen = choose_quant(target_cfg, drafter_cfg, context_tokens=budget.context_tokens,
-                              available_bytes=budget.available_bytes)
+                              available_bytes=budget.available_bytes, mxfp4_packed=packed)
         if chosen is not None:
             return "none" if chosen in ("bf16", "fp16", "fp32") else chosen
-        planned = "nf4"
+        # nothing fits: plan the smallest setting there is (a checkpoint published quantized: as it is)
+        quant, planned = ("nf4", "nf4") if prequantized(target_cfg) is None else ("none", budget.dtype)
     plan = plan_memory(target_cfg, drafter_cfg, quant=planned, context_tokens=budget.context_tokens,
-                       available_bytes=budget.available_bytes)
+                       available_bytes=budget.available_bytes, mxfp4_packed=packed)
     if plan.fits:
         return quant
     parts = (f"target {plan.target_weights / GIB:.1f} + drafter {plan.drafter_weights / GIB:.1f} + "
@@ -177,15 +245,18 @@ def preflight_split(target_cfg: dict, drafter_cfg: dict | None, quant: str, budg
 
     assert budget.strategy is not None
     devices = list(budget.devices)
+    packed = mxfp4_packed_on(target_cfg, budget)
     if quant == "auto":
+        from dflash_cli.models.sizes import prequantized
+
         chosen = choose_split_quant(target_cfg, drafter_cfg, devices=devices, strategy=budget.strategy,
-                                    context_tokens=budget.context_tokens)
+                                    context_tokens=budget.context_tokens, mxfp4_packed=packed)
         if chosen is not None:
             return "none" if chosen in ("bf16", "fp16", "fp32") else chosen
-        quant = "nf4"
+        quant = "nf4" if prequantized(target_cfg) is None else "none"
     planned = budget.dtype if quant == "none" else quant
     plan = plan_split(target_cfg, drafter_cfg, devices=devices, strategy=budget.strategy, quant=planned,
-                      context_tokens=budget.context_tokens)
+                      context_tokens=budget.context_tokens, mxfp4_packed=packed)
     if plan.fits:
         return quant
     from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
@@ -271,6 +342,8 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     from dflash_cli.engine.pairing import check_pair, check_target_config
 
     spec = resolve_spec(model)
+    if spec.entry is not None and spec.entry.engine_only and spec.kind == "repo":
+        raise engine_only_error(spec.entry)  # before any request: not even its config.json is fetched
     if quant is None:
         quant = "auto" if spec.kind == "builtin" else "none"
     if spec.kind == "builtin":
@@ -300,6 +373,7 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     # Preflight from config files only: a bad pair fails here, before any weights download.
     target_cfg = read_config(target_kind, target_where, spec.target_revision, endpoint)
     check_target_config(target_cfg, target_where)
+    check_prequantized(target_cfg, quant, model)
     drafter_cfg = None
     if drafter_kind is not None:
         drafter_cfg = read_config(drafter_kind, drafter_where, drafter_rev, endpoint)

@@ -35,6 +35,7 @@ from dflash_cli.models.sizes import (
     drafter_weight_bytes,
     kv_cache_bytes,
     normalize_quant,
+    prequantized,
     target_weight_bytes,
 )
 from dflash_cli.units import fmt_bytes
@@ -118,10 +119,11 @@ class SplitPlan:
         return text + (" (offloaded layers: slow)" if self.offloaded_layers else "")
 
 
-def _costs(target_config, drafter_config, quant, drafter_quant, context_tokens, block_size, kv_dtype_bytes):
+def _costs(target_config, drafter_config, quant, drafter_quant, context_tokens, block_size, kv_dtype_bytes,
+           mxfp4_packed=False):
     """(per-layer weight bytes, per-layer KV bytes, the hot device's own (weights, KV, working) bytes,
     number of layers)."""
-    t = target_weight_bytes(target_config, quant)
+    t = target_weight_bytes(target_config, quant, mxfp4_packed=mxfp4_packed)
     n = int(text_config(target_config)["num_hidden_layers"])
     hidden = int(text_config(target_config)["hidden_size"])
     plain = 4 if quant == "fp32" else 2
@@ -142,10 +144,11 @@ def _costs(target_config, drafter_config, quant, drafter_quant, context_tokens, 
 def plan_split(target_config: dict[str, Any], drafter_config: dict[str, Any] | None = None, *,
                devices: list[tuple[str, int | None]], strategy: str = "auto", quant: str = "bf16",
                context_tokens: int, block_size: int | None = None, drafter_quant: str | None = None,
-               kv_dtype_bytes: int = 2) -> SplitPlan:
+               kv_dtype_bytes: int = 2, mxfp4_packed: bool = False) -> SplitPlan:
     """Places the target's decoder layers on `devices` [(name, available bytes or None)], hot device first.
 
     GPUs come first in `devices`, then "cpu", then "disk" (engine/placement.py orders them so).
+    `mxfp4_packed`: an MXFP4 target's experts stay packed (models/resolve.mxfp4_kept).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown device map strategy {strategy!r}: use {', '.join(STRATEGIES)}")
@@ -155,7 +158,7 @@ def plan_split(target_config: dict[str, Any], drafter_config: dict[str, Any] | N
     if block_size is None:
         block_size = drafter_block_size(drafter_config) if drafter_config is not None else 1
     layer_w, layer_kv, hot_own, n = _costs(target_config, drafter_config, quant, drafter_quant, context_tokens,
-                                             block_size, kv_dtype_bytes)
+                                             block_size, kv_dtype_bytes, mxfp4_packed)
     hot = devices[0][0]
     gpu_hot = is_gpu(hot)
     compute = [i for i, (name, _) in enumerate(devices) if name == hot or (is_gpu(name) if gpu_hot else name == "cpu")]
@@ -221,15 +224,17 @@ def plan_split(target_config: dict[str, Any], drafter_config: dict[str, Any] | N
 def choose_split_quant(target_config: dict[str, Any], drafter_config: dict[str, Any] | None = None, *,
                        devices: list[tuple[str, int | None]], strategy: str = "auto", context_tokens: int,
                        block_size: int | None = None, drafter_quant: str | None = None,
-                       kv_dtype_bytes: int = 2) -> str | None:
+                       kv_dtype_bytes: int = 2, mxfp4_packed: bool = False) -> str | None:
     """`--quant auto` with a device map: splitting comes before quantizing harder, offload comes last.
 
     The best of bf16, int8, nf4 whose split fits on the compute devices alone (the GPUs, else the CPU);
-    else the best that fits with layers offloaded to cpu/disk; None if nothing fits.
+    else the best that fits with layers offloaded to cpu/disk; None if nothing fits. A checkpoint
+    published quantized (MXFP4, fp8) is planned as it is: transformers refuses bitsandbytes on top of it.
     """
+    order = AUTO_ORDER if prequantized(target_config) is None else AUTO_ORDER[:1]
     plans = [plan_split(target_config, drafter_config, devices=devices, strategy=strategy, quant=q,
                         context_tokens=context_tokens, block_size=block_size, drafter_quant=drafter_quant,
-                        kv_dtype_bytes=kv_dtype_bytes) for q in AUTO_ORDER]
+                        kv_dtype_bytes=kv_dtype_bytes, mxfp4_packed=mxfp4_packed) for q in order]
     for plan in plans:
         if plan.fits and not plan.offloaded_layers:
             return plan.quant

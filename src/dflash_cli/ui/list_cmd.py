@@ -125,11 +125,20 @@ def known_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
     from dflash_cli.models.registry import BUILTIN_MODELS
 
     rows = [{"alias": alias, "target": e.target, "drafter": e.drafter, "block_size": e.block_size,
-             "thinking": e.thinking, "unsupported": e.unsupported, "notes": e.notes, "source": e.source}
+             "thinking": e.thinking, "runs": e.runs, "serve_tp": e.serve_tp, "unsupported": e.unsupported,
+             "notes": e.notes, "source": e.source}
             for alias, e in sorted(registry.items())]
     rows += [{"alias": name, "target": "(built in)", "drafter": None, "block_size": None, "thinking": None,
-              "unsupported": None, "notes": text, "source": "built-in"} for name, text in BUILTIN_MODELS.items()]
+              "runs": "local", "serve_tp": None, "unsupported": None, "notes": text, "source": "built-in"}
+             for name, text in BUILTIN_MODELS.items()]
     return rows
+
+
+def runs_cell(row: dict[str, Any]) -> str:
+    """Where a pair runs: here (this engine), or on a serving engine (serve-cmd, then --engine URL)."""
+    if row["runs"] == "engine":
+        return "engine" + (f" (tp {row['serve_tp']})" if row["serve_tp"] else "")
+    return "here"
 
 
 def run_list(out: Any, quiet: bool, as_json: bool, known: bool) -> int:
@@ -143,9 +152,13 @@ def run_list(out: Any, quiet: bool, as_json: bool, known: bool) -> int:
         elif quiet:
             echo([r["alias"] for r in rows])
         else:
-            echo(table(["NAME", "TARGET", "DRAFTER", "BLOCK", "THINKING", "STATUS"],
-                         [[r["alias"], r["target"], cell(r["drafter"]), cell(r["block_size"]), cell(r["thinking"]),
-                           f"unsupported: {r['unsupported']}" if r["unsupported"] else "ok"] for r in rows]))
+            echo(table(["NAME", "TARGET", "DRAFTER", "BLOCK", "THINKING", "RUNS", "STATUS"],
+                       [[r["alias"], r["target"], cell(r["drafter"]), cell(r["block_size"]), cell(r["thinking"]),
+                         runs_cell(r), f"unsupported: {r['unsupported']}" if r["unsupported"] else "ok"]
+                        for r in rows]))
+            if any(r["runs"] == "engine" for r in rows):
+                out.info("RUNS engine: too big for one machine; `dflash-cli serve-cmd NAME --engine vllm|sglang` "
+                         "serves it, and --engine URL uses it from here")
         return EXIT_OK
     rows = local_rows(pairs)
     if as_json:

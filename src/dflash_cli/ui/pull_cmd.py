@@ -24,11 +24,15 @@ class Wanted:
     role: str  # "target" or "drafter"
 
 
-def pull_targets(spec: str, revision: str | None, no_draft: bool) -> tuple[list[Wanted], str | None]:
-    """The repos `pull MODEL` fetches, and the pair alias (if any)."""
-    from dflash_cli.models.resolve import resolve_spec
+def pull_targets(spec: str, revision: str | None, no_draft: bool,
+                 dry_run: bool = False) -> tuple[list[Wanted], str | None]:
+    """The repos `pull MODEL` fetches, and the pair alias (if any). A pair that runs only on a multi-GPU
+    server is planned (--dry-run) but not downloaded here."""
+    from dflash_cli.models.resolve import engine_only_error, resolve_spec
 
     ms = resolve_spec(spec, registry(), store=True)
+    if not dry_run and ms.entry is not None and ms.entry.engine_only:
+        raise engine_only_error(ms.entry)
     if ms.kind == "folder":
         raise CheckpointError(f"{spec} is a local folder: there is nothing to pull",
                               hint="use it directly: dflash-cli chat -m " + spec)
@@ -46,7 +50,7 @@ def run_pull(out: Any, spec: str, revision: str | None, dry_run: bool, no_draft:
     from dflash_cli.models import hub
     from dflash_cli.units import fmt_bytes
 
-    wanted, alias = pull_targets(spec, revision, no_draft)
+    wanted, alias = pull_targets(spec, revision, no_draft, dry_run)
     cache = hub.default_cache_dir()
     if dry_run:
         if hub.is_offline():

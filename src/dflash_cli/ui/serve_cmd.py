@@ -18,8 +18,9 @@ from dflash_cli.ui.common import common_options, echo, registry, run_plain
 from dflash_cli.ui.errors import EXIT_OK
 
 
-def serve_pair(value: str, block_size: int | None) -> Any:
-    """The registry pair MODEL names, with a drafter and a block size; anything else is a usage error."""
+def serve_pair(value: str, block_size: int | None) -> tuple[Any, Any]:
+    """(ServePair, its registry entry) for the pair MODEL names, with a drafter and a block size; anything
+    else is a usage error."""
     from dflash_cli.models.resolve import resolve_spec
     from dflash_cli.serve import ServePair
 
@@ -49,19 +50,21 @@ def serve_pair(value: str, block_size: int | None) -> Any:
     if entry.block_size and size > entry.block_size:
         raise InvalidSettingError(f"--block-size {size}: {entry.drafter} drafts blocks of {entry.block_size}",
                                   f"use {entry.block_size} or less (it proposes block - 1 tokens per step)")
-    return ServePair(entry.alias, entry.target, entry.drafter, int(size))
+    return ServePair(entry.alias, entry.target, entry.drafter, int(size), entry.trust_remote_code), entry
 
 
-def run_serve_cmd(out: Any, model: str, engine: str, tp: int, port: int | None, block_size: int | None,
+def run_serve_cmd(out: Any, model: str, engine: str, tp: int | None, port: int | None, block_size: int | None,
                   do_exec: bool) -> int:
     from dflash_cli.serve import EXECUTABLES, INSTALL, server_argv
 
-    if tp < 1:
+    if tp is not None and tp < 1:
         raise InvalidSettingError(f"--tp {tp}: the tensor-parallel size is at least 1",
                                   "use the number of GPUs to split the target over, for example --tp 2")
     if port is not None and not 1 <= port <= 65535:
         raise InvalidSettingError(f"--port {port}: not a TCP port (1..65535)")
-    pair = serve_pair(model, block_size)
+    pair, entry = serve_pair(model, block_size)
+    if tp is None:  # the registry's size for a pair too big for fewer GPUs, else 1
+        tp = entry.serve_tp or 1
     argv = server_argv(pair, engine, tp, port)
     line = shlex.join(argv)
     if not do_exec:
@@ -95,7 +98,9 @@ def _python_has(python: str, module: str) -> bool:
 @click.argument("model")
 @click.option("--engine", "engine", required=True, type=click.Choice(["vllm", "sglang"], case_sensitive=False),
               help="The serving engine to print the command for.")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (GPUs to split over).")
+@click.option("--tp", type=int, default=None,
+              help="Tensor-parallel size (GPUs to split over) [default: the registry's for the pairs that need a "
+                   "multi-GPU server, else 1].")
 @click.option("--port", type=int, default=None, help="Port to listen on [default: the engine's own].")
 @click.option("--block-size", type=int, default=None,
               help="The drafter's trained block size [default: the registry's].")
@@ -107,11 +112,13 @@ def serve_cmd(model, engine, tp, port, block_size, do_exec, color, debug):
 
     The command names the target, the drafter, the number of speculative tokens (from the drafter's
     block size), the tensor-parallel size and the flags the engine needs for the model family. Point
-    generate, chat and bench at the server with --engine URL.
+    generate, chat and bench at the server with --engine URL: that is how the pairs too big for one
+    machine (RUNS "engine" in `list --known`: kimi-k2.5, glm-5.1) are used.
 
     \b
     Examples:
       dflash-cli serve-cmd qwen3-8b --engine vllm --tp 2
       dflash-cli serve-cmd qwen3.6-27b --engine sglang --tp 4 --exec
+      dflash-cli serve-cmd kimi-k2.5 --engine vllm
     """
     run_plain(color, debug, lambda out: run_serve_cmd(out, model, engine.lower(), tp, port, block_size, do_exec))

@@ -19,12 +19,30 @@ DEFAULT_SHOW_QUANT = "bf16"
 def plan_budget(device: str, context: int) -> tuple[int, str]:
     """(bytes, what): free memory on the device `generate --device` would use, as generate's preflight
     reads it."""
+    available, what, _ = plan_device(device, context)
+    return available, what
+
+
+def plan_device(device: str, context: int) -> tuple[int, str, str | None]:
+    """plan_budget and the device it read (None: unknown)."""
     from dflash_cli.models.resolve import memory_budget
 
     budget = memory_budget(device, None, context)
     if budget is None:
-        return 0, "unknown (no /proc/meminfo)"
-    return budget.available_bytes, f"free {budget.where} on {budget.device}"
+        return 0, "unknown (no /proc/meminfo)", None
+    return budget.available_bytes, f"free {budget.where} on {budget.device}", budget.device
+
+
+def mxfp4_on(target: dict, device: str | None) -> tuple[bool, str | None]:
+    """(experts kept packed, why) for an MXFP4 target on `device`; (False, None) for any other target."""
+    from dflash_cli.models.resolve import mxfp4_kept
+    from dflash_cli.models.sizes import prequantized
+
+    if prequantized(target) != "mxfp4":
+        return False, None
+    if device is None:
+        return False, "the device is unknown"
+    return mxfp4_kept(device)
 
 
 def read_configs(where: str | None, revision: str | None, endpoint: str | None) -> tuple[dict | None, str]:
@@ -104,7 +122,9 @@ def _identity_lines(info: dict[str, Any], t_rev: str | None, d_rev: str | None, 
     if builtin is not None:
         rows.append(("built in", builtin))
     if entry is not None:
-        rows += [("block size", cell(entry.block_size)), ("thinking", cell(entry.thinking)),
+        tp = f", tp {entry.serve_tp}" if entry.serve_tp else ""
+        runs = f"on a multi-GPU server (serve-cmd{tp}), used with --engine URL" if entry.engine_only else "here"
+        rows += [("block size", cell(entry.block_size)), ("thinking", cell(entry.thinking)), ("runs", runs),
                  ("from", entry.source)]
         if entry.unsupported:
             rows.append(("unsupported", entry.unsupported))
@@ -127,8 +147,10 @@ def _config_lines(summary: dict[str, Any], t_note: str, d_note: str) -> list[str
 def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, context: int, quant: str,
              device: str, endpoint: str | None, device_map: str | None = None,
              max_memory: str | None = None) -> int:
+    from dataclasses import replace
+
     from dflash_cli.engine.placement import resolve_split
-    from dflash_cli.models.plan import format_plan, plan_memory
+    from dflash_cli.models.plan import format_plan, format_server, plan_memory, server_estimate
     from dflash_cli.models.registry import BUILTIN_MODELS
     from dflash_cli.models.resolve import resolve_spec
     from dflash_cli.models.split import format_split, plan_split
@@ -148,11 +170,17 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         t_cfg, t_note = read_configs(target, t_rev, endpoint)
     d_cfg, d_note = read_configs(drafter, d_rev, endpoint)
     summary = config_summary(t_cfg, d_cfg)
-    plan = None
-    mem_bytes, mem_what = (0, "")
+    plan = server = None
+    mem_bytes, mem_what, mxfp4_why = (0, "", None)
+    engine_only = entry is not None and entry.engine_only
     if t_cfg is not None:
-        mem_bytes, mem_what = plan_budget(device, context)
-        plan = plan_memory(t_cfg, d_cfg, quant=quant, context_tokens=context, available_bytes=mem_bytes)
+        mem_bytes, mem_what, planned_on = plan_device(device, context)
+        packed, mxfp4_why = mxfp4_on(t_cfg, planned_on)
+        plan = plan_memory(t_cfg, d_cfg, quant=quant, context_tokens=context, available_bytes=mem_bytes,
+                           mxfp4_packed=packed)
+        if engine_only:  # what a server needs, in place of knobs that would not make it fit here
+            plan = replace(plan, alternatives=())
+            server = server_estimate(t_cfg, d_cfg, context_tokens=context)
     split_plan = None
     if t_cfg is not None and split is not None:
         quant_for_split = "bf16" if quant in ("auto", "none") else quant
@@ -162,6 +190,7 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         "name": entry.alias if entry else spec.alias if builtin else None, "target": target, "target_revision": t_rev,
         "drafter": drafter, "drafter_revision": d_rev,
         "block_size": entry.block_size if entry else None, "thinking": entry.thinking if entry else None,
+        "runs": entry.runs if entry else "local", "serve_tp": entry.serve_tp if entry else None,
         "unsupported": entry.unsupported if entry else None, "notes": entry.notes if entry else "",
         "source": entry.source if entry else "built-in" if builtin else None, "builtin": builtin is not None,
         "configs": {"target": t_note, "drafter": d_note}, "summary": summary,
@@ -172,6 +201,13 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
     }
     if plan is not None:
         info["memory"] = _memory_info(plan, mem_what)
+        if mxfp4_why is not None:
+            info["memory"]["mxfp4"] = {"packed": plan.mxfp4_packed, "why": mxfp4_why}
+    if server is not None:
+        info["server"] = {"weights_bytes": server.target_bytes, "weights_format": server.target_format,
+                          "drafter_bytes": server.drafter_bytes, "kv_bytes": server.kv_bytes,
+                          "total_bytes": server.total, "context_tokens": server.context_tokens,
+                          "gpus": [{"gpu_bytes": size, "count": n} for size, n in server.gpus]}
     if split_plan is not None:
         info["split"] = _split_info(split_plan)
     if as_json:
@@ -186,8 +222,13 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
     lines += ["", f"memory plan (against {mem_what})" if plan else "memory plan"]
     if plan is not None:
         lines += ["  " + line for line in format_plan(plan)]
+        if mxfp4_why is not None:
+            state = "kept packed" if plan.mxfp4_packed else f"dequantized to {plan.quant} when loaded"
+            lines.append(f"  MXFP4 experts {state}: {mxfp4_why}")
     else:
         lines.append("  unavailable: the target's config.json is needed")
+    if engine_only and entry is not None:
+        lines += ["  " + line for line in format_server(server, entry.alias, entry.serve_tp)]
     if split_plan is not None:
         lines += ["", f"per-device plan (--device-map {device_map})"]
         lines += ["  " + line for line in format_split(split_plan)]
