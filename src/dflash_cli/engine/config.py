@@ -172,12 +172,7 @@ class DrafterConfig:
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
         source_format = "transformers" if is_transformers_config(raw) else "dflash"
         if source_format == "transformers":
-            for key, (fix, default) in _HF_REQUIRED.items():
-                if raw.get(key) is None:
-                    raise CheckpointError(
-                        f"{source}: this transformers-format drafter ({HF_MODEL_TYPE}) names no {key}",
-                        hint=f"transformers would fill in {default}, Muse-Glimmer-30B's value, not necessarily "
-                             f"this drafter's: add {fix} to its config.json")
+            _check_transformers_fields(raw, source)
         raw = drafter_dict(raw)
         architectures = raw.get("architectures") or ["DFlashDraftModel"]
         if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
@@ -187,17 +182,7 @@ class DrafterConfig:
                      "muse_glimmer_assistant (transformers' DFlash format)",
             )
         dflash = raw.get("dflash_config") or {}
-        dflash2 = {}
-        if architectures[0] == "DFlash2DraftModel":
-            absent = [k for k in DFLASH2_FIELDS if dflash.get(k) is None]
-            if absent:
-                raise CheckpointError(f"{source}: a DFlash 2 drafter needs dflash_config.{absent[0]}")
-            dflash2 = {k: int(dflash[k]) for k in DFLASH2_FIELDS}
-            if raw.get("vocab_size") is None:
-                raise CheckpointError(f"{source}: a DFlash 2 drafter needs vocab_size (its selector's codebooks)")
-            if int(raw.get("hidden_size") or 0) % dflash2["conv_group_size"]:
-                raise CheckpointError(f"{source}: hidden_size {raw.get('hidden_size')} is not a multiple of "
-                                      f"conv_group_size {dflash2['conv_group_size']}")
+        dflash2 = _dflash2_fields(raw, dflash, source) if architectures[0] == "DFlash2DraftModel" else {}
 
         def need(key: str) -> int:
             value = raw.get(key)
@@ -262,3 +247,28 @@ class DrafterConfig:
         if depth is None:
             raise CheckpointError("drafter config names no target_layer_ids and no num_target_layers")
         return fallback_taps(self.num_hidden_layers, int(depth))
+
+
+def _check_transformers_fields(raw: dict[str, Any], source: str) -> None:
+    """A transformers-format drafter must name its taps and mask id: transformers' defaults are another
+    model's (Muse-Glimmer-30B's)."""
+    for key, (fix, default) in _HF_REQUIRED.items():
+        if raw.get(key) is None:
+            raise CheckpointError(
+                f"{source}: this transformers-format drafter ({HF_MODEL_TYPE}) names no {key}",
+                hint=f"transformers would fill in {default}, Muse-Glimmer-30B's value, not necessarily "
+                     f"this drafter's: add {fix} to its config.json")
+
+
+def _dflash2_fields(raw: dict[str, Any], dflash: dict[str, Any], source: str) -> dict[str, int]:
+    """A DFlash 2 drafter's conv and selector fields, checked."""
+    absent = [k for k in DFLASH2_FIELDS if dflash.get(k) is None]
+    if absent:
+        raise CheckpointError(f"{source}: a DFlash 2 drafter needs dflash_config.{absent[0]}")
+    fields = {k: int(dflash[k]) for k in DFLASH2_FIELDS}
+    if raw.get("vocab_size") is None:
+        raise CheckpointError(f"{source}: a DFlash 2 drafter needs vocab_size (its selector's codebooks)")
+    if int(raw.get("hidden_size") or 0) % fields["conv_group_size"]:
+        raise CheckpointError(f"{source}: hidden_size {raw.get('hidden_size')} is not a multiple of "
+                              f"conv_group_size {fields['conv_group_size']}")
+    return fields

@@ -244,6 +244,9 @@ class DFlashDrafter(nn.Module):
         self._draft_head: tuple[Any, torch.Tensor, tuple, nn.Module] | None = None  # see draft_head()
         # engine/draft_graph.StaticDraft once the loop drafts at fixed shapes (compiled targets), else None
         self.static_draft: Any = None
+        # the target's embedding scale (Gemma: sqrt(hidden), in the embedding's dtype), set when the pair is
+        # attached (load.attach_drafter): the block's embeddings are what the target's embedding module gives
+        self.embed_scale: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -374,7 +377,10 @@ class DFlashDrafter(nn.Module):
         """The normed hidden states (keep, H) of slots 1..keep of a block of `block_len` slots."""
         keep = block_len - 1 if keep is None else keep
         ids = torch.cat([anchor, anchor.new_full((block_len - 1,), self.mask_token_id)])
-        block = F.embedding(ids, embed_weight)[None].to(self.hidden_norm.weight.dtype)  # (1, B, H)
+        block = F.embedding(ids, embed_weight)
+        if self.embed_scale is not None:  # as the target's own embedding module (Gemma) computes it
+            block = block * self.embed_scale
+        block = block[None].to(self.hidden_norm.weight.dtype)  # (1, B, H)
         if self.config.input_embedding_scale != 1.0:
             block = block * self.config.input_embedding_scale
         # slot 0 (the anchor) predicts nothing; a 2-D input keeps the LM head on the plain matmul path

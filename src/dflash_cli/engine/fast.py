@@ -11,13 +11,17 @@ position is rewritten before a query at or after it runs.
 
 Supported: decoder layers shaped like Llama's (Llama, Qwen2, Qwen3, Mistral without a sliding window):
 full causal attention with q/k/v/o projections, optional per-head q/k norms, rotary embeddings; and the
-Qwen3.5 hybrids, whose attention layers add an output gate and partial rotary embeddings and whose Gated
-DeltaNet layers keep a recurrent state that rolls back exactly (engine/linear_attention.py). Other targets
+Qwen3.5 and Qwen3-Next hybrids, whose attention layers add an output gate and partial rotary embeddings and
+whose Gated DeltaNet layers keep a recurrent state that rolls back exactly (engine/linear_attention.py; their
+mixtures of experts, a shared expert included, run as their own modules); and Gemma 4 (sliding-window and
+global layers of different shapes, sandwich norms, soft-capped logits; StaticForward), whose sliding layers
+keep a ring of K/V rows in long contexts (StaticCache). Other targets
 keep the transformers path (`fast_path_unsupported` says why).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_cli.engine.config import PREFILL_CHUNK
 from dflash_cli.engine.drafter import apply_rope
 from dflash_cli.engine.errors import RollbackError
 from dflash_cli.engine.hf_module import HFModule
@@ -43,6 +48,9 @@ from dflash_cli.engine.weightonly import Q4Codes, WeightOnlyLinear, quantize_lin
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 HYBRID_FAMILIES = HYBRID_MODEL_TYPES
+# Gemma 4 (26B-A4B, 31B): sliding-window and global layers of different shapes, sandwich norms, an optional
+# mixture of experts beside the MLP, soft-capped logits (StaticForward)
+GEMMA_FAMILIES = ("gemma4", "gemma4_text")
 
 
 class StaticCache:
@@ -50,23 +58,38 @@ class StaticCache:
 
     Buffers start zeroed so that masked-out rows are finite (a NaN times a zero attention weight is NaN).
     Linear-attention layers (hybrid targets) keep their state in `LinearStates` instead.
+
+    Layers may differ in shape (`layer_shapes`: Gemma 4's global layers have fewer, wider K/V heads than its
+    sliding-window layers). Sliding-window layers of a long context keep their K/V in a ring (`ring`: a
+    buffer of R rows where position p lives in row p % R, and `ring[r]` says which position row r holds,
+    FAR when none): a query sees the `window` positions up to its own, R = window + 2 * slack, so a forward
+    of up to `slack` tokens overwrites only positions no query after the last committed one reads, and the
+    other `slack` rows let the sequence return up to `slack` positions behind the newest write
+    (`reachable`). Every row a query may see at position p was written at or before p, as in the
+    full-length buffers.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, *,
                  dtype: torch.dtype, device: torch.device | Sequence[torch.device],
-                 linear: LinearStates | None = None, attention_layers: set[int] | None = None):
+                 linear: LinearStates | None = None, attention_layers: set[int] | None = None,
+                 layer_shapes: Sequence[tuple[int, int, int]] | None = None,
+                 ring: torch.Tensor | None = None, window: int | None = None):
         # one device for all layers, or each layer's own (a target split over devices)
         self.devices = list(device) if isinstance(device, Sequence) else [device] * num_layers
 
         def buffer(i: int) -> torch.Tensor:
-            rows = capacity if attention_layers is None or i in attention_layers else 0
-            return torch.zeros((1, kv_heads, rows, head_dim), dtype=dtype, device=self.devices[i])
+            # (kv heads, head dim, rows) of layer i: the model's own, or all layers alike
+            heads, dim, rows = layer_shapes[i] if layer_shapes is not None else (kv_heads, head_dim, capacity)
+            rows = rows if attention_layers is None or i in attention_layers else 0
+            return torch.zeros((1, heads, rows, dim), dtype=dtype, device=self.devices[i])
 
         self.keys = [buffer(i) for i in range(num_layers)]
         self.values = [buffer(i) for i in range(num_layers)]
         self.capacity = capacity
         self.length = 0
         self.linear = linear
+        self.ring, self.window = ring, window
+        self.written = 0  # positions < written have been written since the cache was emptied (ring bound)
         self.owner = 0  # the DecodeState holding this cache (engine/state.py)
 
     def get_seq_length(self) -> int:
@@ -74,14 +97,23 @@ class StaticCache:
 
     def reachable(self, length: int) -> int:
         """The longest prefix of at most `length` positions that crop() can return to."""
-        return length if self.linear is None else self.linear.reachable(min(length, self.length))
+        if self.linear is not None:
+            return self.linear.reachable(min(length, self.length))
+        if self.ring is not None and self.window is not None and self.written > self.ring.shape[0]:
+            # the ring holds positions written-R..written-1: the window before `length` must be among them
+            return length if length - self.window >= self.written - self.ring.shape[0] else 0
+        return length
 
     def crop(self, length: int) -> None:
         """Forgets positions >= length: a length update, nothing is copied or freed."""
         assert 0 <= length <= self.length, (length, self.length)
         if self.linear is not None and length < self.length:
             self.linear.crop(length)
+        if self.ring is not None and self.reachable(length) != length:
+            raise RollbackError(f"the sliding-window ring no longer holds the positions before {length}")
         self.length = length
+        if length == 0:
+            self.written = 0
 
 
 class LinearStates:
@@ -176,12 +208,17 @@ def fast_path_unsupported(model: HFModule) -> str | None:
     model_type = getattr(config, "model_type", None)
     if any(p.device.type == "meta" for p in model.parameters()):
         return "layers offloaded to cpu/disk (accelerate copies their weights in on every forward)"
-    if model_type not in FAMILIES + HYBRID_FAMILIES:
-        return f"model type {model_type!r} (fast path: {', '.join(FAMILIES + HYBRID_FAMILIES)})"
-    # Qwen2 gates its window with use_sliding_window; Mistral applies sliding_window whenever it is set
-    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    if window or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return "sliding-window attention"
+    if model_type not in FAMILIES + HYBRID_FAMILIES + GEMMA_FAMILIES:
+        return f"model type {model_type!r} (fast path: {', '.join(FAMILIES + HYBRID_FAMILIES + GEMMA_FAMILIES)})"
+    if model_type in GEMMA_FAMILIES:
+        reason = _gemma_unsupported(model.get_decoder().config)
+        if reason is not None:
+            return reason
+    else:
+        # Qwen2 gates its window with use_sliding_window; Mistral applies sliding_window whenever it is set
+        window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        if window or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            return "sliding-window attention"
     decoder = model.get_decoder()
     if not hasattr(decoder, "rotary_emb") or not hasattr(decoder, "norm"):
         return f"{type(decoder).__name__} has no rotary_emb or final norm"
@@ -197,6 +234,17 @@ def fast_path_unsupported(model: HFModule) -> str | None:
             return f"{type(layer).__name__} is not a Llama-style decoder layer"
         if model_type in FAMILIES and not _gated_mlp(layer.mlp):
             return f"{type(layer.mlp).__name__} is not a gated MLP"
+    return None
+
+
+def _gemma_unsupported(text_config: Any) -> str | None:
+    """What a Gemma 4 text model has that the fast path does not run (the small E2B/E4B models' extras)."""
+    if getattr(text_config, "hidden_size_per_layer_input", 0):
+        return "per-layer input embeddings (Gemma 4 E2B/E4B)"
+    if getattr(text_config, "num_kv_shared_layers", 0):
+        return "layers that reuse another layer's K/V"
+    if getattr(text_config, "use_bidirectional_attention", None) == "all":
+        return "bidirectional attention"
     return None
 
 
@@ -228,7 +276,9 @@ def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
         out.update(linear_projections(layer, fuse))
     else:
         attn = layer.self_attn
-        out.update(qkv=group(attn.q_proj, attn.k_proj, attn.v_proj), o=group(attn.o_proj))
+        # Gemma 4's global layers have no v_proj (attention_k_eq_v): qkv then gives (q, k), and v is k
+        qkv = [attn.q_proj, attn.k_proj] + ([attn.v_proj] if attn.v_proj is not None else [])
+        out.update(qkv=group(*qkv), o=group(attn.o_proj))
     if _gated_mlp(layer.mlp):
         out.update(gate_up=group(layer.mlp.gate_proj, layer.mlp.up_proj), down=group(layer.mlp.down_proj))
     return nn.ModuleDict(out)
@@ -308,11 +358,13 @@ def first_attention(model: HFModule) -> HFModule:
 class StaticForward(nn.Module):
     """The target's forward over a StaticCache, as one traceable function.
 
-    `forward(ids, positions, key_positions, keys, values, convs, states)` runs tokens `ids` (1, n) at
+    `forward(ids, positions, key_positions, keys, values, convs, states, ring)` runs tokens `ids` (1, n) at
     absolute `positions` (n,), writes their K/V into the buffers, attends over buffer rows `key_positions`
     (0..L-1, L >= the last position + 1), and returns logits (n, V), the tapped layers' outputs
     (1, n, taps*H) or None, and for each linear-attention layer (hybrid targets) the tensors of its
-    BlockRecord (the layer reads `convs`/`states` and writes nothing).
+    BlockRecord (the layer reads `convs`/`states` and writes nothing). `ring` is the cache's slot map when
+    its sliding-window layers keep a ring (StaticCache): those layers write row p % R and attend over all
+    R rows, masked by the positions the rows hold.
 
     Attention folds each key/value head's group of query heads into its rows, (1, kv, group*n, hd), so the
     fused attention kernels run without repeating K/V or a grouped-query fallback (in bf16 on a CPU, 4x
@@ -320,14 +372,24 @@ class StaticForward(nn.Module):
     same bucketed key window with a mask, 1-token decodes too: an unmasked decode over exactly its keys
     measured 20% faster per attention call but rounds differently in bf16 from the masked block verify, and
     greedy speculative decoding must equal greedy plain decoding.
+
+    Layers may differ (Gemma 4): each has its own K/V shape, rotary table (one per layer type), window
+    (a sliding layer's query sees the keys less than `sliding_window` positions behind it, transformers'
+    rule) and so its own mask, one per (window, group, ring) computed once per call. Gemma's layers also
+    norm the values (an RMSNorm without weight), take the values from the key projection where there is
+    no v_proj, norm each sublayer's output before its residual (post_attention_layernorm,
+    pre/post_feedforward_layernorm), add a mixture of experts beside the MLP (the layer's own router and
+    experts), scale the layer's output (layer_scalar), and soft-cap the logits; their embedding module
+    scales by sqrt(hidden) itself.
     """
 
     def __init__(self, model: HFModule, taps: list[int], projections: nn.ModuleList, lm_head: nn.Module, *,
                  last_logit_only: bool = False, devices: Sequence[torch.device] | None = None,
-                 row_exact: bool = False):
+                 row_exact: bool = False, ring: tuple[int, int] | None = None):
         super().__init__()
         self.row_exact = row_exact  # short calls attend through row_exact_attention
         decoder = model.get_decoder()
+        config = decoder.config  # the text model's (a multimodal class nests it)
         self.embed = model.get_input_embeddings()
         self.layers = decoder.layers
         self.projections = projections
@@ -338,44 +400,103 @@ class StaticForward(nn.Module):
         self.last_logit_only = last_logit_only
         attn = first_attention(model)
         self.head_dim = attn.head_dim
-        self.heads = model.config.num_attention_heads
+        self.heads = config.num_attention_heads
         self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         # Qwen3.5's attention doubles q_proj: a query and a sigmoid gate on the output per head
         self.gated = attn.q_proj.out_features == 2 * self.heads * self.head_dim
+        # Gemma 4 keeps a rotary table per layer type (sliding: default rope; global: proportional, wider)
+        per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.softcap = getattr(config, "final_logit_softcapping", None)
         self.input_norms = [norm_fn(layer.input_layernorm) for layer in self.layers]
         self.post_norms = [norm_fn(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = norm_fn(self.norm)
         self.qk_norms = [(norm_fn(layer.self_attn.q_norm), norm_fn(layer.self_attn.k_norm))
                          if hasattr(getattr(layer, "self_attn", None), "q_norm") else None for layer in self.layers]
+        # per attention layer: (kv heads, head dim), attention scale, rotary key, mask key (window, query
+        # group, in the ring), value norm; Gemma's sandwich-normed layers (a norm before each residual)
+        self.shapes: list[tuple[int, int]] = []
+        self.scalings: list[float] = []
+        self.rope_keys: list[str | None] = []
+        self.kinds: list[tuple[int | None, int, bool]] = []
+        self.v_norms: list[Any] = []
+        self.sandwich = [hasattr(layer, "pre_feedforward_layernorm") for layer in self.layers]
+        for layer in self.layers:
+            a = getattr(layer, "self_attn", None)
+            if is_linear_attention(layer) or a is None:
+                self.shapes.append((0, 0))
+                self.scalings.append(self.scaling)
+                self.rope_keys.append(None)
+                self.kinds.append((None, 1, False))
+                self.v_norms.append(None)
+                continue
+            hd = a.head_dim
+            kv = a.k_proj.out_features // hd
+            window = getattr(a, "sliding_window", None) or None
+            self.shapes.append((kv, hd))
+            self.scalings.append(getattr(a, "scaling", hd**-0.5))
+            self.rope_keys.append(getattr(a, "layer_type", None) if per_type else None)
+            self.kinds.append((window, self.heads // kv, ring is not None and window == ring[1]))
+            self.v_norms.append(getattr(a, "v_norm", None))
+        attention = [i for i, layer in enumerate(self.layers) if not is_linear_attention(layer)]
+        self.rope_set = sorted({self.rope_keys[i] for i in attention}, key=str)
+        self.kind_set = sorted({self.kinds[i] for i in attention}, key=str)
+        # one rope table of head_dim channels and one K/V shape for all: q4/q8 rope q|k at once
+        self.uniform = len(self.rope_set) == 1 and {self.shapes[i] for i in attention} == {(self.kv_heads,
+                                                                                          self.head_dim)}
+        self.pre_ffn_norms: list[Any] = [norm_fn(layer.pre_feedforward_layernorm) if s else None
+                                         for layer, s in zip(self.layers, self.sandwich)]
+        self.post_ffn_norms: list[Any] = [norm_fn(layer.post_feedforward_layernorm) if s else None
+                                          for layer, s in zip(self.layers, self.sandwich)]
         # under a device map each layer runs where its weights are; the rest (embeddings, norm, LM head) on
         # the hot device, where the caller's ids and the drafter are
         self.devices = list(devices) if devices is not None else None
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
-                states: Sequence[torch.Tensor] = ()):
-        n = ids.shape[1]
-        h = self.embed(ids)  # (1, n, H)
-        cos, sin = self.rotary(h, positions[None])  # (1, n, rotary dims)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (1, n, 1, rotary): rope before the heads move forward
-        if cos.shape[-1] == self.head_dim:
-            half = self.head_dim // 2
-            sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # for rope_rows
-        causal = key_positions[None, :] <= positions[:, None]  # (n, L)
-        mask = causal.repeat(self.heads // self.kv_heads, 1)[None, None]  # (1, 1, group*n, L)
+    def _call_tables(self, h: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
+                     ring: torch.Tensor | None):
+        """Per call, not per layer: the ring's slots, the rotary tables per layer type, the masks per kind of
+        layer, and for row-exact calls the blocked keys and q|k rope tables."""
+        n = positions.shape[0]
+        slots = None
+        if ring is not None:  # the ring's rows now hold these positions (masks below read it)
+            slots = positions % ring.shape[0]
+            ring.index_copy_(0, slots, positions)
+        ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for key in self.rope_set:
+            cos, sin = self.rotary(h, positions[None]) if key is None else self.rotary(h, positions[None], key)
+            cos, sin = cos[:, :, None], sin[:, :, None]  # (1, n, 1, rotary): rope before the heads move forward
+            half = cos.shape[-1] // 2
+            ropes[key] = (cos, sin, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))  # rope_rows' sin
+        after = positions[:, None] - key_positions[None, :]  # (n, L): how far each key is behind each query
+        masks: dict[tuple[int | None, int, bool], torch.Tensor] = {}
+        for window, group, in_ring in self.kind_set:
+            if in_ring:
+                assert ring is not None and window is not None
+                behind = positions[:, None] - ring[None, :]  # (n, R); rows holding no position are far ahead
+                seen = (behind >= 0) & (behind < window)
+            else:
+                seen = after >= 0 if window is None else (after >= 0) & (after < window)
+            masks[(window, group, in_ring)] = seen.repeat(group, 1)[None, None]  # (1, 1, group*n, keys)
         exact = None
         if self.row_exact and n <= ROW_EXACT_ATTENTION:
             # per call, not per layer: the blocked keys, and rope tables for q|k at once with the attention
             # scale folded into q's (so a plain layer ropes and scales q and k in four ops)
             qk_rope = None
-            if cos.shape[-1] == self.head_dim:
+            cos, _, signed = ropes[self.rope_set[0]]
+            if self.uniform and cos.shape[-1] == self.head_dim:
                 qk_rope = tuple(torch.cat([t.expand(1, n, self.heads, -1) * self.scaling,
-                                           t.expand(1, n, self.kv_heads, -1)], dim=2) for t in (cos, sin))
-            exact = (~mask, qk_rope)
+                                           t.expand(1, n, self.kv_heads, -1)], dim=2) for t in (cos, signed))
+            exact = ({kind: ~mask for kind, mask in masks.items()}, qk_rope)
+        return slots, ropes, masks, exact
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
+                states: Sequence[torch.Tensor] = (), ring: torch.Tensor | None = None):
+        h = self.embed(ids)  # (1, n, H)
+        slots, ropes, masks, exact = self._call_tables(h, positions, key_positions, ring)
         hot = here = h.device
         # the per-call inputs of the layers, copied once per forward to each device that needs them
-        inputs: dict[torch.device, tuple[torch.Tensor, ...]] = {hot: (positions, key_positions, mask, cos, sin)}
+        inputs: dict[torch.device, Any] = {hot: (positions, key_positions, masks, ropes, slots)}
         wanted = set(self.taps)
         tapped: dict[int, torch.Tensor] = {}
         records: list[tuple[torch.Tensor, ...]] = []
@@ -385,8 +506,8 @@ class StaticForward(nn.Module):
                 here = self.devices[i]
                 h = move(h, here)
                 if here not in inputs:
-                    inputs[here] = tuple(move(t, here) for t in inputs[hot])
-            at, keys_at, mask_at, cos_at, sin_at = inputs[here]
+                    inputs[here] = _moved(inputs[hot], here)
+            at, keys_at, masks_at, ropes_at, slots_at = inputs[here]
             proj: Any = self.projections[i]  # the layer's layer_projections() ModuleDict
             x = self.input_norms[i](h)
             if is_linear_attention(layer):
@@ -394,14 +515,21 @@ class StaticForward(nn.Module):
                 out, record = gated_delta_net(layer.linear_attn, proj, x, convs[j], states[j])
                 records.append((record.s0, record.k, record.cum_g, record.delta, record.conv_tail))
             else:
-                out = self._attention(i, proj, x, at, keys_at, mask_at, cos_at, sin_at, keys[i], values[i], exact)
-            h = h + out
-            x = self.post_norms[i](h)
-            if "gate_up" in proj:
-                gate, up = proj["gate_up"](x)
-                h = h + proj["down"](layer.mlp.act_fn(gate) * up)
-            else:  # a mixture of experts
-                h = h + layer.mlp(x)
+                kind = self.kinds[i]
+                out = self._attention(i, proj, x, slots_at if kind[2] else at, keys_at, masks_at[kind],
+                                      ropes_at[self.rope_keys[i]], keys[i], values[i],
+                                      exact[0][kind] if exact is not None else None,
+                                      exact[1] if exact is not None else None)
+            if self.sandwich[i]:
+                h = self._sandwich(i, layer, proj, h, out)
+            else:
+                h = h + out
+                x = self.post_norms[i](h)
+                if "gate_up" in proj:
+                    gate, up = proj["gate_up"](x)
+                    h = h + proj["down"](layer.mlp.act_fn(gate) * up)
+                else:  # a mixture of experts
+                    h = h + layer.mlp(x)
             if i in wanted:
                 # transformers' hidden_states[-1] is after the final norm: tap the same thing. Taps are
                 # gathered on the hot device (the drafter's), each moved once.
@@ -412,19 +540,45 @@ class StaticForward(nn.Module):
         if self.last_logit_only:
             h = h[:, -1:]
         logits = self.lm_head(self.final_norm(h)[0])  # (n, V); a 2-D input keeps CPU bf16 on the plain matmul
+        if self.softcap:  # Gemma: cap * tanh(logits / cap), as transformers' forward
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
         return logits, hidden, records
 
-    def _attention(self, i, proj, x, positions, key_positions, mask, cos, sin, keys, values, exact=None):
-        n, hd, heads, kv = x.shape[1], self.head_dim, self.heads, self.kv_heads
-        qkv, scale = proj["qkv"], self.scaling
-        if (exact is not None and exact[1] is not None and self.qk_norms[i] is None and not self.gated
+    def _sandwich(self, i: int, layer: Any, proj: Any, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of a Gemma 4 decoder layer after its attention, as transformers computes it: each
+        sublayer's output normed before its residual, the mixture of experts (when the layer has one) on
+        the post-attention hidden state beside the MLP, then the layer's scalar."""
+        h = h + self.post_norms[i](attended)
+        x = self.pre_ffn_norms[i](h)
+        if "gate_up" in proj:
+            gate, up = proj["gate_up"](x)
+            mlp = proj["down"](layer.mlp.act_fn(gate) * up)
+        else:
+            mlp = layer.mlp(x)
+        if getattr(layer, "enable_moe_block", False):
+            flat = h.reshape(-1, h.shape[-1])
+            _, weights, experts = layer.router(flat)
+            moe = layer.experts(layer.pre_feedforward_layernorm_2(flat), experts, weights).reshape(h.shape)
+            mlp = layer.post_feedforward_layernorm_1(mlp) + layer.post_feedforward_layernorm_2(moe)
+        h = h + self.post_ffn_norms[i](mlp)
+        scalar = getattr(layer, "layer_scalar", None)
+        return (h * scalar).to(h.dtype) if scalar is not None else h  # transformers multiplies in place
+
+    def _attention(self, i, proj, x, write_at, key_positions, mask, rope, keys, values, blocked=None,
+                   qk_rope=None):
+        n, heads = x.shape[1], self.heads
+        kv, hd = self.shapes[i]
+        qkv, scale = proj["qkv"], self.scalings[i]
+        if (qk_rope is not None and self.qk_norms[i] is None and not self.gated
                 and isinstance(qkv, WeightOnlyLinear)):
             y = qkv.whole(x)  # (1, n, (heads + 2 kv) * hd): q and k side by side, roped (and q scaled) at once
-            qk = rope_rows(y[..., :(heads + kv) * hd].view(1, n, heads + kv, hd), *exact[1])
-            q, k, v, scale = qk[:, :, :heads], qk[:, :, heads:], y[..., (heads + kv) * hd:], 1.0
-            return self._attend(proj, q, k, v, positions, key_positions, mask, keys, values, exact, scale)
-        q, k, v = qkv(x)
+            qk = rope_rows(y[..., :(heads + kv) * hd].view(1, n, heads + kv, hd), *qk_rope)
+            q, k, v = qk[:, :, :heads], qk[:, :, heads:], y[..., (heads + kv) * hd:]
+            return self._attend(i, proj, q, k, v, write_at, key_positions, mask, keys, values, blocked, 1.0)
+        q, k, *rest = qkv(x)
+        v = rest[0] if rest else k  # no v_proj (Gemma 4's global layers): the values are the raw keys
+        gate = None
         if self.gated:
             q, gate = q.reshape(1, n, -1, 2 * hd).chunk(2, dim=-1)
             gate = gate.reshape(1, n, -1)
@@ -433,31 +587,46 @@ class StaticForward(nn.Module):
         qk_norms = self.qk_norms[i]
         if qk_norms is not None:
             q, k = qk_norms[0](q), qk_norms[1](k)
+        v_norm = self.v_norms[i]
+        if v_norm is not None:
+            v = v_norm(v.reshape(1, n, kv, hd))
+        cos, sin, signed = rope
         if cos.shape[-1] == hd:
-            q, k = rope_rows(q, cos, sin), rope_rows(k, cos, sin)
+            q, k = rope_rows(q, cos, signed), rope_rows(k, cos, signed)
         else:  # partial rotary (Qwen3.5): the first cos.shape[-1] channels
             q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
-        out = self._attend(proj, q, k, v, positions, key_positions, mask, keys, values, exact, scale,
-                           gate if self.gated else None)
-        return out
+        return self._attend(i, proj, q, k, v, write_at, key_positions, mask, keys, values, blocked, scale, gate)
 
-    def _attend(self, proj, q, k, v, positions, key_positions, mask, keys, values, exact, scale, gate=None):
-        """Writes k, v (1, n, kv, hd) into the cache and attends q (1, n, heads, hd) over the key window."""
-        n, hd, heads, kv = q.shape[1], self.head_dim, self.heads, self.kv_heads
-        keys.index_copy_(2, positions, k.transpose(1, 2))
-        values.index_copy_(2, positions, v.reshape(1, n, kv, hd).transpose(1, 2))
-        kv_len = key_positions.shape[0]
+    def _attend(self, i, proj, q, k, v, write_at, key_positions, mask, keys, values, blocked, scale, gate=None):
+        """Writes k, v (1, n, kv, hd) into the cache rows `write_at` and attends q (1, n, heads, hd) over the
+        key window (a ring layer: all its rows)."""
+        n, heads = q.shape[1], self.heads
+        kv, hd = self.shapes[i]
+        keys.index_copy_(2, write_at, k.transpose(1, 2))
+        values.index_copy_(2, write_at, v.reshape(1, n, kv, hd).transpose(1, 2))
+        rows = keys.shape[2] if self.kinds[i][2] else key_positions.shape[0]
         # (1, n, heads, hd) -> (1, kv, group*n, hd): query head h belongs to key/value head h // group
         folded = q.reshape(1, n, kv, heads // kv, hd).permute(0, 2, 3, 1, 4).reshape(1, kv, -1, hd)
-        if exact is not None:
-            out = row_exact_attention(folded, keys[:, :, :kv_len], values[:, :, :kv_len], exact[0], scale)
+        if blocked is not None:
+            out = row_exact_attention(folded, keys[:, :, :rows], values[:, :, :rows], blocked, scale)
         else:
-            out = F.scaled_dot_product_attention(folded, keys[:, :, :kv_len], values[:, :, :kv_len],
+            out = F.scaled_dot_product_attention(folded, keys[:, :, :rows], values[:, :, :rows],
                                                  attn_mask=mask, scale=scale)
         out = out.reshape(1, kv, heads // kv, n, hd).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return proj["o"](out)
+
+
+def _moved(inputs: Any, device: torch.device) -> Any:
+    """A forward's per-call inputs (tensors inside tuples and dicts) copied to `device` through move()."""
+    if isinstance(inputs, torch.Tensor):
+        return move(inputs, device)
+    if isinstance(inputs, dict):
+        return {k: _moved(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, tuple):
+        return tuple(_moved(v, device) for v in inputs)
+    return inputs
 
 
 class FastPath:
@@ -473,12 +642,14 @@ class FastPath:
         on_fallback: told once, in one line, when compiling fails and the eager forward takes over.
         weights: "q4"/"q8" runs the linears (LM head included) weight-only quantized (engine/weightonly.py).
         q4_codes: ready 4-bit codes by module name (a GGUF's own), used instead of quantizing those linears.
+        slack: how many tokens one forward may write into a sliding-window ring (StaticCache); default the
+            longer of a prompt piece (PREFILL_CHUNK) and a padded short call. Longer calls run in pieces.
     """
 
     def __init__(self, model: HFModule, context: int, *, pad_to: int = 1,
                  compile_step: Callable[[nn.Module], Callable[..., Any]] | None = None,
                  on_fallback: Callable[[str], None] | None = None, weights: str | None = None,
-                 q4_codes: dict[str, Q4Codes] | None = None):
+                 q4_codes: dict[str, Q4Codes] | None = None, slack: int | None = None):
         attn = first_attention(model)
         self.model = model
         self.context = context
@@ -491,6 +662,19 @@ class FastPath:
         self.attention_layers = {i for i, layer in enumerate(layers) if not is_linear_attention(layer)}
         self.kv_heads = attn.k_proj.out_features // attn.head_dim
         self.head_dim = attn.head_dim
+        attentions = {i: layers[i].self_attn for i in self.attention_layers}
+        # each attention layer's (kv heads, head dim): Gemma 4's global layers differ from its sliding ones
+        self.layer_shapes = {i: (a.k_proj.out_features // a.head_dim, a.head_dim) for i, a in attentions.items()}
+        windows = {i: w for i, a in attentions.items() if (w := getattr(a, "sliding_window", None))}
+        # Sliding-window layers keep a ring of window + 2 * slack rows when the context is longer than that
+        # (StaticCache); shorter contexts keep full-length buffers, as the other layers.
+        self.slack = max(slack or PREFILL_CHUNK, _bucket(max(pad_to, 1)))
+        self.ring: tuple[int, int] | None = None  # (rows, window)
+        if len(set(windows.values())) == 1:
+            window = next(iter(windows.values()))
+            if window + 2 * self.slack < self.capacity:
+                self.ring = (window + 2 * self.slack, window)
+        self.ring_layers = set(windows) if self.ring is not None else set()
         self.dtype = model.get_input_embeddings().weight.dtype
         self.device = model.get_input_embeddings().weight.device  # the hot device: ids, logits, taps
         devices = [layer_device(layer) for layer in layers]
@@ -559,10 +743,16 @@ class FastPath:
         linear_devices = [d for i, d in enumerate(devices) if i not in self.attention_layers]
         linear = (LinearStates(self.linear_nets, dtype=self.dtype, device=linear_devices)
                   if self.linear_nets else None)
+        shapes = [(*self.layer_shapes.get(i, (self.kv_heads, self.head_dim)),
+                   self.ring[0] if i in self.ring_layers and self.ring is not None else self.capacity)
+                  for i in range(self.num_layers)]
+        ring = (torch.full((self.ring[0],), FAR, dtype=torch.long, device=self.device)
+                if self.ring is not None else None)
         cache = StaticCache(self.num_layers, self.kv_heads, self.head_dim, self.capacity, dtype=self.dtype,
-                            device=devices, linear=linear, attention_layers=self.attention_layers)
+                            device=devices, linear=linear, attention_layers=self.attention_layers,
+                            layer_shapes=shapes, ring=ring, window=self.ring[1] if self.ring else None)
         if self.compiled and self.device.type == "cuda":  # CUDA graphs read the buffers where they are
-            buffers = cache.keys + cache.values
+            buffers = cache.keys + cache.values + ([ring] if ring is not None else [])
             if linear is not None:
                 buffers += [b for group in linear.convs[:2] + linear.states[:2] for b in group]
             for buf in buffers:  # no identity guard: another cache's buffers run the same graphs
@@ -591,7 +781,7 @@ class FastPath:
         if key not in self._eager:
             self._eager[key] = StaticForward(self.model, self.taps if taps else [], self.projections, self.lm_head,
                                              last_logit_only=last_logit_only, devices=self.devices,
-                                             row_exact=self.row_exact)
+                                             row_exact=self.row_exact, ring=self.ring)
         return self._eager[key]
 
     def forward(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,
@@ -607,6 +797,10 @@ class FastPath:
 
             raise InvalidSettingError(f"the sequence needs {end} positions, the cache holds {self.context}",
                                       hint="raise --max-context")
+        if cache.ring is not None and n > self.slack:  # a ring takes at most `slack` new rows per forward
+            return self._in_pieces(ids, cache, start, taps=taps, last_logit_only=last_logit_only)
+        # before the forward (an interrupted one may have written some rows): a padded call's rows too
+        cache.written = max(cache.written, start + _bucket(n))
         with torch.inference_mode():
             if cache.linear is not None:
                 cache.linear.settle(start)
@@ -618,7 +812,7 @@ class FastPath:
                 positions = torch.arange(start, end, device=ids.device)
                 keys_at = key_positions(end, cache.capacity - 1, ids.device)
                 out = self._module(taps, last_logit_only)(ids, positions, keys_at, cache.keys, cache.values,
-                                                          *states)
+                                                          *states, ring=cache.ring)
             logits, hidden, records = out
             if cache.linear is not None:
                 # the records cover the last chunk of the tokens run (compiled calls are one chunk)
@@ -627,6 +821,21 @@ class FastPath:
                     cache.linear.save_checkpoint(end - 1)
         cache.length = end
         return logits, hidden
+
+    def _in_pieces(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,
+                   last_logit_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A forward of more tokens than a sliding-window ring takes at once, as consecutive forwards."""
+        assert cache.linear is None  # rings exist only for targets without linear-attention layers
+        logits, hidden = [], []
+        for at in range(0, ids.shape[1], self.slack):
+            piece = ids[:, at:at + self.slack]
+            last = at + self.slack >= ids.shape[1]
+            out, tapped = self.forward(piece, cache, start + at, taps=taps, last_logit_only=last_logit_only and last)
+            if not last_logit_only or last:
+                logits.append(out)
+            if tapped is not None:
+                hidden.append(tapped)
+        return torch.cat(logits), (torch.cat(hidden, dim=1) if hidden else None)
 
     def _run_compiled(self, ids: torch.Tensor, cache: StaticCache, start: int, taps: bool, states):
         """A short call padded to the next power of two; None when compiling failed (eager takes over)."""
@@ -646,7 +855,8 @@ class FastPath:
             assert self.compile_step is not None  # only compiled runs get here
             step = self._compiled[taps] = self.compile_step(self._module(taps, False))
         try:
-            logits, hidden, records = step(ids, positions, keys_at, cache.keys, cache.values, *states)
+            ring = {"ring": cache.ring} if cache.ring is not None else {}  # only sliding-window rings
+            logits, hidden, records = step(ids, positions, keys_at, cache.keys, cache.values, *states, **ring)
         except Exception as e:  # noqa: BLE001 - any compiler failure: say so once and run eagerly
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             self.fallback_reason = f"{type(e).__name__}: {first}"[:200]
@@ -680,6 +890,10 @@ def _codes_lookup(model: nn.Module, codes: dict[str, Q4Codes],
         return found
 
     return lookup
+
+
+# the position a ring row holds when it holds none: ahead of every query, so no mask lets it through
+FAR = 2**62
 
 
 def _bucket(n: int) -> int:

@@ -128,6 +128,26 @@ def load_drafter(folder: str | Path, *, device: torch.device | str | None = None
     return model.eval().requires_grad_(False)
 
 
+def _load_kwargs(folder: Path, device: torch.device, dtype: torch.dtype, quant: str | None,
+                 layer_devices: Sequence[str] | None, offload_dir: str | Path | None) -> tuple[dict[str, Any], Any]:
+    """from_pretrained's arguments for a target (placement, offload folder, bitsandbytes), and the temporary
+    offload folder made for it (None without disk offload)."""
+    kwargs: dict[str, Any] = dict(dtype=dtype, device_map=str(device), trust_remote_code=False,
+                                  use_safetensors=True)
+    offloaded = None
+    if layer_devices is not None:
+        kwargs["device_map"] = split_map(folder, layer_devices, str(device))
+        if "disk" in layer_devices:
+            if offload_dir is not None:
+                Path(offload_dir).mkdir(parents=True, exist_ok=True)
+            offloaded = tempfile.TemporaryDirectory(prefix="dflash-offload-", dir=offload_dir)
+            kwargs["offload_folder"] = offloaded.name
+    if quant:
+        offload = layer_devices is not None and any(d in ("cpu", "disk") for d in layer_devices)
+        kwargs["quantization_config"] = bnb_config(quant, dtype, offload=offload)
+    return kwargs, offloaded
+
+
 def load_target(folder: str | Path, *, device: torch.device | str | None = None,
                 dtype: torch.dtype | str | None = None, quant: str | None = None,
                 layer_devices: Sequence[str] | None = None, offload_dir: str | Path | None = None) -> Target:
@@ -162,19 +182,7 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    kwargs: dict[str, Any] = dict(dtype=dtype, device_map=str(device), trust_remote_code=False,
-                                  use_safetensors=True)
-    offloaded = None
-    if layer_devices is not None:
-        kwargs["device_map"] = split_map(folder, layer_devices, str(device))
-        if "disk" in layer_devices:
-            if offload_dir is not None:
-                Path(offload_dir).mkdir(parents=True, exist_ok=True)
-            offloaded = tempfile.TemporaryDirectory(prefix="dflash-offload-", dir=offload_dir)
-            kwargs["offload_folder"] = offloaded.name
-    if quant:
-        offload = layer_devices is not None and any(d in ("cpu", "disk") for d in layer_devices)
-        kwargs["quantization_config"] = bnb_config(quant, dtype, offload=offload)
+    kwargs, offloaded = _load_kwargs(folder, device, dtype, quant, layer_devices, offload_dir)
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     # accelerate warns that offloaded weights wait on `meta`: the load line says so (Target.placement)
     accelerate_log = logging.getLogger("accelerate.big_modeling")
@@ -184,8 +192,12 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     hf_logging.disable_progress_bar()  # the UI shows its own progress
     from safetensors import SafetensorError
 
+    model_class: Any = AutoModelForCausalLM
+    text_only = text_model_class(config)
+    if text_only is not None:  # a multimodal checkpoint: its language model alone
+        model_class, kwargs["key_mapping"] = text_only
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+        model = model_class.from_pretrained(str(folder), **kwargs)
     except SafetensorError as e:
         raise CheckpointError(f"cannot load target from {folder}: a weights file is damaged ({e})",
                               hint="the download may be truncated: delete it and fetch it again") from None
@@ -217,9 +229,29 @@ def split_map(folder: Path, layer_devices: Sequence[str], hot: str) -> dict[str,
     from dflash_cli.engine.target import decoder_layers
 
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    text_only = text_model_class(config.to_dict())
     with init_empty_weights():
-        empty = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        if text_only is not None:  # the class load_target loads (its module names)
+            empty = text_only[0](config.get_text_config())
+        else:
+            empty = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     return module_map(empty, decoder_layers(empty), layer_devices, hot)
+
+
+# Multimodal checkpoints whose language model loads alone: the text class, and how the checkpoint's tensor
+# names map to it (transformers' AutoModelForCausalLM would load Gemma 4's vision tower too; Qwen3.5's
+# multimodal checkpoints already load text-only through transformers' own mapping).
+TEXT_ONLY = {"gemma4": ("Gemma4ForCausalLM", {r"^model\.language_model\.": "model."})}
+
+
+def text_model_class(config: dict[str, Any]) -> tuple[Any, dict[str, str]] | None:
+    """(text-only class, key mapping) for a multimodal target config that has one, else None."""
+    entry = TEXT_ONLY.get(str(config.get("model_type")))
+    if entry is None:
+        return None
+    import transformers
+
+    return getattr(transformers, entry[0]), dict(entry[1])
 
 
 @dataclass
@@ -233,6 +265,7 @@ def attach_drafter(target: Target, drafter: DFlashDrafter, *, drafter_name: str 
     taps = check_pair(target.config.to_dict(), drafter.config, target_name=target.name,
                       drafter_name=drafter_name, vocab_rows=target.vocab_rows)
     target.set_taps(taps)
+    drafter.embed_scale = target.embed_scale  # Gemma's block embeddings are scaled as the target's are
 
 
 def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,

@@ -41,7 +41,23 @@ def make_cache(model: HFModule):
         cache = DynamicCache()
     if hasattr(cache, "activate_past_recording"):  # lets sliding-window layers roll back too
         cache.activate_past_recording()
+        # DecodeState.prefill asks how far back the cache can go (Gemma's sliding layers keep only a window)
+        setattr(cache, "reachable", lambda length: sliding_reachable(cache, length))
     return cache
+
+
+def sliding_reachable(cache, length: int) -> int:
+    """`length` when every sliding-window layer of a transformers cache still holds the window before
+    it (such a layer keeps window - 1 rows, plus the last forward's until the next crop), else 0: the
+    sequence must then be read again from its start."""
+    for layer in getattr(cache, "layers", ()):
+        window = getattr(layer, "sliding_window", None)
+        if not window or not getattr(layer, "is_initialized", False):
+            continue
+        first = int(layer.get_seq_length()) - layer.keys.shape[-2]  # the earliest position it holds
+        if max(0, length - window + 1) < first:
+            return 0
+    return length
 
 
 def cache_length(cache) -> int:
@@ -149,6 +165,15 @@ class Target:
 
     def disable_fast_path(self) -> None:
         self.fast = None
+
+    @property
+    def embed_scale(self) -> torch.Tensor | None:
+        """The factor the embedding module multiplies its rows by (Gemma: sqrt(hidden_size), rounded to the
+        weights' dtype as transformers does), or None: the drafter embeds its block the same way."""
+        scale = getattr(self.model.get_input_embeddings(), "embed_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            return None
+        return scale.to(device=self.embed_weight.device, dtype=self.embed_weight.dtype)
 
     @property
     def logits_head(self) -> nn.Module:

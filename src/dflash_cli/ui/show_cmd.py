@@ -150,7 +150,7 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
     from dataclasses import replace
 
     from dflash_cli.engine.placement import resolve_split
-    from dflash_cli.models.plan import format_plan, format_server, plan_memory, server_estimate
+    from dflash_cli.models.plan import format_server, plan_memory, server_estimate
     from dflash_cli.models.registry import BUILTIN_MODELS
     from dflash_cli.models.resolve import resolve_spec
     from dflash_cli.models.split import format_split, plan_split
@@ -204,10 +204,7 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         if mxfp4_why is not None:
             info["memory"]["mxfp4"] = {"packed": plan.mxfp4_packed, "why": mxfp4_why}
     if server is not None:
-        info["server"] = {"weights_bytes": server.target_bytes, "weights_format": server.target_format,
-                          "drafter_bytes": server.drafter_bytes, "kv_bytes": server.kv_bytes,
-                          "total_bytes": server.total, "context_tokens": server.context_tokens,
-                          "gpus": [{"gpu_bytes": size, "count": n} for size, n in server.gpus]}
+        info["server"] = _server_info(server)
     if split_plan is not None:
         info["split"] = _split_info(split_plan)
     if as_json:
@@ -219,14 +216,7 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
               f"  quant     {quant} ({ctx_sources['quant']})",
               f"  context   {context:,} tokens ({ctx_sources['context']})",
               f"  device    {device} ({ctx_sources['device']})"]
-    lines += ["", f"memory plan (against {mem_what})" if plan else "memory plan"]
-    if plan is not None:
-        lines += ["  " + line for line in format_plan(plan)]
-        if mxfp4_why is not None:
-            state = "kept packed" if plan.mxfp4_packed else f"dequantized to {plan.quant} when loaded"
-            lines.append(f"  MXFP4 experts {state}: {mxfp4_why}")
-    else:
-        lines.append("  unavailable: the target's config.json is needed")
+    lines += _memory_lines(plan, mem_what, mxfp4_why)
     if engine_only and entry is not None:
         lines += ["  " + line for line in format_server(server, entry.alias, entry.serve_tp)]
     if split_plan is not None:
@@ -234,6 +224,28 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         lines += ["  " + line for line in format_split(split_plan)]
     echo(lines)
     return EXIT_OK
+
+
+def _server_info(server: Any) -> dict[str, Any]:
+    """--json's "server": what a multi-GPU server needs for a pair that does not run here."""
+    return {"weights_bytes": server.target_bytes, "weights_format": server.target_format,
+            "drafter_bytes": server.drafter_bytes, "kv_bytes": server.kv_bytes, "total_bytes": server.total,
+            "context_tokens": server.context_tokens,
+            "gpus": [{"gpu_bytes": size, "count": n} for size, n in server.gpus]}
+
+
+def _memory_lines(plan: Any, mem_what: str, mxfp4_why: str | None) -> list[str]:
+    """The text of the memory plan (and what becomes of MXFP4 experts)."""
+    from dflash_cli.models.plan import format_plan
+
+    lines = ["", f"memory plan (against {mem_what})" if plan else "memory plan"]
+    if plan is None:
+        return lines + ["  unavailable: the target's config.json is needed"]
+    lines += ["  " + line for line in format_plan(plan)]
+    if mxfp4_why is not None:
+        state = "kept packed" if plan.mxfp4_packed else f"dequantized to {plan.quant} when loaded"
+        lines.append(f"  MXFP4 experts {state}: {mxfp4_why}")
+    return lines
 
 
 @click.command()
