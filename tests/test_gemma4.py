@@ -378,3 +378,31 @@ def test_compiled_greedy_speculation_with_a_ring(tmp_path, tmp_path_factory):
     assert got.tokens == reference[: end + 1]
     assert 1.3 < got.stats.acceptance_length < 8  # partial acceptances rolled the caches back
     assert notes == [] and target.fast_compiled and list(target.fast._compiled) == [True]
+
+
+def test_training_embeds_a_block_as_decoding_does():
+    """A Gemma drafter trained here must see its block embedded as decoding embeds it (times the target's
+    sqrt(hidden) scale), or what it learns does not match what it is given."""
+    import torch.nn.functional as F
+    from conftest import MASK_ID, random_drafter, target_config
+
+    from dflash_cli.train.forward import block_embeddings
+
+    drafter = random_drafter(drafter_config(target_config("qwen3")))
+    embed = torch.randn(VOCAB, drafter.config.hidden_size)
+    drafter.embed_scale = torch.tensor(8.0)
+    ids = torch.arange(5, 25)[None]
+    got = block_embeddings(drafter, ids, torch.tensor([[3]]), embed)[0]  # the block anchored at position 3
+    want = F.embedding(torch.tensor([8] + [MASK_ID] * (drafter.block_size - 1)), embed) * 8.0
+    torch.testing.assert_close(got, want)
+
+
+def test_the_memory_planner_counts_the_ring_the_engine_allocates(pair):
+    """Long contexts: global layers hold every row, sliding layers a ring of window + 2 * 512 rows."""
+    from dflash_cli.models.sizes import kv_cache_bytes
+
+    fast = FastPath(pair.target.model, 2048, pad_to=16)
+    assert fast.ring is not None
+    cache = fast.new_cache()
+    allocated = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+    assert kv_cache_bytes(pair.target.model.config.to_dict(), fast.capacity, dtype_bytes=4) == allocated

@@ -489,8 +489,9 @@ def test_gemma_4_26b_a4b_by_hand():
     per_layer = mlp + moe + 4 * h + 1  # four norms and layer_scalar
     total = vocab * h + 25 * sliding + 5 * full + 30 * per_layer + h  # tied embeddings
     assert target_weight_bytes(c).total_params == total == 25_233_141_790  # "25.2B" (text)
-    # sliding layers: 8 KV heads x 256, at most 1024 rows; full layers: 2 KV heads x 512, every row
-    assert kv_cache_bytes(c, 4096) == 25 * 2 * 8 * 256 * 1024 * 2 + 5 * 2 * 2 * 512 * 4096 * 2
+    # sliding layers: 8 KV heads x 256, at most window + 2 x 512 rows (the fast path's ring); full layers:
+    # 2 KV heads x 512, every row
+    assert kv_cache_bytes(c, 4096) == 25 * 2 * 8 * 256 * (1024 + 1024) * 2 + 5 * 2 * 2 * 512 * 4096 * 2
 
 
 def test_gemma_4_31b_by_hand():

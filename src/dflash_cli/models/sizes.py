@@ -302,8 +302,11 @@ def _gemma4_kv_shape(cfg: dict[str, Any], full: bool) -> tuple[int, int]:
     """(head_dim, KV heads) of a Gemma 4 layer: full layers use the global shape (Gemma4TextConfig)."""
     if not full:
         return int(cfg.get("head_dim") or 256), int(cfg["num_key_value_heads"])
+    # a config transformers saved holds the full layers' shape as per-layer overrides, not global_* fields
+    overrides = next(iter((cfg.get("per_layer_config") or {}).values()), None) or {}
     heads = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v", False) else None
-    return int(cfg.get("global_head_dim") or 512), int(heads or cfg["num_key_value_heads"])
+    return (int(overrides.get("head_dim") or cfg.get("global_head_dim") or 512),
+            int(overrides.get("num_key_value_heads") or heads or cfg["num_key_value_heads"]))
 
 
 def _mla_moe_layers(cfg: dict[str, Any]) -> list[bool]:
@@ -686,7 +689,8 @@ def kv_cache_bytes(config: dict[str, Any], context_tokens: int, dtype_bytes: int
             continue  # Gemma 4: reads the KV of an earlier layer
         rows = context_tokens
         if kind == "sliding_attention" and cap_sliding and window:
-            rows = min(rows, int(window))
+            # transformers' cache keeps the window; the fast path (Gemma 4) a ring of window + 2 pieces
+            rows = min(rows, int(window) + (2 * PREFILL_CHUNK if gemma4 else 0))
         layer_dim, layer_kv = _gemma4_kv_shape(cfg, kind == "full_attention") if gemma4 else (hd, nkv)
         total += 2 * layer_kv * layer_dim * rows * dtype_bytes
     return total

@@ -360,6 +360,7 @@ def _train(drafter: DFlashDrafter, target: Any, head: Any, sets: tuple, cfg: Tra
     """Runs the training loop; returns its state and the evaluation whose weights the drafter now holds
     (the best held-out estimate when its weights were kept, else the last)."""
     train_set, held_set, held_sets, held_ids = sets
+    drafter.embed_scale = target.embed_scale  # blocks embedded as the target embeds tokens (Gemma: sqrt(H))
     state = train_loop(drafter, target.embed_weight, target.lm_head, head, train_set, held_set, cfg, ckpt,
                        heldout_key=HELDOUT_ESTIMATE + ":" + ",".join(map(str, held_ids)), autocast_dtype=autocast,
                        draft_vocab=vocab_ids, heldout_sets=held_sets,

@@ -29,6 +29,8 @@ def block_embeddings(drafter: DFlashDrafter, ids: torch.Tensor, anchors: torch.T
                      embed: torch.Tensor) -> torch.Tensor:
     """(N, A*B, H) embedded blocks of `block_ids`, scaled as the engine scales a block it drafts."""
     emb = F.embedding(block_ids(ids, anchors, drafter.block_size, drafter.mask_token_id), embed)
+    if drafter.embed_scale is not None:  # the target's own embedding scale (Gemma), as decoding applies it
+        emb = emb * drafter.embed_scale
     if drafter.config.input_embedding_scale != 1.0:
         emb = emb * drafter.config.input_embedding_scale
     return emb.to(drafter.fc.weight.dtype)
