@@ -104,3 +104,11 @@ def test_the_derived_accepted_count_is_never_negative(engine):
     """More verify steps than tokens after the first (a count that includes steps whose tokens were cut)."""
     stats = reply_stats(engine)
     assert stats.steps == 12 and stats.accepted == 0
+
+
+@pytest.mark.parametrize("engine", [{"sglang_names": "verify_only", "sglang_counts": (4, 0, 0)}], indirect=True)
+def test_json_says_null_for_a_drafted_count_the_server_did_not_send(engine):
+    """-v says "not reported by the server"; --json said 0 drafted and 0.0 acceptance, as if measured."""
+    data = json.loads(generate(engine, "--json").stdout)
+    assert data["steps"] == 4 and data["acceptance_length"] == pytest.approx(9 / 4)
+    assert data["drafted"] is None and data["draft_acceptance"] is None

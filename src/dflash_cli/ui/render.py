@@ -488,7 +488,11 @@ def stats_json(stats: Any) -> dict[str, Any]:
             data[key] = None
         data["acceptance_reported"] = False
         return data
-    return _stats_json(stats)
+    data = _stats_json(stats)
+    if getattr(stats, "counted_decode_tokens", None) is not None and not stats.drafted:
+        # a remote engine that counted its steps but not its drafts (old SGLang): null, as -v says
+        data["drafted"] = data["draft_acceptance"] = None
+    return data
 
 
 def _stats_json(stats: Any) -> dict[str, Any]:
