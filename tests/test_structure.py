@@ -66,3 +66,17 @@ def test_lower_layers_never_import_the_ui():
 def test_no_late_imports_in_the_command_layer():
     noqa = [p.name for p in (SRC / "dflash_cli").rglob("*.py") if "noqa: E402" in p.read_text(encoding="utf-8")]
     assert noqa == []
+
+
+# what each floor may not import: the engine is the ground floor, models/ sits on it, the rest above
+FLOORS = {
+    "dflash_cli.engine": ("dflash_cli.models", "dflash_cli.session", "dflash_cli.api", "dflash_cli.remote",
+                          "dflash_cli.train", "dflash_cli.ui", "dflash_cli.serving", "dflash_cli.bench"),
+    "dflash_cli.models": ("dflash_cli.ui", "dflash_cli.session", "dflash_cli.api", "dflash_cli.serving"),
+}
+
+
+def test_every_floor_imports_only_downwards():
+    offenders = {(name, target) for name, targets in graph().items() for floor, above in FLOORS.items()
+                 if name.startswith(floor + ".") for target in targets if target.startswith(above)}
+    assert offenders == set()

@@ -39,6 +39,10 @@ _HF_REQUIRED = {
 # counts one piece.
 PREFILL_CHUNK = 512
 
+# --device-map's strategies (accelerate's names; auto = balanced): engine/placement.py checks the value,
+# models/split.py plans by it
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "sequential")
+
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language-model part of a config (multimodal configs nest it under text_config)."""

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from dflash_cli.engine.config import DEVICE_MAP_STRATEGIES as STRATEGIES
 from dflash_cli.engine.errors import InvalidSettingError
-from dflash_cli.models.split import STRATEGIES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_cli.engine.config import drafter_block_size, text_config
+from dflash_cli.engine.config import DEVICE_MAP_STRATEGIES, drafter_block_size, text_config
 from dflash_cli.models.sizes import (
     AUTO_ORDER,
     CUDA_CONTEXT_BYTES,
@@ -40,7 +40,7 @@ from dflash_cli.models.sizes import (
 )
 from dflash_cli.units import fmt_bytes
 
-STRATEGIES = ("auto", "balanced", "sequential")
+STRATEGIES = DEVICE_MAP_STRATEGIES
 
 
 def is_gpu(device: str) -> bool:
