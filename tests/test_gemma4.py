@@ -19,6 +19,7 @@ import random
 import pytest
 import torch
 from conftest import HF_CONFIGS, VOCAB, TargetForwardLog, drafter_config, read_json, save_random_drafter
+from test_speculative import hf_greedy
 
 from dflash_cli.engine.fast import FastPath, fast_path_unsupported
 from dflash_cli.engine.generate import generate, stream_generate
@@ -87,13 +88,6 @@ def pair(request, tmp_path_factory):
     assert pair.target.enable_fast_path(400, pad_to=16) is None
     assert pair.target.fast.ring is None  # a short context: full-length buffers
     return pair
-
-
-def hf_greedy(target, prompt, n):
-    ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def prompts(n, seed, shortest=WINDOW + 2, longest=60):

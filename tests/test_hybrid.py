@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 from conftest import TargetForwardLog, drafter_config, interrupt_on_call, save_hybrid_target, save_random_drafter
+from test_speculative import hf_greedy
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash_cli.engine.errors import UnsupportedModelError
@@ -31,13 +32,6 @@ def pair(request, tmp_path_factory):
     pair = load_pair(target, drafter, device="cpu", dtype="float32")
     assert pair.target.hybrid and pair.target.enable_fast_path(400, pad_to=8) is None
     return pair
-
-
-def hf_greedy(target, prompt, n):
-    ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def prompts(n, seed, longest=90):

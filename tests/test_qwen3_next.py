@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VOCAB, TargetForwardLog, drafter_config, interrupt_on_call, save_random_drafter
+from test_speculative import hf_greedy
 
 from dflash_cli.engine.generate import generate, stream_generate
 from dflash_cli.engine.linear_attention import (
@@ -80,13 +81,6 @@ def pair(tmp_path_factory):
         ["linear_attention"] * 3 + ["full_attention"]
     assert pair.target.hybrid and pair.target.enable_fast_path(400, pad_to=16) is None
     return pair
-
-
-def hf_greedy(target, prompt, n):
-    ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def prompts(n, seed, longest=90):

@@ -29,7 +29,6 @@ class Request:
     on_event: Callable[[tuple[str, Any]], None]
     stop: tuple[str, ...] = ()
     cancelled: threading.Event = field(default_factory=threading.Event)
-    steps_after_cancel: int = 0  # steps the engine ran once cancelled (the tests read it: at most one)
 
 
 @dataclass
@@ -164,7 +163,6 @@ class EngineWorker:
                                         tokenizer=self.runtime.tokenizer, state=self.state, adaptive=adaptive,
                                         controller=self.controller if adaptive else None, **request.options):
                 if request.cancelled.is_set():
-                    request.steps_after_cancel += 1
                     break
                 last = step
                 text, stopped = stopper.feed(step.text)
