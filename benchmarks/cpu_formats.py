@@ -118,7 +118,7 @@ def run_format(name: str, spec: dict, prompts, new_tokens: int, debug_same: bool
             at = next(i for i, (x, y) in enumerate(zip(p.tokens + [-1], s.tokens + [-2])) if x != y)
             print(f"differs at token {at} of {len(p.tokens)} (prompt {len(ids)} tokens)", file=sys.stderr)
     dec1, ver8 = unit_costs(runtime.target)
-    return dict(format=name, dtype=runtime.dtype, forward=runtime.fast_path, load_seconds=load_s,
+    return dict(format=name, dtype=runtime.dtype, forward=runtime.forward, load_seconds=load_s,
                 plain_tok_s=statistics.median(plain), spec_tok_s=statistics.median(spec_rates),
                 tau=statistics.mean(taus), identical=f"{same}/{len(prompts)}", decode_1_ms=dec1, verify_8_ms=ver8)
 

@@ -64,7 +64,7 @@ def main(argv=None) -> None:
         return time.perf_counter() - t0, out.tolist()
 
     print(f"# draft vocabulary: {len(vocab)} of {target.vocab_rows} ids; block {drafter.block_size}; "
-          f"{runtime.device} {runtime.dtype}, {torch.get_num_threads()} threads, {runtime.fast_path}")
+          f"{runtime.device} {runtime.dtype}, {torch.get_num_threads()} threads, {runtime.forward}")
     print("| drafts kept | full vocabulary (ms) | draft vocabulary (ms) | ratio | same drafts |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for keep in args.keep:

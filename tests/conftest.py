@@ -171,6 +171,41 @@ def save_hybrid_target(folder: Path, moe: bool = False, seed: int = 0, scale: fl
     return Path(folder)
 
 
+# Qwen3-Next-80B-A3B / Qwen3-Coder-Next's config.json (48 layers, hidden 2048, 16/2 heads of 256, 512 experts
+# top 10, DeltaNet 16 key / 32 value heads of 128) scaled down: 8 layers, so two full-attention layers (3 and
+# 7, the last one as there) among six DeltaNets; 2 key heads shared by 4 value heads as there, and a key
+# head dim unlike the value head dim, so that a misplaced channel shows; one dense-MLP layer (mlp_only_layers)
+# beside the MoE ones. The published form: no layer_types, top-level rope_theta and partial_rotary_factor.
+QWEN3_NEXT_CONFIG = dict(
+    architectures=["Qwen3NextForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=1,
+    decoder_sparse_step=1, eos_token_id=2, full_attention_interval=4, head_dim=32, hidden_act="silu",
+    hidden_size=64, initializer_range=0.02, intermediate_size=96, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=8, max_position_embeddings=512,
+    mlp_only_layers=[5], model_type="qwen3_next", moe_intermediate_size=32, norm_topk_prob=True,
+    num_attention_heads=4, num_experts=8, num_experts_per_tok=3, num_hidden_layers=8, num_key_value_heads=2,
+    output_router_logits=False, partial_rotary_factor=0.25, rms_norm_eps=1e-6, rope_scaling=None,
+    rope_theta=5000000, router_aux_loss_coef=0.001, shared_expert_intermediate_size=32, tie_word_embeddings=False,
+    torch_dtype="float32", use_cache=True, use_sliding_window=False, vocab_size=VOCAB)
+
+
+def save_qwen3_next_target(folder: Path, seed: int = 0, scale: float = 3.0) -> Path:
+    """A random tiny Qwen3-Next saved with save_pretrained, its config.json then put back in the published
+    form (transformers 5 writes layer_types and rope_parameters instead)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN3_NEXT_CONFIG), dtype=torch.float32)
+    with torch.no_grad():  # larger weights: a state error of a rejected draft then changes the output
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.mul_(scale)
+            elif name.endswith("norm.weight"):  # zero-centred norms (1 + weight): not all ones
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(folder)
+    (Path(folder) / "config.json").write_text(json.dumps(QWEN3_NEXT_CONFIG, indent=2))
+    return Path(folder)
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

@@ -76,3 +76,23 @@ def test_every_drafter_satisfies_the_protocol():
     for drafter in (v1, v2, OracleDrafter(v1, [1, 2, 3])):
         assert isinstance(drafter, Drafter)
     assert not isinstance(object(), Drafter)
+
+
+def test_load_opens_as_the_command_line_does(pair, monkeypatch, tmp_path):
+    """`load` goes through runtime.open_runtime like generate: the result is a Runtime, the registry's names
+    are resolved (a pair too big for one machine is refused before any download), and the memory preflight
+    runs (a machine without room refuses before the weights load)."""
+    runtime = dflash_cli.load(str(pair[0]), draft=str(pair[1]), dtype="float32", device="cpu")
+    assert isinstance(runtime, dflash_cli.Runtime) and runtime.speculative
+    assert "speculation on" in runtime.ready_line() and runtime.model_name == str(pair[0])
+    plain = dflash_cli.load(str(pair[0]), draft=str(pair[1]), no_draft=True, dtype="float32", device="cpu")
+    assert plain.drafter is None and not plain.speculative
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    with pytest.raises(dflash_cli.DFlashError, match="multi-GPU server"):
+        dflash_cli.load("kimi-k2.5")
+    import dflash_cli.engine.device as device
+
+    monkeypatch.setattr(device, "free_memory", lambda _device: 1000)  # 1000 bytes free: nothing fits
+    with pytest.raises(dflash_cli.DFlashError, match="memory"):
+        dflash_cli.load(str(pair[0]), draft=str(pair[1]), dtype="float32", device="cpu")

@@ -73,7 +73,7 @@ def test_prompt_argument_with_invalid_utf8_bytes_is_decoded_with_one_warning(fol
     ("plain \U0001f600", "plain \U0001f600"),
 ])
 def test_undecodable_bytes_become_replacement_characters_in_the_text(given, text):
-    from dflash_cli.ui.run import decode_utf8
+    from dflash_cli.ui.prompt_input import decode_utf8
 
     got, replaced = decode_utf8(given)
     assert got == text and replaced == ("\ufffd" in text)

@@ -197,7 +197,7 @@ def test_distilled_training_lowers_the_kl_and_the_drafter_stays_lossless(tmp_pat
     out = train_drafter(tiny_target_dir, tmp_path / "out", prompts=PROMPTS, layers=2, block_size=8, steps=30,
                         batch=4, anchors=8, max_new_tokens=40, eval_every=10, lr=1e-3, device=DEVICE,
                         dtype="float32", distill=1.0, distill_topk=8, draft_vocab=True,
-                        on_progress=lambda kind, info: events.append((kind, info)))
+                        on_progress=lambda kind, info: events.append((kind, info))).folder
     losses = [p.loss for kind, p in events if kind == "train"]
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     training = json.loads((out / "config.json").read_text())["training"]
@@ -228,7 +228,8 @@ def test_distill_options_are_checked_before_anything_loads(tmp_path):
 
     missing = str(tmp_path / "no-such-target")
     for args, message in ((["--distill", "0.5"], "--distill needs the target's top-k distributions"),
-                          (["--draft-vocab", "--full-vocab"], "--draft-vocab needs the training vocabulary")):
+                          (["--draft-vocab", "--full-vocab"], "--draft-vocab needs the training vocabulary"),
+                          (["--steps", "9", "--time-budget", "1"], "give --steps or --time-budget, not both")):
         result = CliRunner().invoke(cli, ["train", "-m", missing, "-o", str(tmp_path / "o"), *args])
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
@@ -375,7 +376,7 @@ def test_init_fine_tunes_the_given_drafter(tmp_path, tiny_target_dir):
     start = save_random_drafter(tmp_path / "start", cfg, seed=5)
     # lr 0: the weights written are the starting drafter's exactly, so they were loaded, not re-drawn
     out = train_drafter(tiny_target_dir, tmp_path / "out", prompts=PROMPTS[:4], init=start, steps=2, batch=2,
-                        anchors=4, max_new_tokens=12, lr=0.0, device=DEVICE, dtype="float32")
+                        anchors=4, max_new_tokens=12, lr=0.0, device=DEVICE, dtype="float32").folder
     written, original = load_file(str(out / "model.safetensors")), load_file(str(start / "model.safetensors"))
     assert written.keys() == original.keys()
     for name in original:
@@ -391,7 +392,7 @@ def test_init_can_change_the_block_size_keeping_every_weight(tmp_path, tiny_targ
 
     start = save_random_drafter(tmp_path / "start", drafter_config(target_config("qwen3"), block_size=8), seed=5)
     out = train_drafter(tiny_target_dir, tmp_path / "out", prompts=PROMPTS[:4], init=start, block_size=4, steps=2,
-                        batch=2, anchors=4, max_new_tokens=12, lr=0.0, device=DEVICE, dtype="float32")
+                        batch=2, anchors=4, max_new_tokens=12, lr=0.0, device=DEVICE, dtype="float32").folder
     written, original = load_file(str(out / "model.safetensors")), load_file(str(start / "model.safetensors"))
     assert written.keys() == original.keys() and all(torch.equal(written[n], original[n]) for n in original)
     config = json.loads((out / "config.json").read_text())

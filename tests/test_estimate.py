@@ -12,9 +12,10 @@ import torch
 from conftest import DEVICE, drafter_config, save_random_drafter, target_config
 
 from dflash_cli.engine.load import attach_drafter, load_drafter, load_target
+from dflash_cli.train.config import TrainConfig
 from dflash_cli.train.data import Example, load_examples
 from dflash_cli.train.estimate import accepted_runs, first_tokens, replay, replay_tau
-from dflash_cli.train.trainer import TrainConfig, evaluate, make_head
+from dflash_cli.train.trainer import evaluate, make_head
 
 
 def test_replay_walks_the_greedy_path_and_stops_at_the_reply_end():

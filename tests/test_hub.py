@@ -295,6 +295,54 @@ def test_default_cache_follows_env(monkeypatch, tmp_path):
     assert hub.list_local() == []
 
 
+HF_VARIABLES = ("HF_HOME", "XDG_CACHE_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN_PATH",
+                "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TEST_NAME")
+
+
+def test_cache_token_and_offline_are_read_as_huggingface_hub_reads_them(tmp_path):
+    """What hub (and the doctor) read now equals what huggingface_hub works out at import from the same
+    environment, among them the older HUGGINGFACE_HUB_CACHE over HF_HOME (once read by the doctor only)."""
+    import os
+    import subprocess
+    import sys
+
+    cases = [{}, {"XDG_CACHE_HOME": f"{tmp_path}/xdg"}, {"HF_HOME": f"{tmp_path}/home", "XDG_CACHE_HOME": "/x"},
+             {"HF_HOME": f"{tmp_path}/home", "HUGGINGFACE_HUB_CACHE": f"{tmp_path}/legacy"},
+             {"HUGGINGFACE_HUB_CACHE": f"{tmp_path}/legacy", "HF_HUB_CACHE": f"{tmp_path}/new"},
+             {"HF_HOME": "~/hf-$HF_TEST_NAME", "HF_TEST_NAME": "x", "HF_TOKEN_PATH": f"{tmp_path}/token"},
+             {"HF_HUB_OFFLINE": "yes"}, {"TRANSFORMERS_OFFLINE": "1"},
+             {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "1"}]
+    script = f"""
+import importlib, json, os, sys
+from huggingface_hub import constants
+from dflash_cli.models import hub
+out = []
+for case in json.loads(sys.argv[1]):
+    for name in {HF_VARIABLES!r}:
+        os.environ.pop(name, None)
+    importlib.reload(constants)  # the library's own values without any of the variables
+    os.environ.update(case)
+    ours = [str(hub.default_cache_dir()), str(hub.token_path()), hub.offline_variable() is not None]
+    importlib.reload(constants)
+    out.append([ours, [constants.HF_HUB_CACHE, constants.HF_TOKEN_PATH, constants.HF_HUB_OFFLINE]])
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in HF_VARIABLES} | {"HOME": str(tmp_path / "user")}
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    for case, (ours, theirs) in zip(cases, json.loads(run.stdout), strict=True):
+        assert ours == theirs, case
+
+
+def test_on_off_variables_take_huggingface_hubs_words():
+    from huggingface_hub import constants
+
+    from dflash_cli.settings import TRUE_WORDS
+
+    assert TRUE_WORDS == constants.ENV_VARS_TRUE_VALUES
+
+
 def test_tqdm_class_sees_the_bytes(fake, online, cache):
     from tqdm.auto import tqdm
 

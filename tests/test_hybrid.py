@@ -1,17 +1,29 @@
-"""Qwen3.5 hybrid targets (Gated DeltaNet + attention): exact rollback of the linear-attention state.
+"""Hybrid targets (Gated DeltaNet + attention): exact rollback of the linear-attention state, on each family.
 
-Tiny random models scaled down from the published Qwen3.5-4B config (dense and MoE), saved as the real
-checkpoints are and loaded through the real loader; fp32, so greedy speculation must equal transformers'
-own greedy generate token for token.
+Tiny random models scaled down from the published configs, saved as the real checkpoints are and loaded
+through the real loader: Qwen3.5-4B (dense and MoE), and Qwen3-Next / Qwen3-Coder-Next (gated attention, a
+MoE with a shared expert, and its own DeltaNet input projections: tests/test_qwen3_next.py checks those).
+fp32, so greedy speculation must equal transformers' own greedy generate token for token.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import TargetForwardLog, drafter_config, interrupt_on_call, save_hybrid_target, save_random_drafter
+from conftest import (
+    VOCAB,
+    TargetForwardLog,
+    drafter_config,
+    interrupt_on_call,
+    save_hybrid_target,
+    save_qwen3_next_target,
+    save_random_drafter,
+)
 from test_speculative import hf_greedy
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
@@ -23,15 +35,50 @@ from dflash_cli.engine.oracle import OracleDrafter
 from dflash_cli.engine.state import DecodeState
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
-def pair(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"hybrid-{request.param}")
-    target = save_hybrid_target(root / "target", moe=request.param == "moe", seed=3)
-    drafter = save_random_drafter(root / "drafter", drafter_config(dict(hidden_size=64, vocab_size=160,
-                                                                         num_hidden_layers=4), taps=(0, 2, 3)), seed=2)
-    pair = load_pair(target, drafter, device="cpu", dtype="float32")
-    assert pair.target.hybrid and pair.target.enable_fast_path(400, pad_to=8) is None
+@dataclass(frozen=True)
+class Family:
+    """A hybrid family's tiny target, the drafter that fits it, and the cases its tests run."""
+
+    save_target: Callable[[Path], Path]
+    layers: int
+    taps: tuple[int, ...]
+    block_size: int = 8  # the drafter's
+    block_sizes: tuple[int, ...] = (3, 8)  # greedy speculation's
+    boundaries: tuple[int, ...] = (63, 64, 65, 127, 128, 129)  # prompt lengths around 64-token chunks
+
+
+FAMILIES = {
+    "qwen3_5": Family(lambda folder: save_hybrid_target(folder, seed=3), 4, (0, 2, 3)),
+    "qwen3_5_moe": Family(lambda folder: save_hybrid_target(folder, moe=True, seed=3), 4, (0, 2, 3)),
+    "qwen3_next": Family(lambda folder: save_qwen3_next_target(folder, seed=3), 8, (1, 3, 6, 7), block_size=16,
+                         block_sizes=(3, 8, 16), boundaries=(64, 128)),
+}
+
+
+def save_family(name: str, root: Path, block_size: int | None = None) -> tuple[Path, Path]:
+    """(target, drafter) folders of family `name`; `block_size` replaces the drafter's."""
+    family = FAMILIES[name]
+    target = family.save_target(root / "target")
+    drafter = save_random_drafter(root / "drafter", drafter_config(
+        dict(hidden_size=64, vocab_size=VOCAB, num_hidden_layers=family.layers), taps=family.taps,
+        block_size=block_size or family.block_size), seed=2)
+    return target, drafter
+
+
+def load_family(name: str, root: Path):
+    pair = load_pair(*save_family(name, root), device="cpu", dtype="float32")
+    assert pair.target.hybrid and pair.target.enable_fast_path(400, pad_to=FAMILIES[name].block_size) is None
     return pair
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request, tmp_path_factory):
+    return load_family(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def per_family(cases: str) -> list[tuple[str, int]]:
+    """(family, case) for each case the family lists under `cases`: a test's `pair, value` parameters."""
+    return [(name, value) for name, family in FAMILIES.items() for value in getattr(family, cases)]
 
 
 def prompts(n, seed, longest=90):
@@ -39,9 +86,21 @@ def prompts(n, seed, longest=90):
     return [[rng.randrange(3, 140) for _ in range(rng.randrange(1, longest))] for _ in range(n)]
 
 
-def oracle(pair, prompt, acceptance, seed=1):
-    return OracleDrafter(pair.drafter, prompt + hf_greedy(pair.target, prompt, 60), acceptance=acceptance,
-                         seed=seed, vocab_size=160)
+def oracle(pair, prompt, acceptance, seed=1, n=60):
+    return OracleDrafter(pair.drafter, prompt + hf_greedy(pair.target, prompt, n), acceptance=acceptance,
+                         seed=seed, vocab_size=VOCAB)
+
+
+def varied_reply(target, n: int, span: range) -> tuple[list[int], list[int], int]:
+    """A prompt, its greedy reply of `n` tokens, and the first position of `span` holding a token the reply has
+    not had before (a stop token that ends the reply there): many replies of these models settle on one token."""
+    for seed in range(20):
+        prompt = prompts(1, seed=seed, longest=40)[0]
+        reply = hf_greedy(target, prompt, n)
+        at = next((i for i in span if reply[i] not in reply[:i]), None)
+        if at is not None:
+            return prompt, reply, at
+    raise AssertionError("no prompt gave a varied reply")
 
 
 def linear_states(state: DecodeState) -> list[torch.Tensor]:
@@ -75,40 +134,46 @@ def test_block_solution_matches_transformers_recurrence():
     assert torch.equal(state_after(record, 0), s0)
 
 
-@pytest.mark.parametrize("block_size", [3, 8])
+@pytest.mark.parametrize("pair, block_size", per_family("block_sizes"), indirect=["pair"])
 def test_greedy_speculation_equals_transformers_generate(pair, block_size):
-    for prompt in prompts(4, seed=block_size):
+    for prompt in prompts(3, seed=block_size):
         reference = hf_greedy(pair.target, prompt, 30)
         assert generate(pair.target, None, prompt, max_new_tokens=30, stop_ids=[]).tokens == reference
         assert generate(pair.target, pair.drafter, prompt, max_new_tokens=30, stop_ids=[],
                         block_size=block_size).tokens == reference
         for acceptance in (0.5, 0.8):  # partial acceptances: every step rolls the state back
-            got = generate(pair.target, oracle(pair, prompt, acceptance), prompt, max_new_tokens=30, stop_ids=[],
-                           block_size=block_size)
+            got = generate(pair.target, oracle(pair, prompt, acceptance, n=30), prompt, max_new_tokens=30,
+                           stop_ids=[], block_size=block_size, adaptive=False)
             assert got.tokens == reference
             assert 1.3 < got.stats.acceptance_length < block_size
 
 
-@pytest.mark.parametrize("length", [63, 64, 65, 127, 128, 129])
+@pytest.mark.parametrize("pair, length", per_family("boundaries"), indirect=["pair"])
 def test_prompts_on_a_chunk_boundary_match_transformers(pair, length):
     """Prompts are run in 64-token chunks: a prompt that ends exactly on (or one past) a chunk boundary,
-    then a few speculative steps that roll the state back, give transformers' own greedy tokens. Random
+    then speculative steps that roll the state back, give transformers' own greedy tokens. Random
     lengths (1-89) almost never land there."""
     rng = random.Random(length)
     prompt = [rng.randrange(3, 140) for _ in range(length)]
     reference = hf_greedy(pair.target, prompt, 12)
     assert generate(pair.target, None, prompt, max_new_tokens=12, stop_ids=[]).tokens == reference
-    got = generate(pair.target, oracle(pair, prompt, 0.6), prompt, max_new_tokens=12, stop_ids=[], block_size=4)
-    assert got.tokens == reference
+    drafter = oracle(pair, prompt, 0.6, n=12)
+    state = DecodeState(pair.target, drafter)
+    got = []
+    for step in stream_generate(pair.target, drafter, prompt, max_new_tokens=12, stop_ids=[], block_size=4,
+                                state=state):
+        state.check()
+        got.extend(step.tokens)
+    assert got == reference
 
 
 def test_state_after_every_step_equals_a_fresh_plain_run(pair):
     prompt = prompts(1, seed=7)[0]
-    drafter = oracle(pair, prompt, 0.6, seed=4)
+    drafter = oracle(pair, prompt, 0.6, seed=4, n=40)
     state = DecodeState(pair.target, drafter)
     accepted = []
     for step in stream_generate(pair.target, drafter, prompt, max_new_tokens=40, stop_ids=[], block_size=8,
-                                state=state):
+                                state=state, adaptive=False):
         state.check()
         accepted.append(step.accepted)
         fresh = DecodeState(pair.target, None, own_caches=True)  # beside the one decoding
@@ -119,22 +184,28 @@ def test_state_after_every_step_equals_a_fresh_plain_run(pair):
 
 
 def test_stop_token_inside_an_accepted_block(pair):
-    prompt = [9, 8, 7, 6, 5]
-    reference = hf_greedy(pair.target, prompt, 40)
-    stop = reference[12]
-    drafter = oracle(pair, prompt, 1.0)
+    prompt, reference, at = varied_reply(pair.target, 40, range(10, 40))
+    stop = reference[at]
+    drafter = oracle(pair, prompt, 1.0, n=40)
     state = DecodeState(pair.target, drafter)
-    got = generate(pair.target, drafter, prompt, max_new_tokens=40, stop_ids=[stop], block_size=8, state=state)
-    assert got.tokens == reference[: reference.index(stop) + 1]
-    state.check()
+    steps = []
+    for step in stream_generate(pair.target, drafter, prompt, max_new_tokens=40, stop_ids=[stop], block_size=8,
+                                state=state, adaptive=False):
+        state.check()
+        steps.append(step)
+    got = [t for step in steps for t in step.tokens]
+    assert got == reference[: reference.index(stop) + 1] and steps[-1].finish_reason == "stop"
+    assert len(steps[-1].tokens) < steps[-1].accepted + 1  # the block went on past the stop: it was cut there
     more = generate(pair.target, drafter, state.tokens, max_new_tokens=10, stop_ids=[], state=state, block_size=8)
-    assert got.tokens + more.tokens == hf_greedy(pair.target, prompt, len(got.tokens) + 10)
+    state.check()
+    assert got + more.tokens == hf_greedy(pair.target, prompt, len(got) + 10)
 
 
 def test_chat_turns_reuse_the_state_regenerate_and_edit(pair):
     turn1 = [5, 6, 7, 8, 9, 10]
     state = DecodeState(pair.target, pair.drafter)
     first = generate(pair.target, pair.drafter, turn1, max_new_tokens=15, stop_ids=[], state=state)
+    state.check()
     turn2 = turn1 + first.tokens + [33, 44, 55]
     turn3 = turn1[:3] + [99] + turn1[4:]
     reference2, reference3 = hf_greedy(pair.target, turn2, 15), hf_greedy(pair.target, turn3, 8)
@@ -172,34 +243,28 @@ def test_interrupted_verify_then_continue(pair):
     assert got and got + more.tokens == hf_greedy(pair.target, prompt, len(got) + 10)
 
 
-def test_compiled_greedy_speculation_equals_transformers_generate(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_compiled_greedy_speculation_equals_transformers_generate(family, tmp_path, tmp_path_factory):
     """The fast path's short forwards compiled by inductor (CPU) on a hybrid target: the Gated DeltaNet
-    layers traced whole (fullgraph), their state records returned from the compiled call and settled after
-    it, partial acceptances rolling the state back. The reply ends on a stop token, never on the length
-    limit, so every verify is a full block of 8 and one shape is compiled (each costs tens of seconds
-    here); greedy output equals transformers' own greedy generate."""
+    layers traced whole (fullgraph; Qwen3-Next's regrouping of in_proj_qkvz/in_proj_ba with them), their
+    state records returned from the compiled call and settled after it, partial acceptances rolling the state
+    back. The reply ends on a stop token, never on the length limit, so every verify is a full block of 8 and
+    one shape is compiled (each costs tens of seconds here); greedy output equals transformers' own."""
     import os
 
     from dflash_cli.engine.compile import compiler_for
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-    target = save_hybrid_target(tmp_path / "target", seed=3)
-    drafter = save_random_drafter(tmp_path / "drafter", drafter_config(dict(hidden_size=64, vocab_size=160,
-                                                                             num_hidden_layers=4), taps=(0, 2, 3)),
-                                  seed=2)
-    compiled = load_pair(target, drafter, device="cpu", dtype="float32")
+    compiled = load_pair(*save_family(family, tmp_path, block_size=8), device="cpu", dtype="float32")
     notes: list[str] = []
     assert compiled.target.enable_fast_path(400, pad_to=8, compile_step=compiler_for(torch.device("cpu")),
                                             on_fallback=notes.append) is None
-    prompt = prompts(1, seed=1, longest=40)[0]  # a varied reply (many of this model's settle on one token)
-    reference = hf_greedy(compiled.target, prompt, 60)
-    # a stop token whose first occurrence leaves at least a full block of budget at every step before it
-    end = next(i for i in range(45, 19, -1) if reference[i] not in reference[:i])
-    expected = reference[: end + 1]
+    # a stop token that leaves a full block of budget at every step before it
+    prompt, reference, end = varied_reply(compiled.target, 60, range(45, 19, -1))
     for drafter_used in (compiled.drafter, oracle(compiled, prompt, 0.6, seed=3)):
         got = generate(compiled.target, drafter_used, prompt, max_new_tokens=60, stop_ids=[reference[end]],
                        block_size=8, adaptive=False)
-        assert got.tokens == expected
+        assert got.tokens == reference[: end + 1]
         assert got.stats.steps > 1
     assert 1.3 < got.stats.acceptance_length < 8  # the oracle's partial acceptances rolled the state back
     assert notes == [] and compiled.target.fast_compiled
@@ -241,7 +306,8 @@ def test_the_published_qwen3_5_pair_checks_and_plans_from_configs_only():
     assert plan.fits and 8e9 < plan.total < 14e9
 
 
-def test_cli_runs_a_hybrid_pair_even_with_compile_off(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_cli_runs_a_hybrid_pair_even_with_compile_off(family, tmp_path):
     import json
 
     from click.testing import CliRunner
@@ -249,10 +315,8 @@ def test_cli_runs_a_hybrid_pair_even_with_compile_off(tmp_path):
 
     from dflash_cli.ui.cli import cli
 
-    target = save_hybrid_target(tmp_path / "target", seed=3)
+    target, drafter = save_family(family, tmp_path)
     save_tiny_tokenizer(target)
-    drafter = save_random_drafter(tmp_path / "drafter", drafter_config(dict(hidden_size=64, vocab_size=160,
-                                                                             num_hidden_layers=4), taps=(0, 2, 3)))
     base = ["generate", "-m", str(target), "--dtype", "float32", "--device", "cpu", "-n", "12", "--json"]
     runs = {name: CliRunner().invoke(cli, base + args + ["Hello"]) for name, args in
             [("plain", ["--no-draft"]), ("spec", ["--draft", str(drafter)]),

@@ -549,13 +549,12 @@ def test_no_waiting_line_on_a_pipe(engine):
 
 @pytest.mark.parametrize("engine", [{"slow_first": 2.0}], indirect=True)
 def test_a_timeout_given_bounds_the_wait_for_the_reply(engine):
-    """READ_TIMEOUT (600 s) could not be changed: now a timeout given (connect_engine reads opts['timeout'],
-    for --timeout / DFLASH_TIMEOUT) bounds the wait, and the error names it."""
+    """READ_TIMEOUT (600 s) could not be changed: now a timeout given (ModelOptions.timeout, from --timeout /
+    DFLASH_TIMEOUT) bounds the wait, and the error names it."""
     from dflash_cli.remote import RemoteError
-    from dflash_cli.ui.run import connect_engine
+    from dflash_cli.runtime import ModelOptions, open_runtime
 
-    out = Output("never", stdout=StringIO(), stderr=StringIO())
-    runtime = connect_engine(out, {"engine": engine.url, "timeout": 0.5}, quiet=True)
+    runtime = open_runtime(ModelOptions(engine=engine.url, timeout=0.5))
     with pytest.raises(RemoteError, match=r"did not answer within 0\.5 s"):
         list(runtime.stream_chat([{"role": "user", "content": "hi"}], GenerationSettings()))
     assert RemoteRuntime(engine.url).client.timeout.read == 600.0  # the default is unchanged

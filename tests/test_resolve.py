@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from conftest import drafter_config, save_random_drafter, target_config
 from test_hub import DRAFTER, TARGET, _read_folder, cache, fake, online, repo_files, server  # noqa: F401
 
-from dflash_cli.engine.errors import IncompatiblePairError, UnsupportedModelError
+from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError, UnsupportedModelError
 from dflash_cli.models import hub
 from dflash_cli.models.resolve import resolve_pair
 
@@ -72,6 +74,30 @@ def test_no_draft_and_explicit_folders(tiny_models):
     unknown = resolve_pair(str(tiny_models["qwen3"]))
     assert unknown.drafter_dir is None and "no drafter known" in unknown.drafter_note
     json.loads((plain.target_dir / "config.json").read_text())
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{oops", "is not valid JSON: Expecting"), (b"\xff{}", "is not valid JSON"),
+    ("[1, 2]", "is not a model configuration (expected a JSON object)")])
+def test_every_reader_words_a_bad_config_json_alike(tiny_models, tmp_path, text, problem):
+    """One reader of config.json (engine/pairing.py): the loader, the preflight and `show` say the same."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from dflash_cli.engine.pairing import read_config
+    from dflash_cli.ui.cli import cli
+
+    folder = Path(shutil.copytree(tiny_models["qwen3"], tmp_path / "target"))
+    path = folder / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    message = f"{path} {problem}"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        read_config(folder, "target")
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        resolve_pair(str(folder), str(tiny_models["qwen3-drafter"]))
+    shown = CliRunner().invoke(cli, ["show", str(folder), "--json"])
+    assert json.loads(shown.stdout)["configs"]["target"].startswith(message), shown.output
 
 
 def test_an_impossible_plan_is_refused_before_any_weights_download(fake, online, config):

@@ -15,8 +15,8 @@ from conftest import save_tiny_pair
 
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.text import encode_prompt
+from dflash_cli.runtime import load_runtime
 from dflash_cli.serving import EngineWorker
-from dflash_cli.session import load_runtime
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")

@@ -102,7 +102,7 @@ def test_the_ggufs_own_4bit_codes_are_kept_and_run_by_q4(converted, monkeypatch)
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(converted.cache))
     runtime = dflash_cli.load("demo", quant="q4", device="cpu")
     fast = runtime.target.fast
-    assert fast.codes_used == 210 and "210 linears" in runtime.fast_path
+    assert fast.codes_used == 210 and "210 linears" in runtime.forward
     layer = fast.projections[3]["down"]
     code = codes["model.layers.3.mlp.down_proj"]
     assert torch.equal(layer.packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(code.codes, 1))
@@ -284,6 +284,27 @@ def test_folder_name_carries_non_default_dtype(tmp_path):
     assert smollm2_dir(tmp_path, dtype="float32") == tmp_path / "models" / "smollm2-135m-instruct-float32"
     with pytest.raises(ValueError, match="bfloat16"):
         smollm2_dir(tmp_path, dtype="int3")
+
+
+def test_the_engine_the_planner_and_the_converter_read_dtype_names_alike(tmp_path):
+    """One map of dtype names (engine/dtypes.py): the engine once refused "half", "float" and "torch.float16",
+    which the converter took."""
+    import torch
+
+    from dflash_cli.engine.device import pick_dtype
+    from dflash_cli.engine.dtypes import DTYPE_NAMES, plan_dtype
+    from dflash_cli.engine.errors import InvalidSettingError
+
+    cpu = torch.device("cpu")
+    for name, known in DTYPE_NAMES.items():
+        for written in (name, name.upper(), f"torch.{name}"):
+            picked = pick_dtype(written, cpu)
+            assert picked == getattr(torch, known)
+            assert smollm2_dir(tmp_path, dtype=written) == smollm2_dir(tmp_path, dtype=str(picked))
+    assert [plan_dtype(d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)] == \
+        ["bf16", "fp16", "fp32", "fp32"]
+    with pytest.raises(InvalidSettingError, match="unknown dtype 'int3'"):
+        pick_dtype("int3", cpu)
 
 
 def test_missing_wheel_raises_with_install_hint(monkeypatch, tmp_path):

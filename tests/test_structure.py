@@ -70,13 +70,47 @@ def test_no_late_imports_in_the_command_layer():
 
 # what each floor may not import: the engine is the ground floor, models/ sits on it, the rest above
 FLOORS = {
-    "dflash_cli.engine": ("dflash_cli.models", "dflash_cli.session", "dflash_cli.api", "dflash_cli.remote",
-                          "dflash_cli.train", "dflash_cli.ui", "dflash_cli.serving", "dflash_cli.bench"),
-    "dflash_cli.models": ("dflash_cli.ui", "dflash_cli.session", "dflash_cli.api", "dflash_cli.serving"),
+    "dflash_cli.engine": ("dflash_cli.models", "dflash_cli.session", "dflash_cli.runtime", "dflash_cli.api",
+                          "dflash_cli.remote", "dflash_cli.train", "dflash_cli.ui", "dflash_cli.serving",
+                          "dflash_cli.bench"),
+    "dflash_cli.models": ("dflash_cli.ui", "dflash_cli.session", "dflash_cli.runtime", "dflash_cli.api",
+                          "dflash_cli.serving"),
 }
 
 
 def test_every_floor_imports_only_downwards():
     offenders = {(name, target) for name, targets in graph().items() for floor, above in FLOORS.items()
                  if name.startswith(floor + ".") for target in targets if target.startswith(above)}
+    assert offenders == set()
+
+
+def test_both_runtimes_are_runtimes_without_stand_in_attributes():
+    """Commands use only what the Runtime protocol names; the remote one implements it for real, with no class
+    attributes set to placeholder values to look like a loaded pair (tokenizer = None, dtype = "remote")."""
+    import dataclasses
+    import typing
+
+    from dflash_cli.remote import RemoteRuntime
+    from dflash_cli.runtime import LocalRuntime, Runtime
+
+    members = typing.get_protocol_members(Runtime) if hasattr(typing, "get_protocol_members") else \
+        {n for n in vars(Runtime) if not n.startswith("_")}
+    assert {"speculative", "conversation", "info", "check_block_size", "thinking_mode"} <= set(members)
+    for cls in (LocalRuntime, RemoteRuntime):
+        data = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {"load_seconds"}
+        missing = {name for name in members if name not in data and not callable(getattr(cls, name, None))
+                   and not isinstance(getattr(cls, name, None), property)}
+        assert missing == set(), (cls.__name__, missing)
+    stand_ins = {name for name, value in vars(RemoteRuntime).items()
+                 if not name.startswith("__") and not callable(value) and not isinstance(value, property)}
+    assert stand_ins == set()
+
+
+def test_commands_get_options_not_click_dictionaries():
+    """The raw click values stay in each command's function: no body takes an `opts` dictionary."""
+    offenders = set()
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "opts" for a in node.args.args):
+                offenders.add(f"{name}.{node.name}")
     assert offenders == set()

@@ -20,7 +20,8 @@ from test_chat import drive
 
 from dflash_cli import settings as S
 from dflash_cli.models.registry import PairEntry
-from dflash_cli.session import GenerationSettings, load_runtime
+from dflash_cli.runtime import load_runtime
+from dflash_cli.session import GenerationSettings
 from dflash_cli.ui.cli import cli
 from dflash_cli.ui.render import DIM
 from dflash_cli.ui.thinking import ThinkingSplitter, split_reply

@@ -61,7 +61,7 @@ def _train(target_dir, out, steps, events=None):
 
     return train_drafter(target_dir, out, prompts=PROMPTS, layers=2, block_size=8, steps=steps, batch=4,
                          anchors=8, max_new_tokens=40, eval_every=10, checkpoint_every=10, lr=1e-3,
-                         device=DEVICE, dtype="float32", on_progress=record)
+                         device=DEVICE, dtype="float32", on_progress=record).folder
 
 
 def test_train_lowers_loss_and_writes_a_loadable_lossless_drafter(tmp_path, tiny_target_dir):
@@ -81,6 +81,64 @@ def test_train_lowers_loss_and_writes_a_loadable_lossless_drafter(tmp_path, tiny
         plain = generate(target_only, None, prompt, max_new_tokens=30, stop_ids=[])
         spec = generate(pair.target, pair.drafter, prompt, max_new_tokens=30, stop_ids=[])
         assert spec.tokens == plain.tokens
+
+
+def test_train_drafter_takes_a_config_and_returns_what_it_wrote(tmp_path, tiny_target_dir):
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.train import TrainConfig, train_drafter
+
+    with pytest.raises(InvalidSettingError, match="--batch must be at least 1, got 0"):
+        train_drafter(tiny_target_dir, tmp_path / "bad", prompts=PROMPTS, batch=0)
+    assert not (tmp_path / "bad").exists()
+    config = TrainConfig(layers=1, block_size=4, steps=2, batch=2, anchors=4, max_new_tokens=12, eval_every=1)
+    out = tmp_path / "out"  # keyword options replace the config's
+    result = train_drafter(tiny_target_dir, out, config, prompts=PROMPTS, steps=3, device=DEVICE, dtype="float32")
+    training = json.loads((out / "config.json").read_text())["training"]
+    assert result.folder == out and result.step == training["step"] == training["steps"] == 3
+    assert training["layers"] == 1 and training["block_size"] == 4 and training["batch"] == 2
+    for name in ("saved_step", "heldout_tau", "heldout_tau_by_set", "final_loss", "train_seconds",
+                 "train_sequences", "heldout_sequences"):
+        assert getattr(result, name) == training[name], name
+    assert result.heldout_tau is not None and result.heldout_sequences == 1  # 8 prompts: the last is held out
+    assert json.loads((out / "training_log.json").read_text())["wall_seconds"] == result.wall_seconds
+
+
+def test_train_config_is_where_every_value_is_checked():
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.train.config import TrainConfig
+
+    for options, message in [(dict(batch=0), "--batch must be at least 1, got 0"),
+                             (dict(block_size=1), "--block-size must be at least 2, got 1"),
+                             (dict(time_budget=0.0), "--time-budget must be more than 0, got 0.0"),
+                             (dict(gen_time_budget=-1.0), "--gen-budget must be at least 0, got -1.0"),
+                             (dict(lr=float("nan")), "--lr must be a finite number, got nan"),
+                             (dict(distill=1.5), "--distill must be between 0 and 1, got 1.5"),
+                             (dict(gamma=0.0), "gamma must be more than 0, got 0.0"),
+                             (dict(steps=10, time_budget=60.0), "give --steps or --time-budget, not both"),
+                             (dict(distill=0.5), "--distill needs the target's top-k distributions"),
+                             (dict(draft_vocab=True, sub_vocab=False), "--draft-vocab needs the training vocabulary"),
+                             (dict(drafter_format="gguf"), "unknown drafter format 'gguf'")]:
+        with pytest.raises(InvalidSettingError, match=re.escape(message)):
+            TrainConfig(**options)
+    assert TrainConfig().total_steps == 1000 and TrainConfig(time_budget=60.0).total_steps is None
+    assert TrainConfig().warmup_steps == 50 and TrainConfig(steps=40).warmup_steps == 2
+    assert TrainConfig(taps=(1, 4)).taps == [1, 4]
+
+
+def test_cli_train_takes_its_defaults_and_ranges_from_train_config():
+    from dataclasses import fields
+
+    from dflash_cli.train.config import TrainConfig, bound
+    from dflash_cli.ui.train_cmd import train
+
+    config = {f.name: f for f in fields(TrainConfig)}
+    shared = [p for p in train.params if p.name in config]
+    assert len(shared) == 16
+    for param in shared:
+        assert param.default == config[param.name].default, param.name
+        if "bound" in config[param.name].metadata:
+            b = bound(param.name)
+            assert (param.type.min, param.type.max, param.type.min_open) == (b.low, b.high, b.low_open), param.name
 
 
 CHECKPOINT_PATH = "checkpoint/latest.safetensors"

@@ -334,7 +334,7 @@ def test_auto_falls_back_to_unquantized_where_q4_cannot_run(tiny_target_dir, mon
     assert off.exit_code == 0, off.stderr
     assert "--quant auto: q4 runs on the fast path, which --compile off turns off; running unquantized" in off.stderr
     assert off.stdout.strip()
-    monkeypatch.setattr(resolve, "memory_budget", lambda *a, **k: None)  # free memory unknown (macOS, Windows)
+    monkeypatch.setattr(resolve, "placement_budget", lambda *a, **k: None)  # free memory unknown (macOS, Windows)
     unknown = CliRunner().invoke(cli, args)
     assert unknown.exit_code == 0, unknown.stderr
     assert " q4 ·" not in unknown.stderr

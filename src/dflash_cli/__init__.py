@@ -16,19 +16,20 @@ __version__ = "0.1.0.dev0"
 
 _EXPORTS = {
     "load": "dflash_cli.api", "stream_generate": "dflash_cli.api", "generate": "dflash_cli.api",
-    "Runtime": "dflash_cli.session",
+    "Runtime": "dflash_cli.runtime", "LocalRuntime": "dflash_cli.runtime", "ModelOptions": "dflash_cli.runtime",
     "Step": "dflash_cli.engine.response", "GenerationResult": "dflash_cli.engine.response",
     "GenerationStats": "dflash_cli.engine.response",
     "DFlashError": "dflash_cli.engine.errors",
 }
-__all__ = ["load", "stream_generate", "generate", "Runtime", "Step", "GenerationResult", "GenerationStats",
+__all__ = ["load", "stream_generate", "generate", "Runtime", "LocalRuntime", "ModelOptions", "Step",
+           "GenerationResult", "GenerationStats",
            "DFlashError", "__version__"]
 
 if TYPE_CHECKING:
     from dflash_cli.api import generate, load, stream_generate
     from dflash_cli.engine.errors import DFlashError
     from dflash_cli.engine.response import GenerationResult, GenerationStats, Step
-    from dflash_cli.session import Runtime
+    from dflash_cli.runtime import LocalRuntime, ModelOptions, Runtime
 
 
 def __getattr__(name: str) -> Any:

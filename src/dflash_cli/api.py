@@ -12,33 +12,31 @@ from typing import Any
 
 from dflash_cli import settings as S
 from dflash_cli.engine.response import GenerationResult, Step
-from dflash_cli.session import Runtime, load_runtime
+from dflash_cli.runtime import LocalRuntime, ModelOptions, open_local
 
 
-def load(model: str, draft: str | None = None, *, quant: str | None = None, dtype: str | None = None,
-         device: str | None = None, compile: str = S.DEFAULT_COMPILE, max_context: int | None = None,
-         device_map: str | None = None, max_memory: str | dict[str, int] | None = None) -> Runtime:
-    """A target (a local folder or a built-in model name), its drafter (or None) and its tokenizer.
+def load(model: str, draft: str | None = None, *, no_draft: bool = False, quant: str | None = None,
+         dtype: str | None = None, device: str | None = None, compile: str = S.DEFAULT_COMPILE,
+         max_context: int | None = None, device_map: str | None = None,
+         max_memory: str | dict[str, int] | None = None) -> LocalRuntime:
+    """A target (a folder, a known name such as "qwen3-8b", a Hub repo id, or the built-in "demo"), its drafter
+    (the registry's for a known target, `draft`, or none with `no_draft`) and its tokenizer, as the command
+    line opens them: the pair and its memory are checked from config files before any download.
 
-    quant: None, "q4" or "q8" (weight-only, CPU) or "int8"/"nf4" (bitsandbytes, CUDA); dtype: "float32",
-    "bfloat16" or "float16";
+    quant: None (auto for the built-in models, else none), "auto", "q4" or "q8" (weight-only, CPU) or
+    "int8"/"nf4" (bitsandbytes, CUDA); dtype: "float32", "bfloat16" or "float16" (default: auto);
     device: "cpu", "cuda", ... (default: the best available); compile: "auto", "on" or "off";
-    max_context: positions of the static cache (default settings.DEFAULT_MAX_CONTEXT, at most the model's);
+    max_context: positions of the static cache (default: the model's, at most settings.DEFAULT_MAX_CONTEXT);
     device_map: None (one device), "auto", "balanced" or "sequential" splits the target's layers over the
     GPUs (cpu/disk offload last); max_memory: "0=14GiB,1=14GiB,cpu=30GiB" or {"cuda:0": bytes, ...}.
     """
-    from pathlib import Path
-
-    if not Path(model).expanduser().is_dir() or (draft is not None and not Path(draft).expanduser().is_dir()):
-        from dflash_cli.models.resolve import resolve_pair  # names, repo ids and the built-in demo, as the CLI
-
-        pair = resolve_pair(model, draft)
-        model, draft = str(pair.target_dir), str(pair.drafter_dir) if pair.drafter_dir else None
-    return load_runtime(model, draft, quant=quant, dtype=dtype, device=device, compile=compile,
-                        max_context=max_context, device_map=device_map, max_memory=max_memory)
+    return open_local(ModelOptions(model=model, draft=draft, no_draft=no_draft, quant=quant,
+                                   dtype=dtype or S.DEFAULT_DTYPE, device=device or S.DEFAULT_DEVICE,
+                                   compile=compile, max_context=max_context, device_map=device_map,
+                                   max_memory=max_memory))
 
 
-def prompt_ids(runtime: Runtime, prompt: str | Sequence[int], *, chat_template: bool = True,
+def prompt_ids(runtime: LocalRuntime, prompt: str | Sequence[int], *, chat_template: bool = True,
                think: bool | None = None, system: str | None = None) -> list[int]:
     """Token ids of `prompt`: text goes through the target's chat template (think: None = the template's
     default); ids are taken as they are."""
@@ -49,7 +47,7 @@ def prompt_ids(runtime: Runtime, prompt: str | Sequence[int], *, chat_template: 
     return encode_prompt(runtime.tokenizer, prompt, chat_template=chat_template, enable_thinking=think, system=system)
 
 
-def stream_generate(runtime: Runtime, prompt: str | Sequence[int], *, chat_template: bool = True,
+def stream_generate(runtime: LocalRuntime, prompt: str | Sequence[int], *, chat_template: bool = True,
                     think: bool | None = None, system: str | None = None, **kwargs: Any) -> Iterator[Step]:
     """Yields one `Step` per target forward; the last one's `stats` are the final statistics.
 
@@ -62,13 +60,10 @@ def stream_generate(runtime: Runtime, prompt: str | Sequence[int], *, chat_templ
     return engine_stream(runtime.target, runtime.drafter, ids, tokenizer=runtime.tokenizer, **kwargs)
 
 
-def generate(runtime: Runtime, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+def generate(runtime: LocalRuntime, prompt: str | Sequence[int], *, chat_template: bool = True,
+             think: bool | None = None, system: str | None = None, **kwargs: Any) -> GenerationResult:
     """Runs `stream_generate` to the end: the generated token ids, their text and the final statistics."""
-    tokens: list[int] = []
-    text: list[str] = []
-    last: Step | None = None
-    for last in stream_generate(runtime, prompt, **kwargs):
-        tokens.extend(last.tokens)
-        text.append(last.text)
-    assert last is not None
-    return GenerationResult(tokens, "".join(text), last.stats)
+    from dflash_cli.engine.generate import generate as engine_generate
+
+    ids = prompt_ids(runtime, prompt, chat_template=chat_template, think=think, system=system)
+    return engine_generate(runtime.target, runtime.drafter, ids, tokenizer=runtime.tokenizer, **kwargs)

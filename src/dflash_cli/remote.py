@@ -303,14 +303,7 @@ class Counters:
 
 
 class RemoteRuntime:
-    """An engine server, in the place of a loaded pair (the attributes the terminal commands read)."""
-
-    tokenizer = None
-    drafter = None
-    drafter_dir = None
-    quant = None
-    pair = None
-    load_seconds = 0.0
+    """An engine server, answering in the place of a loaded pair (the Runtime protocol of runtime.py)."""
 
     def __init__(self, url: str, model: str | None = None, api_key: str | None = None, transport: Any = None,
                  timeout: float | None = None):
@@ -335,11 +328,51 @@ class RemoteRuntime:
         self.models = self._models()
         self.model = model or self._only_model()
         self.load_seconds = time.perf_counter() - started
-        self.target_dir = self.model
-        self.dtype = self.device = "remote"
-        self.fast_path = f"remote engine {self.url}"
 
-    speculative = True  # the server decides; the stats say what it reported
+    # -- the Runtime protocol (runtime.py) --------------------------------------------------------------
+    @property
+    def speculative(self) -> bool:
+        return True  # the server decides; the statistics say what it reported
+
+    @property
+    def marks_drafted(self) -> bool:
+        return False  # a server's stream does not say which tokens were drafted
+
+    @property
+    def model_name(self) -> str:
+        return self.model
+
+    @property
+    def drafter_name(self) -> str | None:
+        return None  # the server's own
+
+    @property
+    def forward(self) -> str:
+        return f"remote engine {self.url}"
+
+    @property
+    def first_token_wait(self) -> str | None:
+        return "waiting for the engine's first token (Ctrl-C stops)"  # its queue and prefill can take long
+
+    def ready_line(self) -> str:
+        return f"{self.model} on the engine at {self.url}"
+
+    def banner(self) -> str:
+        return self.ready_line()
+
+    def supports_thinking(self) -> bool | None:
+        return None  # the server applies its own chat template
+
+    def thinking_mode(self, think: bool | None) -> bool | None:
+        return None
+
+    def trained_thinking(self) -> tuple[str, bool] | None:
+        return None
+
+    def check_block_size(self, block_size: int | None) -> None:
+        if block_size is not None:
+            raise InvalidSettingError("the block size is the engine's to choose: it runs its own drafter",
+                                      hint="set it where the server starts (serve-cmd --block-size)")
 
     def _get(self, path: str, **kwargs) -> Any:
         import httpx2

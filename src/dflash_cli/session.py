@@ -1,24 +1,20 @@
-"""A loaded model pair and a conversation with it: what the terminal commands drive.
+"""Conversations with an opened model (runtime.py opens it), and the per-reply settings.
 
-No terminal code here: chat and one-shot generation both go through `Conversation`, which keeps the
-engine's caches between turns so a new turn only prefills its new tokens.
+No terminal code here: chat and one-shot generation both go through a `ChatHistory`: `Conversation` for a
+pair loaded here, which keeps the engine's caches between turns so a new turn only prefills its new tokens,
+and remote.RemoteConversation for a server.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash_cli import settings as S
-from dflash_cli.engine.errors import CheckpointError, DFlashError, InvalidSettingError
-
-if TYPE_CHECKING:  # the engine imports torch: only for annotations here
-    from dflash_cli.engine.drafter import Drafter
-    from dflash_cli.engine.target import Target
+from dflash_cli.engine.errors import DFlashError
 
 
 class TranscriptError(DFlashError):
@@ -42,222 +38,6 @@ class GenerationSettings:
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, seed=self.seed, block_size=self.block_size, max_context=self.max_context)
-
-
-@dataclass
-class Runtime:
-    """A target, its drafter (or None) and its tokenizer, loaded once per process."""
-
-    target: Target
-    drafter: Drafter | None
-    tokenizer: Any
-    target_dir: Path
-    drafter_dir: Path | None
-    load_seconds: float
-    quant: str | None
-    dtype: str
-    device: str
-    fast_path: str = "transformers forward"
-    pair: Any = None  # the registry PairEntry whose drafter is loaded (its thinking mode), else None
-
-    @property
-    def speculative(self) -> bool:
-        return self.drafter is not None
-
-    def info(self) -> dict[str, Any]:
-        """What /show info and --verbose print about the loaded pair."""
-        cfg = self.target.config
-        out = {"target": str(self.target_dir), "architecture": type(self.target.model).__name__,
-               "layers": self.target.num_layers, "hidden size": self.target.hidden_size,
-               "vocabulary": self.target.vocab_rows, "dtype": self.dtype, "quantization": self.quant or "none",
-               "device": self.device, "context length": getattr(cfg, "max_position_embeddings", None),
-               "forward": self.fast_path}
-        fast = self.target.fast
-        if fast is not None:
-            from dflash_cli.engine.kernels import cuda_graphs
-
-            out["attention"] = fast.attention_kernel
-            graphs = cuda_graphs(fast.device) if fast.compiled else None
-            if graphs is not None:
-                out["cuda graphs"] = graphs
-        if self.target.split:
-            out["layers on"] = self.target.placement
-        if self.drafter is not None:
-            dc = self.drafter.config
-            out.update({"drafter": str(self.drafter_dir), "draft layers": dc.num_hidden_layers,
-                        "block size": dc.block_size, "tapped layers": self.target._taps,
-                        "mask token id": dc.mask_token_id})
-        else:
-            out["drafter"] = "none (speculation off)"
-        return out
-
-
-def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | None = None, dtype: str | None = None,
-                 device: str | None = None, compile: str = S.DEFAULT_COMPILE, max_context: int | None = None,
-                 device_map: str | None = None, max_memory: str | dict[str, int] | None = None,
-                 on_status: Callable[[str], None] | None = None,
-                 on_notice: Callable[[str], None] | None = None,
-                 before_weights: Callable[[Any], None] | None = None, quant_auto: bool = False) -> Runtime:
-    """Loads a target folder (and drafter folder), checking the pair before any weights load.
-
-    Names, repo ids and built-in models are turned into folders before this, by models/resolve.py.
-
-    `compile` (auto/on/off) picks the target's forward: the static-cache fast path, compiled or not, or
-    (off) transformers' own; `max_context` sizes the static cache. `on_notice` gets one-line warnings
-    (a compile that failed and fell back). `before_weights(tokenizer)` runs before the weights load: checks
-    that need only the tokenizer fail there, in a second rather than after a long load.
-    `device_map` (auto/balanced/sequential) and `max_memory` ("0=14GiB,cpu=30GiB" or a dict) split the
-    target's layers over devices as models/split.py plans them; the drafter goes on the hot device.
-    `quant_auto`: `quant` was --quant auto's choice, so a weight-only one (q4/q8) that cannot run here
-    (compile off, a target off the fast path) falls back to unquantized with a notice instead of an error.
-    """
-    from dflash_cli.engine.device import pick_device, pick_dtype
-    from dflash_cli.engine.load import load_pair
-    from dflash_cli.engine.placement import hot_device, resolve_split
-
-    target_dir, drafter_dir = Path(model).expanduser(), Path(draft).expanduser() if draft else None
-    for what, folder in (("model", target_dir), ("drafter", drafter_dir)):
-        if folder is not None and not folder.is_dir():
-            raise CheckpointError(f"{what} folder {folder} does not exist")
-    if not any((target_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise CheckpointError(f"{target_dir} has no tokenizer files (tokenizer.json or tokenizer_config.json)",
-                              hint="the model folder must include its tokenizer; 'dflash-cli pull' fetches it")
-    started = time.perf_counter()
-    split = resolve_split(device, device_map, max_memory)  # bad settings fail before anything loads
-    dev = pick_device(hot_device(split[1]) if split else device)
-    quant = None if quant in (None, "none") else quant
-    dt = pick_dtype(dtype, dev, quant)
-    layer_devices = plan_layers(target_dir, drafter_dir, split, quant or _plan_dtype(dt), max_context) \
-        if split else None
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot load the tokenizer from {target_dir}: {e}") from None
-    if before_weights is not None:
-        before_weights(tokenizer)
-    pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant, layer_devices=layer_devices,
-                     offload_dir=S.cache_dir() / "offload")  # on disk: the system's temp folder may be RAM
-    fast_path = enable_fast_path(pair.target, pair.drafter, compile, max_context,
-                                 bnb_quant=quant if quant in ("int8", "nf4") else None,
-                                 on_status=on_status, on_notice=on_notice, weights_optional=quant_auto)
-    if quant in ("q4", "q8") and pair.target.weight_quant is None:  # --quant auto fell back
-        quant = None
-    if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed
-        from dflash_cli.engine.generate import warm_up
-
-        warm_up(pair.target, pair.drafter)
-    return Runtime(pair.target, pair.drafter, tokenizer, target_dir, drafter_dir,
-                   time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev), fast_path)
-
-
-def _plan_dtype(dtype: Any) -> str:
-    return {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(dtype), "fp32")
-
-
-def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, list[tuple[str, int | None]]],
-                quant: str, max_context: int | None) -> list[str]:
-    """Each decoder layer's device, as models/split.py plans the split (what `show` prints)."""
-    import json
-
-    from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
-    from dflash_cli.models.split import plan_split, split_hint
-
-    def config(folder: Path) -> dict:
-        return json.loads((folder / "config.json").read_text())
-
-    target_cfg = config(target_dir)
-    plan = plan_split(target_cfg, config(drafter_dir) if drafter_dir else None, devices=split[1],
-                      strategy=split[0], quant=quant, context_tokens=max_context or S.DEFAULT_MAX_CONTEXT)
-    hybrid = target_cfg.get("model_type") in HYBRID_MODEL_TYPES
-    if not plan.fits:  # hybrids cannot offload: disk is no way out for them
-        raise InvalidSettingError(f"{target_dir.name} does not fit the split: {plan.problem}",
-                                  hint=split_hint(hybrid))
-    if plan.offloaded_layers and hybrid:
-        raise InvalidSettingError(f"{target_dir.name} would offload {plan.offloaded_layers} layers to cpu/disk, "
-                                  "which hybrid (linear-attention) targets cannot run with",
-                                  hint="give the GPUs more room (--max-memory), or use --quant nf4")
-    return plan.layer_devices()
-
-
-def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int | None, *, bnb_quant: str | None,
-                     on_status: Callable[[str], None] | None = None,
-                     on_notice: Callable[[str], None] | None = None, weights_optional: bool = False) -> str:
-    """Puts `target` on the static-cache fast path when it can take it; returns what runs, in words.
-
-    With compilation, every short forward the loop can call (decode 1, verify blocks of 2..B padded to
-    powers of two) is compiled here, before the first reply, so no reply pauses to compile.
-    """
-    from dflash_cli.engine.compile import compiler_for, resolve_compile, use_compile_cache
-    from dflash_cli.engine.kernels import cuda_graphs
-    from dflash_cli.engine.packed import pack_linears, room_to_pack
-    from dflash_cli.models.smollm2 import default_cache_dir
-
-    compiled, why = resolve_compile(compile, target.device, quant=bnb_quant)
-    if compiled and target.split:
-        compiled, why = False, "split over devices: not compiled"
-    weights = getattr(target, "weight_quant", None)
-
-    def drop_weights(why: str) -> None:
-        target.weight_quant = None
-        if on_notice is not None:
-            on_notice(f"--quant auto: {weights} {why}; running unquantized")
-
-    if compile == "off" and not target.hybrid:
-        if weights and weights_optional:
-            drop_weights("runs on the fast path, which --compile off turns off")
-        elif weights:
-            raise InvalidSettingError(f"--quant {weights} runs on the fast path, which --compile off turns off",
-                                      hint="drop --compile off, or use --quant none")
-        return "transformers forward (compile off)"
-    if compile == "off":
-        why = "compile off; a hybrid target always takes the fast path, whose linear-attention state rolls back"
-    context = min(c for c in (target.max_positions, max_context or S.DEFAULT_MAX_CONTEXT) if c)
-    block = drafter.block_size if drafter is not None else 1
-    step = None
-    if compiled:
-        use_compile_cache(default_cache_dir() / "compile")
-        step = compiler_for(target.device)
-    reason = target.enable_fast_path(context, pad_to=block, compile_step=step, on_fallback=on_notice)
-    if reason is not None:
-        if weights and weights_optional:
-            drop_weights(f"needs the fast path, which this target cannot take ({reason})")
-        elif weights:
-            raise InvalidSettingError(f"--quant {weights} needs the fast path, which this target cannot take "
-                                      f"({reason})", hint="use --quant none")
-        if compile == "on" and on_notice is not None:
-            on_notice(f"--compile on: this target cannot take the fast path ({reason}); running uncompiled")
-        return f"transformers forward ({reason})"
-    form = f", {target.fast.weight_form}" if target.fast.weight_form else ""
-    attention = f"; attention: {target.fast.attention_kernel}"
-    if not compiled:
-        if target.fast.packed and drafter is not None and room_to_pack(drafter):
-            pack_linears(drafter)  # its layers run at the same few rows as the target's
-        return f"static cache, eager{form} ({why}){attention}"
-    if on_status is not None:
-        on_status("Compiling the decode and verify forwards (first run; kept on disk for the next) ...")
-    started = time.perf_counter()
-    target.fast.precompile(taps=drafter is not None, max_block=block)
-    if not target.fast_compiled:
-        return f"static cache, eager (compile failed: {target.fast.fallback_reason}){attention}"
-    drafting = _compile_drafter(target, drafter, step, on_notice)
-    graphs = cuda_graphs(target.device)
-    return (f"static cache, compiled in {time.perf_counter() - started:.0f}s ({why}){drafting}{attention}"
-            + (f"; CUDA graphs: {graphs}" if graphs else ""))
-
-
-def _compile_drafter(target: Any, drafter: Any, step: Any, on_notice: Callable[[str], None] | None) -> str:
-    """Drafts at fixed shapes through the compiler of the target's forwards (engine/draft_graph.py), compiled
-    and, on CUDA, recorded now; returns what runs, in words ("" without a drafter that can)."""
-    if not hasattr(drafter, "static_draft"):  # no drafter, or one that is not a DFlash module
-        return ""
-    from dflash_cli.engine.draft_graph import StaticDraft
-    from dflash_cli.engine.state import shared_draft_cache
-
-    drafter.static_draft = static = StaticDraft(drafter, compile_step=step, on_fallback=on_notice)
-    static.precompile(shared_draft_cache(drafter, target.fast.capacity + drafter.block_size), target.embed_weight)
-    return ", drafter compiled" if static.compiled else f", drafter uncompiled ({static.fallback_reason})"
 
 
 @dataclass
@@ -336,7 +116,7 @@ class ChatHistory:
 class Conversation(ChatHistory):
     """A chat answered by the local engine, plus the engine state that caches it."""
 
-    runtime: Runtime
+    runtime: Any  # runtime.LocalRuntime (which imports this module)
 
     def __post_init__(self) -> None:
         from dflash_cli.engine.state import DecodeState

@@ -3,7 +3,7 @@
 dflash-cli's own variables (DFLASH_*, and the XDG folders they fall back to) are read only here; the
 engine receives plain values. Variables of other tools are read where they are used: Hugging Face's
 (HF_*) by models/hub.py, ui/download_progress.py and the doctor, the terminal's (NO_COLOR, TERM) by
-ui/render.py.
+ui/render.py; their on/off flags all read through :func:`env_flag`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ ENV = {
 }
 API_KEY_ENV = "DFLASH_API_KEY"  # the bearer token for --engine (vLLM and SGLang --api-key)
 DEBUG_ENV = "DFLASH_DEBUG"
+
+
+# huggingface_hub's ENV_VARS_TRUE_VALUES (not imported: the doctor reports on a broken huggingface_hub too)
+TRUE_WORDS = frozenset({"1", "ON", "YES", "TRUE"})
+
+
+def env_flag(name: str) -> bool:
+    """Whether the on/off variable `name` is on, as huggingface_hub reads its flags (1, on, yes, true)."""
+    return os.environ.get(name, "").strip().upper() in TRUE_WORDS
 
 
 def api_key() -> str | None:

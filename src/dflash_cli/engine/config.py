@@ -42,6 +42,8 @@ PREFILL_CHUNK = 512
 # --device-map's strategies (accelerate's names; auto = balanced): engine/placement.py checks the value,
 # models/split.py plans by it
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "sequential")
+#: --device-map's choices: none (one device) or a strategy
+DEVICE_MAP_CHOICES = ("none", *DEVICE_MAP_STRATEGIES)
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -9,10 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_cli.engine.dtypes import dtype_name
 from dflash_cli.sysinfo import system_memory
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def pick_device(name: str | None = None) -> torch.device:
@@ -91,12 +89,12 @@ def pick_dtype(name: str | None, device: torch.device, quant: str | None = None)
     target exact (fp32 ones are rounded to bf16 at every linear, where a decode's and a verify's ~1e-7
     differences become different values)."""
     if name and name != "auto":
-        try:
-            return DTYPES[name]
-        except KeyError:
+        known = dtype_name(name)
+        if known is None:
             from dflash_cli.engine.errors import InvalidSettingError
 
-            raise InvalidSettingError(f"unknown dtype {name!r}", hint="use float32, bfloat16 or float16") from None
+            raise InvalidSettingError(f"unknown dtype {name!r}", hint="use float32, bfloat16 or float16")
+        return getattr(torch, known)
     if device.type == "cuda":
         return cuda_dtype(device)
     if quant in ("q4", "q8"):

@@ -43,17 +43,21 @@ def default_stop_ids(target: Target, tokenizer: Any = None) -> list[int]:
 
 def resolve_block_size(drafter: Drafter | None, block_size: int | None) -> int:
     """The block length to use: the drafter's trained size unless overridden with 1..trained (1 = no drafting)."""
+    check_block_size(block_size, drafter.block_size if drafter is not None else None)
     if drafter is None:
-        if block_size not in (None, 1):
-            raise InvalidSettingError("a block size needs a drafter", hint="drop --block-size or add --draft")
         return 1
-    if block_size is None:
-        return drafter.block_size
-    if not 1 <= block_size <= drafter.block_size:
-        raise InvalidSettingError(
-            f"block size {block_size} is outside 1..{drafter.block_size} (this drafter's trained block size)",
-            hint=f"use a block size from 1 to {drafter.block_size}")
-    return block_size
+    return drafter.block_size if block_size is None else block_size
+
+
+def check_block_size(block_size: int | None, trained: int | None) -> None:
+    """The block-size rule (also checked from the drafter's config before a download): 1..`trained`, the
+    drafter's trained size; without a drafter (`trained` None) only 1, or None for the default."""
+    if block_size is None or block_size == 1 or (trained is not None and 1 <= block_size <= trained):
+        return
+    if trained is None:
+        raise InvalidSettingError("a block size needs a drafter", hint="drop --block-size or add --draft")
+    raise InvalidSettingError(f"block size {block_size} is outside 1..{trained} (this drafter's trained block size)",
+                              hint=f"use --block-size 1..{trained}, or leave it out for {trained}")
 
 
 class _Tally:

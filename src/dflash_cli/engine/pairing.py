@@ -18,15 +18,26 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 def read_config(folder: Path, what: str) -> dict[str, Any]:
+    """The config.json of the `what` ("target", "drafter") folder `folder`, checked as read_config_file does."""
     path = Path(folder) / "config.json"
     if not Path(folder).is_dir():
         raise CheckpointError(f"{what} folder {folder} does not exist")
     if not path.is_file():
         raise CheckpointError(f"{what} folder {folder} has no config.json")
+    return read_config_file(path)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config.json file as a dict: the one reader, so every command words a bad file the same way."""
     try:
-        return json.loads(path.read_text())
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a model configuration (expected a JSON object)")
+    return config
 
 
 def safetensors_files(folder: Path, what: str) -> list[Path]:

@@ -7,40 +7,19 @@ Which layer goes where is planned by models/split.py (pure arithmetic); this mod
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from dflash_cli.engine.config import DEVICE_MAP_STRATEGIES as STRATEGIES
-from dflash_cli.engine.errors import InvalidSettingError
+from dflash_cli.engine.config import DEVICE_MAP_CHOICES, DEVICE_MAP_STRATEGIES
+from dflash_cli.engine.errors import InvalidSettingError, SettingError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
 MAX_MEMORY_HINT = "write DEVICE=SIZE pairs separated by commas, e.g. 0=14GiB,1=14GiB,cpu=30GiB"
-
-
-class SettingError(InvalidSettingError):
-    """A bad --device, --device-map or --max-memory value, or a bad combination of them.
-
-    The message is a template in which {device}, {device_map} and {max_memory} stand for the settings at fault,
-    the first of `settings` being the one to fix. Raised, it reads with the flags' names (`flag_message`
-    instead, where given: the words a flag has always had). The command line, which alone knows where each
-    value came from, renders it naming the flag, the DFLASH_* variable or the config file's line (ui/common.py).
-    """
-
-    def __init__(self, template: str, hint: str | None = None, *, settings: tuple[str, ...],
-                 flag_message: str | None = None):
-        self.template, self.settings = template, settings
-        super().__init__(flag_message or self.render(lambda key, _first: "--" + key.replace("_", "-")), hint)
-
-    def render(self, label: Callable[[str, bool], str]) -> str:
-        """The message with each setting named by `label(key, is_the_one_to_fix)`."""
-        out = self.template
-        for key in self.settings:
-            out = out.replace("{" + key + "}", label(key, key == self.settings[0]), 1)  # not in the values quoted
-        return out
 
 
 def check_device(device: str | None) -> None:
@@ -60,8 +39,8 @@ def check_strategy(value: str | None) -> str | None:
     """None (one device, as without the option) or auto/balanced/sequential."""
     if value is None or value in ("", "none"):
         return None
-    if value not in STRATEGIES:
-        raise SettingError(f"{{device_map}}: unknown device map {value!r}", hint=f"use none, {', '.join(STRATEGIES)}",
+    if value not in DEVICE_MAP_STRATEGIES:
+        raise SettingError(f"{{device_map}}: unknown device map {value!r}", hint=f"use {', '.join(DEVICE_MAP_CHOICES)}",
                            settings=("device_map",), flag_message=f"unknown device map {value!r}")
     return value
 
@@ -204,3 +183,21 @@ def resolve_split(device: str | None, device_map: str | None,
                                settings=("device", "device_map"),
                                flag_message=f"--device {device} and --device-map {strategy}: the split starts on {hot}")
     return strategy, budgets
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a target runs, resolved once from --device, --device-map and --max-memory and handed down: the
+    hot device (embeddings, LM head, drafter) and, for a split, (strategy, the devices with their bytes)."""
+
+    device: torch.device
+    split: tuple[str, list[tuple[str, int | None]]] | None = None
+
+
+def resolve_placement(device: str | None, device_map: str | None = None,
+                      max_memory: str | dict[str, int] | None = None) -> Placement:
+    """The checked settings as a Placement (every error a SettingError, before anything loads)."""
+    from dflash_cli.engine.device import pick_device
+
+    split = resolve_split(device, device_map, max_memory)
+    return Placement(pick_device(hot_device(split[1]) if split else device), split)

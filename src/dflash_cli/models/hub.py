@@ -3,10 +3,11 @@
 Everything goes through huggingface_hub itself (one cache, the standard layout); this module never prints.
 Failures surface as typed `DFlashError`s with a one-line message and a hint.
 
-Environment: HF_HOME / HF_HUB_CACHE choose the cache and HF_TOKEN the token (both read at call time here);
-HF_HUB_OFFLINE=1 makes every function use the local cache only; HF_HUB_DISABLE_PROGRESS_BARS is honoured
-by huggingface_hub's own bars (pass `tqdm_class` to draw your own). huggingface_hub reads HF_ENDPOINT and
-HF_HUB_OFFLINE once at import time, so this module also re-reads HF_HUB_OFFLINE from the environment.
+Environment: HF_HOME / HF_HUB_CACHE (or the older HUGGINGFACE_HUB_CACHE) choose the cache and HF_TOKEN the
+token (both read at call time here); HF_HUB_OFFLINE=1 makes every function use the local cache only;
+HF_HUB_DISABLE_PROGRESS_BARS is honoured by huggingface_hub's own bars (pass `tqdm_class` to draw your own).
+huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE and the cache variables once at import time, so this module
+re-reads HF_HUB_OFFLINE and the cache variables from the environment.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from dflash_cli.engine.errors import CheckpointError, DFlashError
 from dflash_cli.engine.pairing import PICKLE_SUFFIXES
+from dflash_cli.settings import env_flag
 
 # Files a pull fetches: configs, tokenizer, chat templates and safetensors weights. Never code or pickles.
 ALLOW_PATTERNS: list[str] = [
@@ -137,27 +139,48 @@ class LocalRepo:
 
 
 # ----------------------------------------------------------------------------------------------- env
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+def offline_variable() -> str | None:
+    """The variable that sets huggingface_hub offline, read now as the library reads it at import (HF_HUB_OFFLINE,
+    or TRANSFORMERS_OFFLINE when that is unset), or None."""
+    name = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    return name if env_flag(name) else None
 
 
 def is_offline() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub saw it at import, or as it is set now."""
     from huggingface_hub import constants
 
-    return constants.is_offline_mode() or _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(
-        os.environ.get("TRANSFORMERS_OFFLINE"))
+    return constants.is_offline_mode() or offline_variable() is not None
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(os.path.expandvars(os.path.expanduser(value))) if value else None
+
+
+def hf_home() -> Path:
+    """HF_HOME, else XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface: huggingface_hub's HF_HOME, read now."""
+    home = _env_path("HF_HOME")
+    return home if home is not None else (_env_path("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
 
 
 def default_cache_dir() -> Path:
-    """HF_HUB_CACHE, else HF_HOME/hub, read now (huggingface_hub's own constant is frozen at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.path.expandvars(os.environ["HF_HUB_CACHE"])).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
+    """The Hub cache as huggingface_hub resolves its HF_HUB_CACHE: HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE,
+    else HF_HOME/hub. Read now, because huggingface_hub reads the environment once, at import; with none of
+    those variables set it is the library's own value."""
+    cache = _env_path("HF_HUB_CACHE") or _env_path("HUGGINGFACE_HUB_CACHE")
+    if cache is not None:
+        return cache
+    if os.environ.get("HF_HOME") or os.environ.get("XDG_CACHE_HOME"):
+        return hf_home() / "hub"
     from huggingface_hub import constants
 
     return Path(constants.HF_HUB_CACHE)
+
+
+def token_path() -> Path:
+    """Where `hf auth login` keeps the token: HF_TOKEN_PATH, else HF_HOME/token (read now)."""
+    return _env_path("HF_TOKEN_PATH") or hf_home() / "token"
 
 
 def _cache(cache_dir: str | Path | None) -> Path:

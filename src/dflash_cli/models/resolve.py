@@ -10,11 +10,10 @@ No printing: progress and notes go through `on_status`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_cli.engine.errors import CheckpointError, DFlashError, UnsupportedModelError
 from dflash_cli.models.registry import (
@@ -25,6 +24,9 @@ from dflash_cli.models.registry import (
     folder_repo_names,
     load_registry,
 )
+
+if TYPE_CHECKING:
+    from dflash_cli.engine.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -271,27 +273,31 @@ def memory_budget(device: str | None, dtype: str | None, context_tokens: int, de
                   max_memory: str | None = None) -> MemoryBudget | None:
     """What a pair must fit in on the device `generate --device` would pick: free GPU memory on CUDA,
     available system memory on CPU (None: unknown); with --device-map, every device of the split."""
+    from dflash_cli.engine.placement import resolve_placement
+
+    return placement_budget(resolve_placement(device, device_map, max_memory), dtype, context_tokens)
+
+
+def placement_budget(placement: Placement, dtype: str | None, context_tokens: int) -> MemoryBudget | None:
+    """`memory_budget` of settings already resolved (engine/placement.py)."""
     import torch
 
-    from dflash_cli.engine.device import free_memory, pick_device, pick_dtype
-    from dflash_cli.engine.placement import resolve_split
+    from dflash_cli.engine.device import free_memory, pick_dtype
+    from dflash_cli.engine.dtypes import plan_dtype
 
-    split = resolve_split(device, device_map, max_memory)
-    if split is not None:
-        strategy, devices = split
-        hot = pick_device(devices[0][0] if devices[0][0] != "disk" else "cpu")
-        dt = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(pick_dtype(dtype, hot)), "fp32")
+    dt = plan_dtype(pick_dtype(dtype, placement.device))
+    if placement.split is not None:
+        strategy, devices = placement.split
         total = sum(b for _, b in devices if b is not None)
-        return MemoryBudget(total, context_tokens, dt, "memory over " + ", ".join(d for d, _ in devices), str(hot),
-                            strategy, tuple(devices))
-    picked = pick_device(device)
-    free = free_memory(picked)
+        return MemoryBudget(total, context_tokens, dt, "memory over " + ", ".join(d for d, _ in devices),
+                            str(placement.device), strategy, tuple(devices))
+    free = free_memory(placement.device)
     if free is None:
         return None
-    dt = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(pick_dtype(dtype, picked)), "fp32")
-    gpus = torch.cuda.device_count() if picked.type == "cuda" else 0
-    return MemoryBudget(free, context_tokens, dt, "GPU memory" if picked.type == "cuda" else "system memory",
-                        str(picked), gpus=gpus)
+    gpus = torch.cuda.device_count() if placement.device.type == "cuda" else 0
+    return MemoryBudget(free, context_tokens, dt,
+                        "GPU memory" if placement.device.type == "cuda" else "system memory",
+                        str(placement.device), gpus=gpus)
 
 
 def find_config(kind: str, where: str, revision: str | None, endpoint: str | None) -> Path:
@@ -308,11 +314,9 @@ def find_config(kind: str, where: str, revision: str | None, endpoint: str | Non
 
 
 def read_config(kind: str, where: str, revision: str | None, endpoint: str | None) -> dict[str, Any]:
-    path = find_config(kind, where, revision, endpoint)
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read config.json of {where}: {e}") from None
+    from dflash_cli.engine.pairing import read_config_file
+
+    return read_config_file(find_config(kind, where, revision, endpoint))
 
 
 def _fetch(repo: str, revision: str | None, endpoint: str | None, on_status: Callable[[str], None],

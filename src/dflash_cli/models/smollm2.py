@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_cli.engine.dtypes import dtype_name
 from dflash_cli.engine.errors import DFlashError
 from dflash_cli.engine.pairing import PICKLE_SUFFIXES
 
@@ -69,16 +70,6 @@ _Q4_CODES = "q4_1-codes.safetensors"
 _GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
-_DTYPES = {
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-}
 
 
 class SmolLM2NotInstalled(DFlashError, FileNotFoundError):
@@ -137,13 +128,10 @@ def default_cache_dir() -> Path:
 
 
 def _normalize_dtype(dtype: str) -> str:
-    key = str(dtype).removeprefix("torch.").lower()
-    try:
-        return _DTYPES[key]
-    except KeyError:
-        raise ValueError(
-            f"Unsupported dtype {dtype!r} for the SmolLM2 checkpoint; use bfloat16, float16 or float32."
-        ) from None
+    known = dtype_name(dtype)
+    if known is None:
+        raise ValueError(f"Unsupported dtype {dtype!r} for the SmolLM2 checkpoint; use bfloat16, float16 or float32.")
+    return known
 
 
 def smollm2_dir(cache_dir: Path | str | None = None, *, dtype: str = "bfloat16") -> Path:

@@ -17,7 +17,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -26,26 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.train.config import TrainConfig
 from dflash_cli.train.data import Example
 from dflash_cli.train.estimate import accepted_runs, first_tokens, replay, replay_tau
 from dflash_cli.train.forward import IGNORE, block_embeddings, block_labels, training_forward
-
-
-@dataclass
-class TrainConfig:
-    steps: int | None = 1000
-    time_budget: float | None = None  # seconds of training (this run and earlier runs together)
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.1
-    warmup: int = 50
-    batch: int = 4
-    anchors: int = 16
-    gamma: float = 7.0
-    weight_decay: float = 0.01
-    checkpoint_every: int = 100
-    eval_every: int = 50
-    seed: int = 0
-    distill: float = 0.0  # weight of the top-k KL term (0 = hard labels only; needs top-k data)
 
 
 @dataclass
@@ -224,12 +208,13 @@ def evaluate(drafter: DFlashDrafter, embed: torch.Tensor, full_head: torch.nn.Mo
 
 def lr_at(cfg: TrainConfig, step: int, seconds: float) -> float:
     """Linear warm-up, then cosine decay to min_lr_ratio * lr over the steps (or the time budget)."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    if cfg.steps is not None:
-        frac = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
-    else:
-        frac = seconds / cfg.time_budget
+    warmup, steps = cfg.warmup_steps, cfg.total_steps
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if steps is not None:
+        frac = (step - warmup) / max(steps - warmup, 1)
+    else:  # no step count: the time budget ends the training (TrainConfig.total_steps)
+        frac = seconds / (cfg.time_budget or math.inf)
     frac = min(max(frac, 0.0), 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
@@ -342,61 +327,66 @@ def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Mo
                draft_vocab: torch.Tensor | None = None, heldout_sets: list[str] | None = None,
                on_progress: Callable[[Progress], None] | None = None) -> State:
     """Trains `drafter` in place, resuming from `checkpoint` when it exists; saves it every N steps."""
-    if cfg.steps is None and cfg.time_budget is None:
-        raise ValueError("give steps or a time budget")
-    device = embed.device
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() > 1]
-    no_decay = [p for p in params if p.dim() <= 1]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
-                              fused=device.type == "cuda")
+    optim = _optimizer(params, cfg, embed.device)
     rng = random.Random(cfg.seed)
     state = load_checkpoint(checkpoint, drafter, optim, rng) if checkpoint.exists() else State()
-    tau = eval_loss = None
     if state.heldout_key != heldout_key:  # estimates on another held-out set (or of another kind) don't compare
         state.best, state.evals, state.heldout_key = None, [], heldout_key
-    elif state.evals:
-        eval_loss, tau = state.evals[-1][1:3]
-    run_start, run_slots = time.perf_counter(), 0
-    base_seconds = state.seconds
-    order: list[int] = []
-
-    def done() -> bool:
-        if cfg.steps is not None and state.step >= cfg.steps:
-            return True
-        return cfg.time_budget is not None and state.seconds >= cfg.time_budget
-
-    while not done():
-        if len(order) < cfg.batch:
-            order = list(range(len(train)))
-            rng.shuffle(order)
-        picked, order = order[: cfg.batch], order[cfg.batch :]
-        batch = make_batch([train[i] for i in picked], cfg.anchors, drafter.block_size, rng, device)
-        for g in optim.param_groups:
-            g["lr"] = lr = lr_at(cfg, state.step, state.seconds)
-        loss, _, _ = block_loss(drafter, embed, head, batch, cfg.gamma, autocast_dtype, cfg.distill)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optim.step()
+    run_start, run_slots, base_seconds = time.perf_counter(), 0, state.seconds
+    batches = _batches(train, cfg, drafter.block_size, rng, embed.device)
+    while not cfg.finished(state.step, state.seconds):
+        batch = next(batches)
+        lr = lr_at(cfg, state.step, state.seconds)
+        state.losses.append(_optimizer_step(drafter, embed, head, batch, cfg, optim, params, lr, autocast_dtype))
         state.step += 1
-        state.losses.append(loss.item())
         run_slots += batch.anchors.numel() * drafter.block_size
         state.seconds = base_seconds + time.perf_counter() - run_start
-        last = done()
+        last = cfg.finished(state.step, state.seconds)
         if heldout and (state.step % cfg.eval_every == 0 or last):
-            eval_loss, tau, by_set = evaluate(drafter, embed, lm_head, head, heldout, cfg, autocast_dtype,
-                                              draft_vocab, heldout_sets)
-            state.evals.append((state.step, eval_loss, tau, by_set))
+            state.evals.append((state.step, *evaluate(drafter, embed, lm_head, head, heldout, cfg, autocast_dtype,
+                                                      draft_vocab, heldout_sets)))
             if _better(state.evals[-1], state.best):
                 state.best = state.evals[-1]
                 _save_weights(best_weights_path(checkpoint), drafter, state.best)
         if state.step % cfg.checkpoint_every == 0 or last:
             save_checkpoint(checkpoint, drafter, optim, state, rng)
         if on_progress:
-            elapsed = time.perf_counter() - run_start
-            on_progress(Progress(state.step, cfg.steps, state.losses[-1], lr, state.seconds,
-                                 run_slots / max(elapsed, 1e-9), tau, eval_loss))
+            eval_loss, tau = state.evals[-1][1:3] if state.evals else (None, None)
+            on_progress(Progress(state.step, cfg.total_steps, state.losses[-1], lr, state.seconds,
+                                 run_slots / max(time.perf_counter() - run_start, 1e-9), tau, eval_loss))
     return state
+
+
+def _optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW, with weight decay on the matrices only."""
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": cfg.weight_decay},
+                              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def _batches(train: list[Example], cfg: TrainConfig, block_size: int, rng: random.Random,
+             device: torch.device) -> Iterator[Batch]:
+    """Batches of `cfg.batch` sequences, each sequence once per shuffled pass (a short last pass is dropped)."""
+    order: list[int] = []
+    while True:
+        if len(order) < cfg.batch:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+        picked, order = order[: cfg.batch], order[cfg.batch :]
+        yield make_batch([train[i] for i in picked], cfg.anchors, block_size, rng, device)
+
+
+def _optimizer_step(drafter: DFlashDrafter, embed: torch.Tensor, head: Head, batch: Batch, cfg: TrainConfig,
+                    optim: torch.optim.Optimizer, params: list[torch.nn.Parameter], lr: float,
+                    autocast_dtype: torch.dtype | None) -> float:
+    """One step at learning rate `lr`, gradients clipped to norm 1; returns the batch's loss."""
+    for g in optim.param_groups:
+        g["lr"] = lr
+    loss, _, _ = block_loss(drafter, embed, head, batch, cfg.gamma, autocast_dtype, cfg.distill)
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optim.step()
+    return loss.item()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dflash_cli.ui.common import color_option, debug_option, engine_option, guarded, model_options
+from dflash_cli.ui.common import color_option, debug_option, engine_option, guarded, model_options, model_options_of
 
 
 @click.command()
@@ -33,7 +33,7 @@ from dflash_cli.ui.common import color_option, debug_option, engine_option, guar
 @click.option("-q", "--quiet", is_flag=True, help="Print no table or progress (only --json output and errors).")
 @debug_option
 def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adaptive, as_json, color, quiet, debug,
-          **opts):
+          **values):
     """Measure DFlash against plain decoding on prompt sets (greedy, chat template, warm-up first).
 
     Each prompt runs with plain decoding, then with the drafter, interleaved. Per set: tau (acceptance
@@ -52,12 +52,13 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
     from dflash_cli.bench import BUILTIN_SETS, PromptSetError, load_prompt_set
     from dflash_cli.ui.render import Output
 
-    if opts["engine"] and (opts["no_draft"] or block_size or adaptive):
+    options = model_options_of(values)
+    if options.engine and (options.no_draft or block_size or adaptive):
         raise click.UsageError("with --engine the server decodes with its own drafter: drop --no-draft, "
                                "--block-size and --adaptive")
-    if opts["no_draft"] and not opts["engine"]:
+    if options.no_draft and not options.engine:
         raise click.UsageError("bench compares plain decoding with a drafter: drop --no-draft")
-    if opts["model"] and not opts["engine"] and not opts["draft"] and not has_known_drafter(opts["model"]):
+    if options.model and not options.engine and not options.draft and not has_known_drafter(options.model):
         raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO (this model has no known pair)")
     names = [s.strip() for s in sets.split(",") if s.strip()] if sets else ([] if prompt_files else
                                                                              list(BUILTIN_SETS))
@@ -73,7 +74,7 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
     if not prompt_sets:
         raise click.UsageError("no prompt sets: give --sets and/or --prompts")
     guarded(lambda: Output(color, provenance=False),
-            lambda out: _run_bench(out, opts, prompt_sets, max_tokens=max_tokens, block_size=block_size,
+            lambda out: _run_bench(out, options, prompt_sets, max_tokens=max_tokens, block_size=block_size,
                                    limit=limit, warmup=warmup, think=think, adaptive=adaptive, as_json=as_json,
                                    quiet=quiet),
             debug)
@@ -107,15 +108,13 @@ def _progress(out, quiet: bool, total: int):
     return progress, lambda done, total_, label: progress.update(task, completed=done, description=f"bench {label}")
 
 
-def _run_remote_bench(out, opts, prompt_sets, *, max_tokens, limit, warmup, think, as_json, quiet) -> int:
+def _run_remote_bench(out, runtime, prompt_sets, *, max_tokens, limit, warmup, think, as_json, quiet) -> int:
     """bench --engine: the server's own acceptance and speed per set (remote.py)."""
     import json as _json
 
     from dflash_cli import __version__ as version
     from dflash_cli.remote import format_remote_table, run_remote_bench
-    from dflash_cli.ui.run import connect_engine
 
-    runtime = connect_engine(out, opts, quiet=quiet)
     total = sum(min(len(p), limit or len(p)) for p in prompt_sets.values())
     progress, on_progress = _progress(out, quiet, total)
     with progress:
@@ -130,18 +129,19 @@ def _run_remote_bench(out, opts, prompt_sets, *, max_tokens, limit, warmup, thin
     return 0
 
 
-def _run_bench(out, opts, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
+def _run_bench(out, options, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
                quiet) -> int:
     import json as _json
 
     from dflash_cli import __version__ as version
     from dflash_cli.bench import format_table, run_bench
-    from dflash_cli.ui.run import load_runtime_for
+    from dflash_cli.session import GenerationSettings
+    from dflash_cli.ui.opening import open_model
 
-    if opts["engine"]:
-        return _run_remote_bench(out, opts, prompt_sets, max_tokens=max_tokens, limit=limit, warmup=warmup,
+    runtime = open_model(out, options, quiet=quiet, settings=GenerationSettings(block_size=block_size))
+    if options.engine:  # a server has no plain mode to compare with: its own report
+        return _run_remote_bench(out, runtime, prompt_sets, max_tokens=max_tokens, limit=limit, warmup=warmup,
                                  think=think, as_json=as_json, quiet=quiet)
-    runtime = load_runtime_for(out, opts, quiet=quiet)
     if not runtime.speculative:
         raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO")
     total = sum(min(len(p), limit or len(p)) for p in prompt_sets.values())

@@ -22,7 +22,7 @@ from prompt_toolkit.key_binding import KeyBindings
 
 from dflash_cli import settings as S
 from dflash_cli.ui import signals
-from dflash_cli.ui.render import Output, OutputClosed, stats_block, status_text, summary_line
+from dflash_cli.ui.render import Output, OutputClosed, isatty, stats_block, status_text, summary_line
 
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
 NOT_A_TERMINAL = ("chat needs a terminal on stdin and stdout; for piped input or output use "
@@ -61,13 +61,6 @@ PARAMETERS: dict[str, tuple[str, Callable, Callable, str]] = {
     "block_size": ("block_size", int, lambda v: v >= 1, "an integer from 1 to the drafter's block size, or none"),
     "seed": ("seed", int, lambda v: True, "an integer, or none"),
 }
-
-
-def is_terminal(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
 
 
 class SafeFileHistory(FileHistory):
@@ -155,11 +148,8 @@ class ChatSession:
     def __init__(self, runtime: Any, out: Output, settings: Any, *, system: str | None = None,
                  history: History | None = None, session_factory: Callable[..., PromptSession] = PromptSession,
                  verbose: bool = False, quiet: bool = False, double_interrupt_seconds: float = 1.0):
-        from dflash_cli.session import Conversation
-
         self.runtime, self.out, self.settings = runtime, out, settings
-        remote = getattr(runtime, "conversation", None)  # --engine: a RemoteRuntime (remote.py)
-        self.conversation = remote(system) if remote else Conversation(runtime, system=system)
+        self.conversation = runtime.conversation(system)
         self.history = history if history is not None else InMemoryHistory()
         self.session_factory = session_factory
         self.verbose, self.quiet = verbose, quiet
@@ -254,15 +244,8 @@ class ChatSession:
             self.out.warn(f"the chat history file failed ({error.strerror or error}): history is not saved")
 
     def banner(self) -> None:
-        rt = self.runtime
-        if getattr(rt, "url", None):
-            self.out.info(f"dflash-cli chat · {rt.model} on the engine at {rt.url} · /? for help · "
-                          "/bye or Ctrl-D to exit", dim=False)
-            return
-        pair = (f"{rt.target_dir.name} + drafter {rt.drafter_dir.name} (block {rt.drafter.block_size})"
-                if rt.speculative else f"{rt.target_dir.name} · speculation off")
-        self.out.info(f"dflash-cli chat · {pair} · /? for help · /bye or Ctrl-D to exit", dim=False)
-        if rt.speculative:
+        self.out.info(f"dflash-cli chat · {self.runtime.banner()} · /? for help · /bye or Ctrl-D to exit", dim=False)
+        if self.runtime.marks_drafted:
             self.out.legend()
 
     # -- input --------------------------------------------------------------------------------------
@@ -295,10 +278,8 @@ class ChatSession:
         started = time.perf_counter()
         try:
             steps = start()
-            if getattr(self.runtime, "url", None):  # a remote engine: the wait for its first token is shown
-                from dflash_cli.ui.run import WAITING
-
-                steps = out.until_first(steps, WAITING)
+            if self.runtime.first_token_wait:  # a server's queue and prefill: the wait is shown
+                steps = out.until_first(steps, self.runtime.first_token_wait)
             out.begin_reply(conv.reply_in_thinking)
             for step in steps:
                 last = step
@@ -376,15 +357,15 @@ class ChatSession:
         elif key in ("verbose", "quiet"):
             self.verbose, self.quiet = key == "verbose", key == "quiet"
             self.out.info(f"Set '{key}' mode.")
-        elif key in ("think", "nothink") and self.runtime.tokenizer is None:  # --engine: the server's template
+        elif key in ("think", "nothink") and self.runtime.supports_thinking() is None:  # a server's template
             self.settings.think = key == "think"
             self.out.info(f"Set '{key}' mode.")
         elif key in ("think", "nothink"):
-            from dflash_cli.ui.run import check_thinking, effective_thinking
+            from dflash_cli.ui.opening import check_thinking
 
-            before = effective_thinking(self.runtime, self.settings.think)
+            before = self.runtime.thinking_mode(self.settings.think)
             self.settings.think = key == "think"
-            changed = effective_thinking(self.runtime, self.settings.think) != before
+            changed = self.runtime.thinking_mode(self.settings.think) != before
             check_thinking(self.out, self.runtime, self.settings.think, chat_template=self.settings.chat_template,
                            drafter=changed)  # the drafter warning once, not at every repeated /set
             self.out.info(f"Set '{key}' mode.")
@@ -409,31 +390,31 @@ class ChatSession:
             return False
         field, parse, check, expected = PARAMETERS[name]
         value: Any = None
-        if field == "block_size" and getattr(self.runtime, "drafter", None) is None \
-                and raw.lower() not in ("none", "default"):
-            if getattr(self.runtime, "url", None):  # a remote engine
-                self.out.error("block_size is the engine's to choose: it runs its own drafter",
-                               "set it where the server starts (serve-cmd --block-size)")
-            else:
-                self.out.error("block_size needs a drafter: speculation is off in this chat",
-                               "start the chat with --draft DRAFTER (or a model the registry pairs with one)")
-            return False
         if not (field in ("seed", "block_size") and raw.lower() in ("none", "default")):
             try:
                 value = parse(raw)
-                ok = check(value) and (parse is int or math.isfinite(value)) and self._block_ok(field, value)
+                ok = check(value) and (parse is int or math.isfinite(value))
             except ValueError:
                 ok = False
             if not ok:
                 self.out.error(f"invalid value for {name}: '{raw}' (expected {expected})")
                 return False
+        if field == "block_size" and not self._block_ok(value):
+            return False
         setattr(self.settings, field, value)
         self.out.info(f"Set parameter '{name}' to '{raw}'.")
         return True
 
-    def _block_ok(self, field: str, value: Any) -> bool:
-        trained = self.runtime.drafter.block_size if self.runtime.drafter is not None else 1
-        return field != "block_size" or value <= trained
+    def _block_ok(self, value: int | None) -> bool:
+        """The runtime's block-size rule (a server chooses its own); its error said as one line."""
+        from dflash_cli.engine.errors import InvalidSettingError
+
+        try:
+            self.runtime.check_block_size(value)
+        except InvalidSettingError as error:
+            self.out.error(str(error), error.hint)
+            return False
+        return True
 
     def cmd_show(self, args: str) -> None:
         if args == "info":
@@ -486,7 +467,7 @@ class ChatSession:
 
     def cmd_read(self, args: str) -> None:
         path, text = self._path_arg(args, "/read FILE [TEXT]", rest=True)
-        from dflash_cli.ui.run import NOT_UTF8, decode_utf8
+        from dflash_cli.ui.prompt_input import NOT_UTF8, decode_utf8
 
         try:
             content, replaced = decode_utf8(path.read_bytes()) if path else ("", False)
@@ -532,23 +513,21 @@ def is_transcript(path: Path) -> bool:
         return False
 
 
-def run_chat(out: Output, opts: dict[str, Any], *, history: bool, stdin: Any = None, stdout: Any = None) -> int:
-    """The `chat` command's body: refuses non-terminals (exit 2), loads the pair, runs the REPL."""
-    from dflash_cli.ui.common import generation_settings
-    from dflash_cli.ui.run import check_thinking, load_runtime_for, system_prompt
+def run_chat(out: Output, command: Any, *, history: bool, stdin: Any = None, stdout: Any = None) -> int:
+    """The `chat` command's body (`command`: ui.common.CommandOptions): refuses non-terminals (exit 2), opens
+    the model, runs the REPL."""
+    import dataclasses
 
-    if not (is_terminal(stdin or sys.stdin) and is_terminal(stdout or sys.stdout)):
+    from dflash_cli.ui.opening import check_thinking, open_model
+    from dflash_cli.ui.prompt_input import system_prompt
+
+    if not (isatty(stdin or sys.stdin) and isatty(stdout or sys.stdout)):
         out.error(NOT_A_TERMINAL)
         return EXIT_USAGE
-    if opts.get("engine"):
-        from dflash_cli.ui.run import connect_engine
-
-        runtime = connect_engine(out, opts, quiet=opts["quiet"])
-    else:
-        runtime = load_runtime_for(out, opts, quiet=opts["quiet"])
-        check_thinking(out, runtime, opts["think"], chat_template=not opts["no_chat_template"])
-    out.hide_thinking = opts["hide_thinking"]
-    session = ChatSession(runtime, out, generation_settings(opts), system=system_prompt(out, opts),
-                          history=open_history(out) if history else None,
-                          verbose=opts["verbose"], quiet=opts["quiet"])
+    shown, settings = command.output, dataclasses.replace(command.settings)
+    runtime = open_model(out, command.model, quiet=shown.quiet, settings=settings)
+    check_thinking(out, runtime, settings.think, chat_template=settings.chat_template)
+    out.hide_thinking = shown.hide_thinking
+    session = ChatSession(runtime, out, settings, system=system_prompt(out, command.system),
+                          history=open_history(out) if history else None, verbose=shown.verbose, quiet=shown.quiet)
     return session.run()

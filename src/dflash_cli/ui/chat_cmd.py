@@ -5,7 +5,14 @@ from __future__ import annotations
 import click
 
 from dflash_cli import settings as S
-from dflash_cli.ui.common import engine_option, guarded, model_options, output_options, sampling_options
+from dflash_cli.ui.common import (
+    command_options,
+    engine_option,
+    guarded,
+    model_options,
+    output_options,
+    sampling_options,
+)
 
 
 @click.command()
@@ -15,7 +22,7 @@ from dflash_cli.ui.common import engine_option, guarded, model_options, output_o
 @engine_option
 @sampling_options
 @output_options
-def chat(no_history, **opts):
+def chat(no_history, **values):
     """Chat with a model in the terminal (ollama's /commands: type /? for the list).
 
     Replies stream to stdout, each followed by a one-line summary (-v: detailed statistics). Later
@@ -29,5 +36,6 @@ def chat(no_history, **opts):
     from dflash_cli.ui.chat import run_chat
     from dflash_cli.ui.render import Output
 
-    guarded(lambda: Output(opts["color"], provenance=opts["provenance"]),
-            lambda out: run_chat(out, opts, history=not no_history), opts["debug"])
+    command = command_options(values)
+    guarded(lambda: Output(command.output.color, provenance=command.output.provenance),
+            lambda out: run_chat(out, command, history=not no_history), command.output.debug)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 import click
 
 from dflash_cli import settings as S
+from dflash_cli.engine.config import DEVICE_MAP_CHOICES
+from dflash_cli.engine.dtypes import DTYPE_CHOICES
 
 # -- options -------------------------------------------------------------------------------------------
 
@@ -52,12 +55,12 @@ model_options = apply_all([
     click.option("--max-context", type=click.IntRange(min=16), default=S.DEFAULT_MAX_CONTEXT,
                  envvar=S.ENV["max_context"], show_envvar=True, show_default=True,
                  help="Most tokens (prompt + replies) to hold; sizes the memory check before loading."),
-    click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=S.DEFAULT_DTYPE,
+    click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=S.DEFAULT_DTYPE,
                  envvar=S.ENV["dtype"], show_envvar=True, show_default=True,
                  help="Compute dtype (auto: bf16 on GPUs and bf16-capable CPUs, else fp32)."),
     click.option("--device", default=S.DEFAULT_DEVICE, envvar=S.ENV["device"], show_envvar=True, show_default=True,
                  help="cuda, cuda:N, cpu or auto."),
-    click.option("--device-map", type=click.Choice(["none", "auto", "balanced", "sequential"]),
+    click.option("--device-map", type=click.Choice(DEVICE_MAP_CHOICES),
                  default=S.DEFAULT_DEVICE_MAP, envvar=S.ENV["device_map"], show_envvar=True, show_default=True,
                  help="Split the target's layers over the GPUs present (accelerate's strategies; auto = "
                       "balanced), offloading to cpu, then disk, only as the last resort (slow)."),
@@ -133,15 +136,55 @@ engine_option = apply_all([
 common_options = apply_all([color_option, debug_option])
 
 
-def generation_settings(kwargs: dict):
-    """The per-reply settings of generate's and chat's options."""
+@dataclass(frozen=True)
+class OutputOptions:
+    """How a reply is shown (output_options)."""
+
+    color: str = S.DEFAULT_COLOR
+    provenance: bool = True
+    hide_thinking: bool = False
+    verbose: bool = False
+    quiet: bool = False
+    debug: bool = False
+
+
+@dataclass(frozen=True)
+class CommandOptions:
+    """A generating command's options, read once from the command line, the environment and the config
+    file (click merges them): what to open, how to answer, how to show it. The raw values stay in the
+    command's function; its body gets this."""
+
+    model: Any  # runtime.ModelOptions
+    settings: Any  # session.GenerationSettings: per reply (chat changes them with /set)
+    system: str | None = None  # as given: not yet checked for UTF-8 (prompt_input.system_prompt)
+    output: OutputOptions = OutputOptions()
+
+
+def command_options(values: dict[str, Any]) -> CommandOptions:
+    """The options of a command built from model_options, engine_option, sampling_options, output_options
+    (those it has; the rest keep their defaults)."""
+    return CommandOptions(model_options_of(values), generation_settings(values), values.get("system"),
+                          OutputOptions(**_present(values, OutputOptions)))
+
+
+def model_options_of(values: dict[str, Any]):
+    """runtime.ModelOptions of model_options and engine_option's values."""
+    from dflash_cli.runtime import ModelOptions
+
+    return ModelOptions(**_present(values, ModelOptions))
+
+
+def generation_settings(values: dict[str, Any]):
+    """The per-reply settings of sampling_options' values (and --max-context)."""
     from dflash_cli.session import GenerationSettings
 
-    return GenerationSettings(max_tokens=kwargs["max_tokens"], temperature=kwargs["temperature"],
-                              top_p=kwargs["top_p"], top_k=kwargs["top_k"], seed=kwargs["seed"],
-                              block_size=kwargs["block_size"], think=kwargs["think"],
-                              chat_template=not kwargs["no_chat_template"],
-                              max_context=kwargs.get("max_context"))
+    given = _present(values, GenerationSettings)
+    given.pop("chat_template", None)
+    return GenerationSettings(**given, chat_template=not values.get("no_chat_template", False))
+
+
+def _present(values: dict[str, Any], cls: Any) -> dict[str, Any]:
+    return {f.name: values[f.name] for f in fields(cls) if f.name in values}
 
 
 # -- running a command body ----------------------------------------------------------------------------
@@ -171,12 +214,13 @@ def guarded(out_factory: Callable, body: Callable[[Any], int], debug: bool) -> N
 
 
 def setting_message(error: BaseException, message: str) -> str:
-    """`message`, or for a bad --device/--device-map/--max-memory value found after parsing (placement.py's
-    SettingError) the message naming where each value was set: the flag, the DFLASH_* variable, or the config
-    file's path and line with the value as written there."""
-    placement = sys.modules.get("dflash_cli.engine.placement")  # loaded wherever such an error was raised
+    """`message`, or for a bad --device/--device-map/--max-memory value found after parsing (a SettingError)
+    the message naming where each value was set: the flag, the DFLASH_* variable, or the config file's path
+    and line with the value as written there."""
+    from dflash_cli.engine.errors import SettingError
+
     ctx = click.get_current_context(silent=True)
-    if placement is None or ctx is None or not isinstance(error, placement.SettingError):
+    if ctx is None or not isinstance(error, SettingError):
         return message
     sources = {key: setting_source(ctx, key) for key in error.settings}
     if all(kind == "flag" for kind, _ in sources.values()):

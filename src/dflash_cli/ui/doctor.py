@@ -32,7 +32,6 @@ MIN_PYTHON = (3, 11)
 # Distribution names whose absence is fatal (torch and transformers are checked by importing them).
 REQUIRED_PACKAGES = ("huggingface-hub", "accelerate", "safetensors", "tokenizers", "prompt-toolkit", "rich",
                      "click")
-_TRUE = {"1", "ON", "YES", "TRUE"}
 
 
 @dataclass(frozen=True)
@@ -89,10 +88,6 @@ def _version_check(name: str, dist: str, version: str) -> Check:
     if req is not None and req.specifier and not req.specifier.contains(version, prereleases=True):
         return Check(name, version, WARN, f"dflash-cli needs {req}: pip install -U '{req}'", version)
     return Check(name, version, data=version)
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in _TRUE
 
 
 def _path_state(path: Path) -> str:
@@ -337,40 +332,13 @@ def check_packages() -> list[Check]:
     return checks
 
 
-def hf_home() -> Path:
-    """$HF_HOME at call time, else huggingface_hub's default (which honours XDG_CACHE_HOME)."""
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface"
-
-
-def hf_cache_dir() -> Path:
-    """The Hub cache as huggingface_hub would use it if imported now (it reads the env only at import)."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    if os.environ.get("HF_HOME") or os.environ.get("XDG_CACHE_HOME"):
-        return hf_home() / "hub"
-    try:
-        from huggingface_hub import constants
-
-        return Path(constants.HF_HUB_CACHE)
-    except Exception:  # noqa: BLE001
-        return hf_home() / "hub"
-
-
-def hf_token_path() -> Path:
-    if os.environ.get("HF_TOKEN_PATH"):
-        return Path(os.environ["HF_TOKEN_PATH"]).expanduser()
-    return hf_home() / "token"
-
-
 def token_source() -> tuple[str, str | None]:
     """(source, path) of the Hub token: never the token itself."""
+    from dflash_cli.models.hub import token_path
+
     if os.environ.get("HF_TOKEN", "").strip():
         return "HF_TOKEN environment variable", None
-    path = hf_token_path()
+    path = token_path()
     try:
         if path.is_file() and path.read_text(encoding="utf-8").strip():
             return "token file", str(path)
@@ -380,7 +348,9 @@ def token_source() -> tuple[str, str | None]:
 
 
 def check_hub() -> list[Check]:
-    cache = hf_cache_dir()
+    from dflash_cli.models.hub import default_cache_dir, offline_variable
+
+    cache = default_cache_dir()
     checks = [Check("hf cache", str(cache), data=str(cache))]
     if not cache.is_dir():
         checks.append(Check("hf cache size", "0 B (no cache yet)", data={"bytes": 0, "repos": 0}))
@@ -396,8 +366,8 @@ def check_hub() -> list[Check]:
                                 f"`hf cache scan` lists them; first: {info.warnings[0]}", data))
         else:
             checks.append(Check("hf cache size", value, data=data))
-    offline = _env_flag("HF_HUB_OFFLINE")
-    checks.append(Check("hf offline", "yes (HF_HUB_OFFLINE)" if offline else "no", data=offline))
+    offline = offline_variable()  # as a command started now reads it
+    checks.append(Check("hf offline", f"yes ({offline})" if offline else "no", data=offline is not None))
     source, path = token_source()
     if source == "none":
         checks.append(Check("hf token", "none", hint="only gated or private repos need one: `hf auth login` "

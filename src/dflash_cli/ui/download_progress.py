@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from dflash_cli.settings import env_flag
 
 
 def progress_enabled(stream: Any) -> bool:
     """Bars only on a terminal, and never with HF_HUB_DISABLE_PROGRESS_BARS set."""
     from dflash_cli.ui.render import isatty
 
-    flag = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().upper()
-    return isatty(stream) and flag not in {"1", "ON", "YES", "TRUE"}
+    return isatty(stream) and not env_flag("HF_HUB_DISABLE_PROGRESS_BARS")
 
 
 def make_tqdm_class(progress: Any, label: str) -> type:

@@ -1,4 +1,4 @@
-"""`dflash-cli generate`: one reply to a prompt, streamed to stdout (the work is in ui/run.py)."""
+"""`dflash-cli generate`: one reply to a prompt, streamed to stdout (the work is in ui/generate.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ import sys
 
 import click
 
-from dflash_cli.ui.common import engine_option, guarded, model_options, output_options, sampling_options
+from dflash_cli.ui.common import (
+    command_options,
+    engine_option,
+    guarded,
+    model_options,
+    output_options,
+    sampling_options,
+)
 
 
 @click.command()
@@ -18,7 +25,7 @@ from dflash_cli.ui.common import engine_option, guarded, model_options, output_o
 @engine_option
 @sampling_options
 @output_options
-def generate(prompt, file, as_json, compare, **opts):
+def generate(prompt, file, as_json, compare, **values):
     """Generate a reply to PROMPT and stream it to stdout.
 
     The prompt comes from the arguments, from stdin when it is piped, or both (stdin first, then the
@@ -30,9 +37,11 @@ def generate(prompt, file, as_json, compare, **opts):
       git diff | dflash-cli generate -m ./model --draft ./drafter "write a commit message"
       dflash-cli generate -m ./model --draft ./drafter --compare -v "Solve 12*17 step by step"
     """
+    from dflash_cli.ui.generate import run_generate
+    from dflash_cli.ui.prompt_input import read_prompt
     from dflash_cli.ui.render import Output
-    from dflash_cli.ui.run import read_prompt, run_generate
 
-    guarded(lambda: Output(opts["color"], provenance=opts["provenance"]),
-            lambda out: run_generate(out, opts, read_prompt(prompt, file, sys.stdin, warn=out.warn),
-                                     compare=compare, as_json=as_json), opts["debug"])
+    command = command_options(values)
+    guarded(lambda: Output(command.output.color, provenance=command.output.provenance),
+            lambda out: run_generate(out, command, read_prompt(prompt, file, sys.stdin, warn=out.warn),
+                                     compare=compare, as_json=as_json), command.output.debug)

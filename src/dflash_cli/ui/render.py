@@ -50,9 +50,10 @@ def silence_stdout() -> None:
         pass
 
 
-def isatty(stream: TextIO) -> bool:
+def isatty(stream: Any) -> bool:
+    """Whether `stream` is a terminal; False for streams without isatty and for closed ones."""
     try:
-        return stream.isatty()
+        return bool(stream.isatty())
     except (AttributeError, ValueError):
         return False
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from dflash_cli.ui.common import common_options, guarded, model_options, sampling_options
+from dflash_cli.ui.common import command_options, common_options, guarded, model_options, sampling_options
 
 INSTALL = "pip install 'dflash-cli[serve]' (starlette and uvicorn)"
 
@@ -24,7 +24,7 @@ INSTALL = "pip install 'dflash-cli[serve]' (starlette and uvicorn)"
 @click.option("--max-queue", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests that may wait while one decodes; past it the server answers 503.")
 @common_options
-def serve(**opts):
+def serve(host, port, api_key, max_queue, **values):
     """Serve the model over an OpenAI-compatible API, with DFlash statistics in every response.
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health and /metrics.
@@ -38,7 +38,10 @@ def serve(**opts):
     """
     from dflash_cli.ui.render import Output
 
-    guarded(lambda: Output(opts["color"]), lambda out: run_serve(out, opts), opts["debug"])
+    command = command_options(values)
+    guarded(lambda: Output(command.output.color),
+            lambda out: run_serve(out, command, host=host, port=port, api_key=api_key, max_queue=max_queue),
+            command.output.debug)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -69,7 +72,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def run_serve(out: Any, opts: dict[str, Any]) -> int:
+def run_serve(out: Any, command: Any, *, host: str, port: int, api_key: str | None, max_queue: int) -> int:
+    """`serve`'s body (`command`: ui.common.CommandOptions; its sampling settings are the requests' defaults)."""
     try:
         import uvicorn
 
@@ -77,18 +81,17 @@ def run_serve(out: Any, opts: dict[str, Any]) -> int:
     except ImportError as e:
         raise click.ClickException(f"serve needs {e.name}: {INSTALL}") from None
     from dflash_cli.serving import EngineWorker
-    from dflash_cli.ui.common import generation_settings
-    from dflash_cli.ui.run import load_runtime_for
+    from dflash_cli.ui.opening import open_model
 
-    if not is_loopback(opts["host"]) and not opts["api_key"]:
-        out.warn(f"listening on {opts['host']} without --api-key: anyone who can reach this port can use the model")
-    sock = listening_socket(opts["host"], opts["port"])  # before loading: a taken port fails in a second
-    runtime = load_runtime_for(out, opts, quiet=False)
-    settings = generation_settings(opts)
-    worker = EngineWorker(runtime, max_queue=opts["max_queue"]).start()
-    model = opts["model"]
-    state = ServerState(worker, model, api_key=opts["api_key"], defaults=settings.engine_kwargs(),
-                        max_new_tokens=1 << 20, system=opts.get("system"), think=settings.think,
+    if not is_loopback(host) and not api_key:
+        out.warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
+    sock = listening_socket(host, port)  # before loading: a taken port fails in a second
+    settings = command.settings
+    runtime = open_model(out, command.model, quiet=False, settings=settings)
+    worker = EngineWorker(runtime, max_queue=max_queue).start()
+    model = command.model.model
+    state = ServerState(worker, model, api_key=api_key, defaults=settings.engine_kwargs(),
+                        max_new_tokens=1 << 20, system=command.system, think=settings.think,
                         chat_template=settings.chat_template)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from dflash_cli import settings as S
+from dflash_cli.engine.config import DEVICE_MAP_CHOICES
 from dflash_cli.engine.errors import CheckpointError
 from dflash_cli.ui.common import cell, common_options, config_values, echo, endpoint_option, registry, run_plain
 from dflash_cli.ui.errors import EXIT_OK
@@ -47,6 +48,7 @@ def mxfp4_on(target: dict, device: str | None) -> tuple[bool, str | None]:
 
 def read_configs(where: str | None, revision: str | None, endpoint: str | None) -> tuple[dict | None, str]:
     """(config dict or None, a note on where it came from or why it is missing)."""
+    from dflash_cli.engine.pairing import read_config_file
     from dflash_cli.models import hub
     from dflash_cli.models.resolve import find_config
 
@@ -55,14 +57,11 @@ def read_configs(where: str | None, revision: str | None, endpoint: str | None) 
     kind = "folder" if Path(where).is_dir() else "repo"
     try:
         path = find_config(kind, where, revision, endpoint)
+        return read_config_file(path), str(path)
     except hub.NotDownloadedError:
         return None, "not downloaded, and HF_HUB_OFFLINE is set (unset it to fetch config.json only)"
     except (hub.HubError, CheckpointError) as error:
         return None, str(error)
-    try:
-        return json.loads(path.read_text()), str(path)
-    except (OSError, ValueError) as error:
-        return None, f"cannot read config.json: {error}"
 
 
 def config_summary(target: dict | None, drafter: dict | None) -> dict[str, Any]:
@@ -261,7 +260,7 @@ def _memory_lines(plan: Any, mem_what: str, mxfp4_why: str | None) -> list[str]:
 @click.option("--device", default=None, envvar=S.ENV["device"], show_envvar=True,
               help=f"Device whose free memory the plan is against [default: config file, else {S.DEFAULT_DEVICE}, "
                    "as generate].")
-@click.option("--device-map", type=click.Choice(["none", "auto", "balanced", "sequential"]), default=None,
+@click.option("--device-map", type=click.Choice(DEVICE_MAP_CHOICES), default=None,
               envvar=S.ENV["device_map"], show_envvar=True,
               help="Also plan the target split over the devices present, as generate would [default: config "
                    "file, else none].")

@@ -1,0 +1,23 @@
+"""Dtype names: the one map from what a user writes ("bf16", "torch.float16", "half") to torch's names, and
+the short names the memory planner counts in. No torch here: the planner and the SmolLM2 converter name
+dtypes before torch is loaded (engine/device.py turns the names into torch dtypes)."""
+
+from __future__ import annotations
+
+# a dtype as written, "torch." and case aside -> torch's name for it
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
+               "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "half": "float16"}
+#: --dtype's choices
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+_PLAN_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_name(dtype: object) -> str | None:
+    """torch's name of `dtype` (a name as written, or a torch dtype), or None for one not in DTYPE_NAMES."""
+    return DTYPE_NAMES.get(str(dtype).removeprefix("torch.").lower())
+
+
+def plan_dtype(dtype: object) -> str:
+    """The memory planner's name of a dtype: "bf16", "fp16", or "fp32" (also for any other dtype)."""
+    return _PLAN_NAMES.get(dtype_name(dtype) or "", "fp32")
