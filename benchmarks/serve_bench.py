@@ -39,8 +39,8 @@ def main() -> int:
     from dflash_cli.engine.device import cpu_capability
     from dflash_cli.engine.generate import generate
     from dflash_cli.engine.text import encode_prompt
+    from dflash_cli.local_runtime import load_runtime
     from dflash_cli.models.resolve import resolve_pair
-    from dflash_cli.runtime import load_runtime
     from dflash_cli.serving import EngineWorker
     from dflash_cli.ui.openai_server import ServerState, make_app
 

@@ -51,7 +51,7 @@ FAMILIES = {
     "qwen3_5": Family(lambda folder: save_hybrid_target(folder, seed=3), 4, (0, 2, 3)),
     "qwen3_5_moe": Family(lambda folder: save_hybrid_target(folder, moe=True, seed=3), 4, (0, 2, 3)),
     "qwen3_next": Family(lambda folder: save_qwen3_next_target(folder, seed=3), 8, (1, 3, 6, 7), block_size=16,
-                         block_sizes=(3, 8, 16), boundaries=(64, 128)),
+                         block_sizes=(3, 8, 16)),
 }
 
 

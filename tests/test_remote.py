@@ -372,6 +372,19 @@ def test_chat_sends_the_history_and_the_system_prompt(engine):
     assert re.search(r"draft acceptance: +66.7% \(6/9 drafted\)", err)  # /stats, from vLLM's counters
 
 
+def test_chat_leaves_the_block_size_to_the_server_and_passes_the_think_switch_on(engine):
+    """A remote runtime has no drafter here: /set parameter block_size says the server chooses (none is still
+    fine); /set think has no template here to check and goes to the server with the next request."""
+    code, session, out = drive(engine, "/set parameter block_size 4\r/set parameter block_size none\r"
+                                       "/set nothink\rhi\r/bye\r")
+    err = out.err.getvalue()
+    assert code == 0 and session.settings.block_size is None and session.settings.think is False
+    assert "Error: the block size is the engine's to choose: it runs its own drafter" in err
+    assert "Hint: set it where the server starts (serve-cmd --block-size)" in err
+    assert "Set 'nothink' mode." in err and "thinking switch" not in err
+    assert engine.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
 @pytest.mark.parametrize("engine", [{"kind": "plain"}], indirect=True)
 def test_chat_summary_says_not_reported(engine):
     code, _, out = drive(engine, "hi\r/bye\r")

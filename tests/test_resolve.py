@@ -146,3 +146,14 @@ def test_quant_auto_from_the_command_line(tiny_models, tmp_path):
                                       "--dtype", "float32", "--device", "cpu", "--json"], input="1 2 3")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["generated_tokens"] == 3
+
+
+def test_a_block_size_the_drafter_cannot_take_is_refused_before_any_weights_download(fake, online, config):
+    """`generate -m NAME --block-size 99` must not fetch gigabytes to say the drafter drafts blocks of 8."""
+    from dflash_cli.engine.errors import InvalidSettingError
+
+    with pytest.raises(InvalidSettingError, match=r"block size 99 is outside 1\.\.\d+") as err:
+        resolve_pair("tiny", endpoint=fake.endpoint, block_size=99)
+    assert "--block-size" in err.value.hint and weight_downloads(fake) == 0
+    pair = resolve_pair("tiny", endpoint=fake.endpoint, block_size=2)  # a size it takes: the pair downloads
+    assert pair.block_size >= 2 and weight_downloads(fake) > 0

@@ -15,7 +15,7 @@ from conftest import save_tiny_pair
 
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.text import encode_prompt
-from dflash_cli.runtime import load_runtime
+from dflash_cli.local_runtime import load_runtime
 from dflash_cli.serving import EngineWorker
 
 openai = pytest.importorskip("openai")

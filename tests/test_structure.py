@@ -4,6 +4,7 @@ import downwards only (ui/ may use models/ and engine/, never the reverse)."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -88,14 +89,15 @@ def test_both_runtimes_are_runtimes_without_stand_in_attributes():
     """Commands use only what the Runtime protocol names; the remote one implements it for real, with no class
     attributes set to placeholder values to look like a loaded pair (tokenizer = None, dtype = "remote")."""
     import dataclasses
-    import typing
 
+    from typing_extensions import get_protocol_members
+
+    from dflash_cli.local_runtime import LocalRuntime
     from dflash_cli.remote import RemoteRuntime
-    from dflash_cli.runtime import LocalRuntime, Runtime
+    from dflash_cli.runtime import Runtime
 
-    members = typing.get_protocol_members(Runtime) if hasattr(typing, "get_protocol_members") else \
-        {n for n in vars(Runtime) if not n.startswith("_")}
-    assert {"speculative", "conversation", "info", "check_block_size", "thinking_mode"} <= set(members)
+    members = get_protocol_members(Runtime)
+    assert {"speculative", "conversation", "info", "check_block_size", "thinking_mode", "load_seconds"} <= members
     for cls in (LocalRuntime, RemoteRuntime):
         data = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {"load_seconds"}
         missing = {name for name in members if name not in data and not callable(getattr(cls, name, None))
@@ -104,13 +106,29 @@ def test_both_runtimes_are_runtimes_without_stand_in_attributes():
     stand_ins = {name for name, value in vars(RemoteRuntime).items()
                  if not name.startswith("__") and not callable(value) and not isinstance(value, property)}
     assert stand_ins == set()
+    init = ast.parse(inspect.getsource(RemoteRuntime.__init__).strip().replace("def __init__", "def f", 1))
+    assigned = {t.attr for node in ast.walk(init) if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Attribute)}
+    assert "load_seconds" in assigned and not {"tokenizer", "dtype", "device", "target_dir"} & assigned
 
 
 def test_commands_get_options_not_click_dictionaries():
-    """The raw click values stay in each command's function: no body takes an `opts` dictionary."""
+    """The raw click values stay in each command's function: no body takes an `opts` dictionary, and every
+    ModelOptions field is an option of the commands that open a model (a renamed option would otherwise
+    fall silently back to its default)."""
+    import dataclasses
+
+    from dflash_cli.runtime import ModelOptions
+    from dflash_cli.ui.cli import cli
+
     offenders = set()
     for name, tree in modules().items():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(a.arg == "opts" for a in node.args.args):
                 offenders.add(f"{name}.{node.name}")
     assert offenders == set()
+    fields = {f.name for f in dataclasses.fields(ModelOptions)}
+    for command in ("generate", "chat", "bench", "serve"):
+        params = {p.name for p in cli.commands[command].params}
+        local_only = {"engine", "timeout"} if command == "serve" else set()
+        assert fields - local_only <= params, (command, fields - local_only - params)

@@ -19,8 +19,8 @@ from conftest import VOCAB, drafter_config, save_random_drafter, target_config
 from test_chat import drive
 
 from dflash_cli import settings as S
+from dflash_cli.local_runtime import load_runtime
 from dflash_cli.models.registry import PairEntry
-from dflash_cli.runtime import load_runtime
 from dflash_cli.session import GenerationSettings
 from dflash_cli.ui.cli import cli
 from dflash_cli.ui.render import DIM

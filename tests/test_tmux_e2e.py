@@ -18,7 +18,7 @@ from conftest import MASK_ID, drafter_config, save_target, save_tiny_tokenizer, 
 
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.load import save_drafter
-from dflash_cli.runtime import load_runtime
+from dflash_cli.local_runtime import load_runtime
 from dflash_cli.session import Conversation, GenerationSettings
 
 pytestmark = pytest.mark.skipif(

@@ -351,6 +351,10 @@ class RemoteRuntime:
         return f"remote engine {self.url}"
 
     @property
+    def trained_block_size(self) -> int | None:
+        return None  # the server's own drafter
+
+    @property
     def first_token_wait(self) -> str | None:
         return "waiting for the engine's first token (Ctrl-C stops)"  # its queue and prefill can take long
 

@@ -66,7 +66,7 @@ def api_key() -> str | None:
 
 
 def debug_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "no")
+    return env_flag(DEBUG_ENV)
 
 
 def data_dir() -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_cli.engine.errors import CheckpointError, UnsupportedModelError
+from dflash_cli.engine.errors import CheckpointError, InvalidSettingError, UnsupportedModelError
 
 DEFAULT_BLOCK_SIZE = 16
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
@@ -278,3 +278,14 @@ def _dflash2_fields(raw: dict[str, Any], dflash: dict[str, Any], source: str) ->
         raise CheckpointError(f"{source}: hidden_size {raw.get('hidden_size')} is not a multiple of "
                               f"conv_group_size {fields['conv_group_size']}")
     return fields
+
+
+def check_block_size(block_size: int | None, trained: int | None) -> None:
+    """The block-size rule (also checked from the drafter's config before a download): 1..`trained`, the
+    drafter's trained size; without a drafter (`trained` None) only 1, or None for the default."""
+    if block_size is None or block_size == 1 or (trained is not None and 1 <= block_size <= trained):
+        return
+    if trained is None:
+        raise InvalidSettingError("a block size needs a drafter", hint="drop --block-size or add --draft")
+    raise InvalidSettingError(f"block size {block_size} is outside 1..{trained} (this drafter's trained block size)",
+                              hint=f"use --block-size 1..{trained}, or leave it out for {trained}")

@@ -10,6 +10,7 @@ import torch
 
 from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.baseline import baseline_rounds
+from dflash_cli.engine.config import check_block_size
 from dflash_cli.engine.device import peak_memory, reset_peak_memory
 from dflash_cli.engine.drafter import Drafter
 from dflash_cli.engine.errors import InvalidSettingError
@@ -47,17 +48,6 @@ def resolve_block_size(drafter: Drafter | None, block_size: int | None) -> int:
     if drafter is None:
         return 1
     return drafter.block_size if block_size is None else block_size
-
-
-def check_block_size(block_size: int | None, trained: int | None) -> None:
-    """The block-size rule (also checked from the drafter's config before a download): 1..`trained`, the
-    drafter's trained size; without a drafter (`trained` None) only 1, or None for the default."""
-    if block_size is None or block_size == 1 or (trained is not None and 1 <= block_size <= trained):
-        return
-    if trained is None:
-        raise InvalidSettingError("a block size needs a drafter", hint="drop --block-size or add --draft")
-    raise InvalidSettingError(f"block size {block_size} is outside 1..{trained} (this drafter's trained block size)",
-                              hint=f"use --block-size 1..{trained}, or leave it out for {trained}")
 
 
 class _Tally:
@@ -250,10 +240,11 @@ def generate(target: Target, drafter: Drafter | None, prompt: Sequence[int], **k
     return GenerationResult(tokens, "".join(text), last.stats)
 
 
-def warm_up(target: Target, drafter: Drafter | None) -> None:
-    """Runs both loops briefly, so one-time kernel selection and allocation do not slow the first reply."""
+def warm_up(target: Target, drafter: Drafter | None, new_tokens: int | None = None) -> None:
+    """Runs both loops briefly, so one-time kernel selection and allocation do not slow the first reply;
+    `new_tokens` per loop (default two full blocks and a token)."""
     prompt = list(range(1, 17))
     block = drafter.block_size if drafter is not None else 1
     for d in ([drafter] if drafter is not None else []) + [None]:
-        for _ in stream_generate(target, d, prompt, max_new_tokens=2 * block + 2, stop_ids=[]):
+        for _ in stream_generate(target, d, prompt, max_new_tokens=new_tokens or 2 * block + 2, stop_ids=[]):
             pass

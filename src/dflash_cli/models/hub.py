@@ -173,8 +173,10 @@ def default_cache_dir() -> Path:
         return cache
     if os.environ.get("HF_HOME") or os.environ.get("XDG_CACHE_HOME"):
         return hf_home() / "hub"
-    from huggingface_hub import constants
-
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # a broken install: `doctor` still reports where the cache is
+        return hf_home() / "hub"
     return Path(constants.HF_HUB_CACHE)
 
 

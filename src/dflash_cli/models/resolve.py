@@ -337,12 +337,14 @@ def _fetch(repo: str, revision: str | None, endpoint: str | None, on_status: Cal
 
 def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False, endpoint: str | None = None,
                  on_status: Callable[[str], None] = lambda _: None, tqdm_class: Any = None,
-                 quant: str | None = "none", budget: MemoryBudget | None = None) -> ResolvedPair:
+                 quant: str | None = "none", budget: MemoryBudget | None = None,
+                 block_size: int | None = None) -> ResolvedPair:
     """Finds (and downloads if needed) the target and its drafter for a --model/--draft pair of values.
 
     quant None (not given): "auto" for the built-in models (their weights are 4-bit to begin with, and q4
-    decodes fastest on the CPUs that run them), "none" for the rest."""
-    from dflash_cli.engine.config import DrafterConfig
+    decodes fastest on the CPUs that run them), "none" for the rest. `block_size`, the one replies will ask
+    for, is checked against the drafter's config before any download."""
+    from dflash_cli.engine.config import DrafterConfig, check_block_size
     from dflash_cli.engine.pairing import check_pair, check_target_config
 
     spec = resolve_spec(model)
@@ -388,6 +390,8 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
         quant = preflight_memory(target_cfg, drafter_cfg, quant, budget, model)
     if quant == "auto":  # no budget to plan with (free memory unknown): nothing quantized
         quant = "none"
+    block = DrafterConfig.from_dict(drafter_cfg).block_size if drafter_cfg is not None else None
+    check_block_size(block_size, block)
 
     target_dir = Path(target_where) if target_kind == "folder" else _fetch(
         target_where, spec.target_revision, endpoint, on_status, tqdm_class)
@@ -396,7 +400,6 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
         drafter_dir = Path(drafter_where)
     elif drafter_kind == "repo":
         drafter_dir = _fetch(drafter_where, drafter_rev, endpoint, on_status, tqdm_class)
-    block = DrafterConfig.from_dict(drafter_cfg).block_size if drafter_cfg is not None else None
     return ResolvedPair(target_dir, drafter_dir, spec, note, quant, drafter_entry, block, quant_auto)
 
 

@@ -131,27 +131,38 @@ def _run_remote_bench(out, runtime, prompt_sets, *, max_tokens, limit, warmup, t
 
 def _run_bench(out, options, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
                quiet) -> int:
-    import json as _json
-
-    from dflash_cli import __version__ as version
-    from dflash_cli.bench import format_table, run_bench
     from dflash_cli.session import GenerationSettings
     from dflash_cli.ui.opening import open_model
 
     runtime = open_model(out, options, quiet=quiet, settings=GenerationSettings(block_size=block_size))
-    if options.engine:  # a server has no plain mode to compare with: its own report
-        return _run_remote_bench(out, runtime, prompt_sets, max_tokens=max_tokens, limit=limit, warmup=warmup,
-                                 think=think, as_json=as_json, quiet=quiet)
+    try:
+        if options.engine:  # a server has no plain mode to compare with: its own report
+            return _run_remote_bench(out, runtime, prompt_sets, max_tokens=max_tokens, limit=limit, warmup=warmup,
+                                     think=think, as_json=as_json, quiet=quiet)
+        return _run_local_bench(out, runtime, prompt_sets, max_tokens=max_tokens, block_size=block_size, limit=limit,
+                                warmup=warmup, think=think, adaptive=adaptive, as_json=as_json, quiet=quiet)
+    finally:
+        runtime.close()
+
+
+def _run_local_bench(out, runtime, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
+                     quiet) -> int:
+    """Plain decoding against the drafter, interleaved, on the pair loaded here (dflash_cli.bench)."""
+    import json as _json
+
+    from dflash_cli import __version__ as version
+    from dflash_cli.bench import format_table, run_bench
+    from dflash_cli.local_runtime import LocalRuntime
+
+    assert isinstance(runtime, LocalRuntime)  # without --engine
     if not runtime.speculative:
         raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO")
     total = sum(min(len(p), limit or len(p)) for p in prompt_sets.values())
     progress, on_progress = _progress(out, quiet, total)
-
     with progress:
         report = run_bench(runtime.target, runtime.drafter, runtime.tokenizer, prompt_sets,
                            max_new_tokens=max_tokens, block_size=block_size, warmup=warmup, per_set=limit,
-                           adaptive=adaptive,
-                           on_progress=on_progress, enable_thinking=think)
+                           adaptive=adaptive, on_progress=on_progress, enable_thinking=think)
     report.meta.update({"dflash_cli": version, "model": str(runtime.target_dir),
                         "drafter": str(runtime.drafter_dir), "device": runtime.device, "dtype": runtime.dtype,
                         "quant": runtime.quant or "none"})

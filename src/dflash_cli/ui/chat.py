@@ -406,13 +406,19 @@ class ChatSession:
         return True
 
     def _block_ok(self, value: int | None) -> bool:
-        """The runtime's block-size rule (a server chooses its own); its error said as one line."""
+        """The runtime's block-size rule (a server chooses its own); its error said as one line, with a hint
+        for this chat rather than for the command line."""
         from dflash_cli.engine.errors import InvalidSettingError
 
         try:
             self.runtime.check_block_size(value)
         except InvalidSettingError as error:
-            self.out.error(str(error), error.hint)
+            trained, hint = self.runtime.trained_block_size, error.hint
+            if trained is not None:
+                hint = f"/set parameter block_size 1..{trained}, or none for {trained}"
+            elif not self.runtime.speculative:
+                hint = "start the chat with --draft DRAFTER (or a model the registry pairs with one)"
+            self.out.error(str(error), hint)
             return False
         return True
 
@@ -526,8 +532,12 @@ def run_chat(out: Output, command: Any, *, history: bool, stdin: Any = None, std
         return EXIT_USAGE
     shown, settings = command.output, dataclasses.replace(command.settings)
     runtime = open_model(out, command.model, quiet=shown.quiet, settings=settings)
-    check_thinking(out, runtime, settings.think, chat_template=settings.chat_template)
-    out.hide_thinking = shown.hide_thinking
-    session = ChatSession(runtime, out, settings, system=system_prompt(out, command.system),
-                          history=open_history(out) if history else None, verbose=shown.verbose, quiet=shown.quiet)
-    return session.run()
+    try:
+        check_thinking(out, runtime, settings.think, chat_template=settings.chat_template)
+        out.hide_thinking = shown.hide_thinking
+        session = ChatSession(runtime, out, settings, system=system_prompt(out, command.system),
+                              history=open_history(out) if history else None, verbose=shown.verbose,
+                              quiet=shown.quiet)
+        return session.run()
+    finally:
+        runtime.close()

@@ -10,13 +10,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from dflash_cli import settings as S
 from dflash_cli.engine.config import DEVICE_MAP_CHOICES
 from dflash_cli.engine.dtypes import DTYPE_CHOICES
+
+if TYPE_CHECKING:  # both import lazily what they need: cheap --help
+    from dflash_cli.runtime import ModelOptions
+    from dflash_cli.session import GenerationSettings
 
 # -- options -------------------------------------------------------------------------------------------
 
@@ -154,8 +158,8 @@ class CommandOptions:
     file (click merges them): what to open, how to answer, how to show it. The raw values stay in the
     command's function; its body gets this."""
 
-    model: Any  # runtime.ModelOptions
-    settings: Any  # session.GenerationSettings: per reply (chat changes them with /set)
+    model: ModelOptions
+    settings: GenerationSettings  # per reply (chat changes them with /set)
     system: str | None = None  # as given: not yet checked for UTF-8 (prompt_input.system_prompt)
     output: OutputOptions = OutputOptions()
 

@@ -26,20 +26,25 @@ def run_generate(out: Output, command: Any, prompt: str, *, compare: bool, as_js
     settings = dataclasses.replace(command.settings)
     runtime = open_model(out, command.model, quiet=quiet, settings=settings,
                          before_weights=lambda tokenizer: check_prompt_fits(tokenizer, prompt, system, settings))
-    check_thinking(out, runtime, settings.think, chat_template=settings.chat_template)
-    out.hide_thinking = shown.hide_thinking
-    if settings.temperature > 0 and settings.seed is None:
-        # a fresh seed, reported by --json/--verbose so the run can be replayed; --compare reuses it
-        settings.seed = secrets.randbits(31)
-    if compare:
-        if not runtime.speculative:
-            raise click.UsageError("--compare needs a drafter (--draft FOLDER)")
-        from dflash_cli.engine.generate import warm_up
+    try:
+        check_thinking(out, runtime, settings.think, chat_template=settings.chat_template)
+        out.hide_thinking = shown.hide_thinking
+        if settings.temperature > 0 and settings.seed is None:
+            # a fresh seed, reported by --json/--verbose so the run can be replayed; --compare reuses it
+            settings.seed = secrets.randbits(31)
+        if compare:
+            _warm_up_both(runtime)
+        if not quiet and not compare and runtime.marks_drafted:
+            out.legend()
+        return _answer(out, runtime, runtime.conversation(system), prompt, settings, command.output,
+                       quiet=quiet, compare=compare, as_json=as_json)
+    finally:
+        runtime.close()
 
-        warm_up(runtime.target, runtime.drafter)  # neither side of the comparison pays one-time costs
-    if not quiet and not compare and runtime.marks_drafted:
-        out.legend()
-    conversation = runtime.conversation(system)
+
+def _answer(out: Output, runtime: Any, conversation: Any, prompt: str, settings: Any, shown: Any, *, quiet: bool,
+            compare: bool, as_json: bool) -> int:
+    """Streams the reply, then reports it; the exit code."""
     started = time.perf_counter()
     streamed = stream_reply(out, runtime, conversation, prompt, settings, quiet=quiet, as_json=as_json)
     if streamed is None:  # stdout was closed (a pager quit): nothing more to say
@@ -90,6 +95,17 @@ def stream_reply(out: Output, runtime: Any, conversation: Any, prompt: str, sett
     if not as_json:
         out.end_text()
     return last, tokens, interrupted
+
+
+def _warm_up_both(runtime: Any) -> None:
+    """--compare's warm-up: a few tokens of both modes, so neither side pays one-time costs."""
+    from dflash_cli.engine.generate import warm_up
+    from dflash_cli.local_runtime import LocalRuntime
+
+    assert isinstance(runtime, LocalRuntime)  # --compare with --engine is refused before opening
+    if not runtime.speculative:
+        raise click.UsageError("--compare needs a drafter (--draft FOLDER)")
+    warm_up(runtime.target, runtime.drafter, new_tokens=4)
 
 
 def check_prompt_fits(tokenizer: Any, prompt: str, system: str | None, settings: Any) -> None:

@@ -17,9 +17,10 @@ NO_MODEL = ("no model given: pass -m/--model (a folder, a known name such as qwe
 
 def open_model(out: Any, options: Any, *, quiet: bool, settings: Any = None,
                before_weights: Callable[[Any], None] | None = None) -> Any:
-    """The Runtime `options` (runtime.ModelOptions) name, opened: progress on stderr unless `quiet`, warnings
-    always. `settings` (GenerationSettings, where the command has them): their block size is checked before
-    any download, and with an engine the ones only a local model uses are said to be ignored."""
+    """The Runtime `options` (runtime.ModelOptions) name, opened: progress on stderr unless `quiet`; warnings
+    always, but the options a server ignores are said unless `quiet`. `settings` (GenerationSettings, where
+    the command has them): their block size is checked before any download, and with an engine the ones
+    only a local model uses are said to be ignored."""
     from dflash_cli.runtime import open_runtime
 
     if options.engine:
