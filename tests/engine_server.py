@@ -13,6 +13,10 @@
   level of the final chunk ("top"), in its choice ("choice") or in the usage chunk ("usage").
 - kind "vllm": GET /metrics in Prometheus' text exposition format with vLLM's spec_decode counters, which
   the request advances (per-position counts with a position label).
+  `vllm_request_spec` (a dict) rides the usage chunk as `metrics.speculative_decoding`, as vLLM started with
+  `--per-request-spec-decode-metrics summary` sends it.
+- kind "sglang" with `sglang_gauge`: /metrics has SGLang's `sglang:spec_accept_length` gauge (one sample per
+  value, as ranks report it); with `sglang_meta_in="none"` the stream carries no meta info.
 - kind "plain": no meta info, /metrics without spec_decode counters.
 Faults: slow_first (seconds before the first chunk), cut (drop the connection after N chunks), malformed
 (a chunk that is not JSON), status (429 with Retry-After, 500, ...), api_key (401 without it), hang (stop
@@ -53,6 +57,8 @@ class FakeEngine:
     sglang_names: str = "current"
     sglang_counts: tuple[int, int, int] | None = None
     sglang_meta_in: str = "top"
+    sglang_gauge: tuple[float, ...] = ()
+    vllm_request_spec: dict | None = None
     requests: list[dict] = field(default_factory=list)
     client_closed: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
@@ -141,6 +147,11 @@ class FakeEngine:
                       "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
             lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{k}"}} {v}'
                       for k, v in enumerate(c["per_pos"])]
+        if self.kind == "sglang" and self.sglang_gauge:
+            lines += ["# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.",
+                      "# TYPE sglang:spec_accept_length gauge"]
+            lines += [f'sglang:spec_accept_length{{model_name="m",tp_rank="{k}"}} {v}'
+                      for k, v in enumerate(self.sglang_gauge)]
         body = ("\n".join(lines) + "\n").encode()
         h.send_response(200)
         h.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
@@ -210,7 +221,7 @@ class FakeEngine:
                 h.wfile.write(b"0\r\n\r\n")
                 h.wfile.flush()
                 return
-            meta = self.sglang_meta(rid) if self.kind == "sglang" else None
+            meta = self.sglang_meta(rid) if self.kind == "sglang" and self.sglang_meta_in != "none" else None
             if self.kind == "vllm":
                 drafts, tokens, accepted, per_pos = self.vllm_step
                 c = self.counters
@@ -228,7 +239,9 @@ class FakeEngine:
                          "total_tokens": 12 + len(self.pieces)}
                 if meta is not None and self.sglang_meta_in == "usage":
                     usage.update(meta)
-                send(json.dumps(chunk([], usage=usage)))
+                spec = self.vllm_request_spec
+                send(json.dumps(chunk([], usage=usage, **({"metrics": {"speculative_decoding": spec}} if spec
+                                                            is not None else {}))))
             send("[DONE]")
             h.wfile.write(b"0\r\n\r\n")
             h.wfile.flush()

@@ -112,3 +112,45 @@ def test_json_says_null_for_a_drafted_count_the_server_did_not_send(engine):
     data = json.loads(generate(engine, "--json").stdout)
     assert data["steps"] == 4 and data["acceptance_length"] == pytest.approx(9 / 4)
     assert data["drafted"] is None and data["draft_acceptance"] is None
+
+
+# SGLang's OpenAI endpoint need not stream meta info; its /metrics has the acceptance-length gauge
+# `sglang:spec_accept_length` (the mean over its latest logging interval, every client's requests counted).
+@pytest.mark.parametrize("engine", [{"sglang_meta_in": "none", "sglang_gauge": (3.0, 3.0)}], indirect=True)
+def test_without_meta_info_the_acceptance_length_gauge_gives_tau(engine):
+    """9 tokens after the first at 3 per verify step: 3 steps, 6 accepted drafts; no drafted count."""
+    stats = reply_stats(engine)
+    assert "/metrics" in engine.gets
+    assert stats.acceptance_reported
+    assert (stats.steps, stats.accepted, stats.drafted) == (3, 6, 0)
+    assert stats.acceptance_length == pytest.approx(3.0)
+    data = json.loads(generate(engine, "--json").stdout)
+    assert data["acceptance_length"] == pytest.approx(3.0) and data["drafted"] is None
+
+
+@pytest.mark.parametrize("engine", [{"sglang_meta_in": "none", "sglang_gauge": (0.0,)},
+                                    {"sglang_meta_in": "none"}], indirect=True, ids=["zero", "absent"])
+def test_a_gauge_of_zero_or_none_is_not_an_acceptance(engine):
+    """A server that does not speculate exports 0: that is no data, not a tau of 0."""
+    stats = reply_stats(engine)
+    assert not stats.acceptance_reported and stats.steps == 0
+
+
+@pytest.mark.parametrize("engine", [{"sglang_gauge": (5.0,), "sglang_counts": (3, 45, 5)}], indirect=True)
+def test_the_requests_own_meta_info_wins_over_the_gauge(engine):
+    stats = reply_stats(engine)
+    assert (stats.steps, stats.drafted, stats.accepted) == (3, 45, 5)
+
+
+def test_vllms_per_request_summary_gives_the_block_and_the_histogram():
+    """`--per-request-spec-decode-metrics summary` (serve-cmd prints it): num_spec_tokens, not block_size."""
+    spec = {"mean_acceptance_length": 4.0, "draft_acceptance_rate": 0.2, "acceptance_histogram": [1, 0, 1, 1],
+            "num_spec_steps": 3, "num_accepted_draft_tokens": 5, "num_draft_tokens": 9, "num_spec_tokens": 3}
+    server = FakeEngine(kind="vllm", pieces=PIECES, vllm_request_spec=spec)
+    try:
+        stats = reply_stats(server)
+    finally:
+        server.close()
+    assert (stats.steps, stats.drafted, stats.accepted) == (3, 9, 5)
+    assert stats.block_size == 4 and stats.speculative
+    assert stats.committed_histogram == (1, 0, 1, 1)

@@ -4,7 +4,11 @@ test pair; replies equal the engine's own greedy output, the statistics equal wh
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +18,7 @@ import pytest
 from conftest import save_tiny_pair
 
 from dflash_cli.engine.generate import generate
+from dflash_cli.engine.response import GenerationStats, Step
 from dflash_cli.engine.text import encode_prompt
 from dflash_cli.local_runtime import load_runtime
 from dflash_cli.serving import EngineWorker
@@ -63,8 +68,13 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
-    target, drafter = save_tiny_pair(tmp_path_factory.mktemp("serve"))
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def runtime(pair):
+    target, drafter = pair
     return load_runtime(target, drafter, dtype="float32", device="cpu", max_context=512)
 
 
@@ -302,3 +312,112 @@ def test_streamed_reasoning_content_equals_the_whole_replys(reply, inside):
         for thinking, piece in splitter.flush():
             parts[thinking] += stream.feed(piece) if thinking else piece
         assert (parts[True], parts[False]) == (reasoning, answer), size
+
+
+def fast_drafter_steps(pieces_per_step: list[tuple[str, ...]]):
+    """A stand-in for stream_generate whose verify steps commit several tokens each (the tiny pair's random
+    drafter is almost never accepted, so its steps commit one token): one piece per token."""
+    def stream_generate(target, drafter, prompt, **kwargs):
+        total = 0
+        for k, pieces in enumerate(pieces_per_step):
+            total += len(pieces)
+            drafted, accepted = (3, len(pieces) - 1) if k else (0, 0)
+            stats = GenerationStats(
+                prompt_tokens=len(prompt), prefilled_tokens=len(prompt), prefill_seconds=0.01,
+                generated_tokens=total, decode_seconds=0.01 * k, steps=k, drafted=3 * k,
+                accepted=total - 1 - k, draft_seconds=0.0, verify_seconds=0.0, block_size=4,
+                committed_histogram=(0, 0, 0, 0), position_drafted=(k, k, k), position_accepted=(0, 0, 0),
+                peak_memory_bytes=None, peak_memory_kind="")
+            last = k == len(pieces_per_step) - 1
+            yield Step(tuple(range(total - len(pieces), total)), "".join(pieces), pieces, drafted, accepted,
+                       (True,) * accepted + (False,), 0.0, 0.0, stats, "length" if last else None)
+    return stream_generate
+
+
+# "He" | "llo" "," " wo" "rld" | "!" " Bye" "." : the stop string ends inside a step of 4 tokens (" wo" is
+# token 4), or spans two steps ("d!": token 6); a one-token-at-a-time decode would have stopped there
+@pytest.mark.parametrize("stop, text, tokens", [(" wo", "Hello,", 4), ("d!", "Hello, worl", 6)])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_usage_after_a_stop_string_counts_the_tokens_up_to_it(server, monkeypatch, stop, text, tokens, chat):
+    import dflash_cli.engine.generate as engine_generate
+
+    monkeypatch.setattr(engine_generate, "stream_generate",
+                        fast_drafter_steps([("He",), ("llo", ",", " wo", "rld"), ("!", " Bye", ".")]))
+    server.idle()
+    client = server.client()
+    ask = dict(model="tiny", stop=[stop], max_tokens=24)
+    before = server.worker.counters.generated_tokens
+    if chat:
+        whole = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **ask)
+        got, reason = whole.choices[0].message.content, whole.choices[0].finish_reason
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                                     stream_options={"include_usage": True}, **ask))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        whole = client.completions.create(prompt="hi", **ask)
+        got, reason = whole.choices[0].text, whole.choices[0].finish_reason
+        chunks = list(client.completions.create(prompt="hi", stream=True, stream_options={"include_usage": True},
+                                                **ask))
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert (got, streamed, reason) == (text, text, "stop")
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == tokens
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + tokens
+    server.idle()
+    assert server.worker.counters.generated_tokens - before == 2 * tokens  # /metrics agrees with usage
+
+
+def test_a_slow_tokenization_does_not_block_other_requests(server, monkeypatch):
+    import dflash_cli.engine.text as engine_text
+
+    real, entered, release = engine_text.encode_prompt, threading.Event(), threading.Event()
+
+    def slow_encode(*args, **kwargs):
+        entered.set()
+        release.wait(20)  # a long prompt's template and encoding
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_text, "encode_prompt", slow_encode)
+    server.idle()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "slowly"}], "max_tokens": 4}
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, server.url + "/v1/chat/completions", json=body, timeout=60)
+        try:
+            assert entered.wait(20)
+            assert httpx.get(server.url + "/health", timeout=3).json() == {"status": "ok"}
+        finally:
+            release.set()
+        assert reply.result().status_code == 200
+
+
+def serve_process(pair, inherit_sigint_ignored: bool):
+    target, drafter = pair
+    config = target.parent / "empty-config.toml"
+    config.write_text("")
+    env = {**os.environ, "DFLASH_CONFIG": str(config), "DFLASH_MODEL": "", "NO_COLOR": "1"}
+    handler = signal.SIG_IGN if inherit_sigint_ignored else signal.SIG_DFL
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_cli", "serve", "-m", str(target), "--draft", str(drafter),
+                             "--dtype", "float32", "--device", "cpu", "--port", "0"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, handler))
+    seen = []
+    for line in proc.stderr:
+        if "serving" in line:
+            return proc, line
+        seen.append(line)
+    proc.kill()
+    raise AssertionError(f"serve did not start: {''.join(seen)}")
+
+
+# uvicorn stops on SIGINT/SIGTERM and then re-raises the signal: the same exit as every other command
+# (130, 143), also when the process inherited SIGINT ignored (a job started with `&` by a script)
+@pytest.mark.parametrize("sig, ignored, code", [(signal.SIGINT, False, 130), (signal.SIGINT, True, 130),
+                                                (signal.SIGTERM, False, 143)],
+                         ids=["sigint", "sigint-inherited-ignored", "sigterm"])
+def test_stopping_an_idle_server_by_a_signal_exits_as_every_command(pair, sig, ignored, code):
+    proc, line = serve_process(pair, ignored)
+    url = line.split(" on ", 1)[1].split()[0]
+    assert httpx.get(url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert "interrupted" in err and "Traceback" not in err

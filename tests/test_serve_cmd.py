@@ -58,6 +58,8 @@ def test_flags_of_each_engine():
     assert vllm[vllm.index("--tensor-parallel-size") + 1] == "4" and vllm[vllm.index("--port") + 1] == "9000"
     spec = json.loads(vllm[vllm.index("--speculative-config") + 1])
     assert spec == {"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15}
+    # each response then carries its own acceptance, which --engine reads instead of the server-wide counters
+    assert vllm[vllm.index("--per-request-spec-decode-metrics") + 1] == "summary"
 
     sgl = shlex.split(run("qwen3.6-35b-a3b", "--engine", "sglang", "--tp", "8").stdout)
     assert sgl[:3] == ["python3", "-m", "sglang.launch_server"]

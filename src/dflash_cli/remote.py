@@ -14,13 +14,17 @@ Acceptance statistics come from what the server reports, and from nothing else:
 - as a fallback, vLLM's Prometheus counters on /metrics (`vllm:spec_decode_num_drafts_total`,
   `vllm:spec_decode_num_draft_tokens_total`, `vllm:spec_decode_num_accepted_tokens_total`,
   `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`), read before and after the request and
-  differenced. They are server-wide: other clients' requests in the same interval are counted too.
-Where neither is there, the stats say `acceptance_reported=False` and the terminal says so.
+  differenced. They are server-wide: other clients' requests in the same interval are counted too;
+- last, SGLang's `sglang:spec_accept_length` gauge on /metrics (the server's mean acceptance length over its
+  latest logging interval, every client's requests): tau only, the verify steps estimated from the streamed
+  tokens, no drafted count.
+Where none is there, the stats say `acceptance_reported=False` and the terminal says so.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Iterator
@@ -165,38 +169,47 @@ VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"  # a gauge, 0 on a server that does not speculate
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 def parse_spec_counters(text: str) -> dict[str, Any]:
     """vLLM's spec_decode counters in a Prometheus text exposition, summed over label sets (engines, models);
-    per-position ones under 'per_pos' {position: count}. {} when the server exports none."""
+    per-position ones under 'per_pos' {position: count}; SGLang's acceptance-length gauge, the mean of its
+    label sets (ranks) that report one. {} when the server exports none."""
     out: dict[str, Any] = {}
+    lengths: list[float] = []
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         match = _SAMPLE.match(line)
-        if match is None or not match.group(1).startswith("vllm:spec_decode_"):
+        if match is None or not match.group(1).startswith(("vllm:spec_decode_", SGLANG_ACCEPT_LENGTH)):
             continue
         name, labels, raw = match.groups()
         try:
             value = float(raw)
         except ValueError:
             continue
-        if name == VLLM_PER_POS:
+        if name == SGLANG_ACCEPT_LENGTH:
+            if math.isfinite(value) and value >= 1.0:  # tau counts the target's own token: below 1 is no data
+                lengths.append(value)
+        elif name == VLLM_PER_POS:
             pos = re.search(r'position="(\d+)"', labels or "")
             if pos is not None:
                 per = out.setdefault("per_pos", {})
                 per[int(pos.group(1))] = per.get(int(pos.group(1)), 0.0) + value
         elif name in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED):
             out[name] = out.get(name, 0.0) + value
+    if lengths:
+        out[SGLANG_ACCEPT_LENGTH] = sum(lengths) / len(lengths)
     return out
 
 
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
-    """after - before; None when the counters are missing or moved backwards (a restarted server)."""
+    """after - before; None when the counters are missing or moved backwards (a restarted server). A server
+    with SGLang's gauge and no counters: the gauge as it is after the request (a gauge has no difference)."""
     if not after or VLLM_DRAFTS not in after:
-        return None
+        return {SGLANG_ACCEPT_LENGTH: after[SGLANG_ACCEPT_LENGTH]} if SGLANG_ACCEPT_LENGTH in after else None
     delta: dict[str, Any] = {k: after[k] - before.get(k, 0.0) for k in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED)
                              if k in after}
     per_after, per_before = after.get("per_pos", {}), before.get("per_pos", {})
@@ -271,7 +284,15 @@ class Counters:
             accepted = int(spec.get("num_accepted_draft_tokens") or 0)
             pos_accepted = tuple(int(n) for n in spec.get("num_accepted_tokens_per_pos") or ())
             pos_drafted = (steps,) * len(pos_accepted)
-            block = int(spec.get("block_size") or len(pos_accepted) + 1)
+            # dflash-cli serve sends block_size; vLLM num_spec_tokens (drafts per step) and the histogram
+            drafts = spec.get("num_spec_tokens")
+            block = int(spec.get("block_size") or (drafts + 1 if drafts else len(pos_accepted) + 1))
+            histogram = tuple(int(n) for n in spec.get("acceptance_histogram") or ())
+        elif self.metrics is not None and SGLANG_ACCEPT_LENGTH in self.metrics:
+            reported, block = True, 2
+            decode = max(generated - 1, 0)
+            steps = max(round(decode / self.metrics[SGLANG_ACCEPT_LENGTH]), 1) if decode else 0
+            accepted = max(decode - steps, 0)
         elif self.metrics is not None:
             reported = True
             steps = int(self.metrics.get(VLLM_DRAFTS, 0))
@@ -509,12 +530,12 @@ class RemoteRuntime:
         spec = self._field(f"{where}.speculative_decoding", (metrics or {}).get("speculative_decoding"), dict)
         if spec is None:
             return None
-        for key in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "block_size"):
+        for key in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "block_size",
+                    "num_spec_tokens"):
             self._field(f"{where}.speculative_decoding.{key}", spec.get(key), int)
-        per = self._field(f"{where}.speculative_decoding.num_accepted_tokens_per_pos",
-                          spec.get("num_accepted_tokens_per_pos"), list) or []
-        for n in per:
-            self._field(f"{where}.speculative_decoding.num_accepted_tokens_per_pos[i]", n, int, optional=False)
+        for key in ("num_accepted_tokens_per_pos", "acceptance_histogram"):
+            for n in self._field(f"{where}.speculative_decoding.{key}", spec.get(key), list) or []:
+                self._field(f"{where}.speculative_decoding.{key}[i]", n, int, optional=False)
         return spec
 
     def _reasoning(self, delta: dict[str, Any]) -> str:

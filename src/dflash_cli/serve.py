@@ -5,7 +5,9 @@ against the engines' DFlash documentation and source (see README, "When one GPU 
 
 - vLLM: `vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFTER,
   "num_speculative_tokens": B - 1}'`: a DFlash block is one anchor token plus B - 1 drafted ones (the
-  z-lab model cards give 15 for the 16-token drafters).
+  z-lab model cards give 15 for the 16-token drafters), and `--per-request-spec-decode-metrics summary`
+  (vLLM 0.29 and later) so that each response carries its own `metrics.speculative_decoding`, which
+  `--engine` reads in place of the server-wide /metrics counters.
 - SGLang: `python3 -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH
   --speculative-draft-model-path DRAFTER --speculative-num-draft-tokens B`: for DFLASH SGLang counts the
   whole block (its server args derive `speculative_num_steps = B - 1` from it; z-lab's example passes 16),
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 ENGINES = ("vllm", "sglang")
 # What --exec needs on PATH, and what to install when it is missing.
 EXECUTABLES = {"vllm": "vllm", "sglang": "python3"}
-INSTALL = {"vllm": "pip install vllm (a release with the dflash speculative method, 0.20 or later)",
+INSTALL = {"vllm": "pip install vllm (0.29 or later: the dflash method and per-request acceptance metrics)",
            "sglang": "pip install sglang (a release with --speculative-algorithm DFLASH)"}
 # Target repo names (lower case, without the org) of hybrid targets whose linear-attention state SGLang's
 # scheduler must keep in an extra buffer for speculative decoding.
@@ -49,7 +51,7 @@ def server_argv(pair: ServePair, engine: str, tp: int = 1, port: int | None = No
     if engine == "vllm":
         spec = {"method": "dflash", "model": pair.drafter, "num_speculative_tokens": pair.block_size - 1}
         argv = ["vllm", "serve", pair.target, "--tensor-parallel-size", str(tp),
-                "--speculative-config", json.dumps(spec)]
+                "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
     elif engine == "sglang":
         argv = ["python3", "-m", "sglang.launch_server", "--model-path", pair.target, "--tp-size", str(tp),
                 "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", pair.drafter,

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dflash_cli.engine.response import GenerationStats, Step
@@ -22,7 +22,9 @@ from dflash_cli.engine.response import GenerationStats, Step
 @dataclass
 class Request:
     """A prompt to decode and where its Steps go: on_event(("step", Step)), then ("done", Step | None) or
-    ("error", exception). `stop` strings end the reply before they appear (the text up to them is kept)."""
+    ("error", exception). `stop` strings end the reply before they appear (the text up to them is kept);
+    the Step then counts the tokens up to the one that completed the stop string, not the rest of its
+    verify step."""
 
     prompt: list[int]
     options: dict[str, Any]  # stream_generate's keyword arguments (max_new_tokens, temperature, ...)
@@ -164,10 +166,13 @@ class EngineWorker:
                                         controller=self.controller if adaptive else None, **request.options):
                 if request.cancelled.is_set():
                     break
+                text, kept = _cut(stopper, step)
+                if kept is not None:  # the tokens after the stop string are not part of the reply
+                    generated = step.stats.generated_tokens - len(step.tokens) + kept
+                    step = replace(step, stats=replace(step.stats, generated_tokens=generated))
                 last = step
-                text, stopped = stopper.feed(step.text)
-                _tell(request, ("step", (step, text, "stop" if stopped else None)))
-                if stopped:
+                _tell(request, ("step", (step, text, "stop" if kept is not None else None)))
+                if kept is not None:
                     break
         except Exception as error:  # noqa: BLE001 - every failure goes back to its client, the server goes on
             with self.lock:
@@ -181,6 +186,20 @@ class EngineWorker:
             if last is not None:
                 self.counters.add(last.stats)
         _tell(request, ("done", (last, stopper.flush(), time.time())))
+
+
+def _cut(stopper: StopMatcher, step: Step) -> tuple[str, int | None]:
+    """The step's text that may be sent, and where a stop string ended it: how many of the step's tokens
+    reach the one that completed the stop string (None: no stop string). Fed token by token, so a step that
+    committed several tokens counts only those up to the stop, as a one-token-at-a-time decode would."""
+    aligned = len(step.pieces) == len(step.tokens) and "".join(step.pieces) == step.text
+    out = []
+    for n, piece in enumerate(step.pieces if aligned else (step.text,), 1):
+        text, stopped = stopper.feed(piece)
+        out.append(text)
+        if stopped:
+            return "".join(out), n if aligned else len(step.tokens)
+    return "".join(out), None
 
 
 def _tell(request: Request, event: tuple[str, Any]) -> None:

@@ -148,12 +148,14 @@ def speculative_metrics(stats: GenerationStats) -> dict[str, Any]:
     }
 
 
-def usage(stats: GenerationStats | None, completion_tokens: int) -> dict[str, Any]:
+def usage(stats: GenerationStats | None) -> dict[str, Any]:
+    """completion_tokens: the reply's tokens, up to the one that completed a stop string (serving._cut); the
+    speculative metrics count every verify step as the engine ran it, as vLLM's per-request ones do."""
     if stats is None:
         return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     return {
-        "prompt_tokens": stats.prompt_tokens, "completion_tokens": completion_tokens,
-        "total_tokens": stats.prompt_tokens + completion_tokens,
+        "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.prompt_tokens - stats.prefilled_tokens},
         "metrics": {"speculative_decoding": speculative_metrics(stats),
                     "decode_tokens_per_second": round(stats.decode_tokens_per_second, 2),

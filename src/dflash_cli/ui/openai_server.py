@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -48,6 +50,9 @@ class ServerState:
         self.defaults, self.max_new_tokens = defaults, max_new_tokens
         self.system, self.think, self.chat_template = system, think, chat_template  # the server's own defaults
         self.started = int(time.time())
+        # prompts are encoded on worker threads (off the event loop), one at a time: a fast tokenizer's
+        # truncation and padding settings are state that concurrent calls can trip over
+        self.encoding = threading.Lock()
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -108,7 +113,7 @@ async def completions(request: Request, *, chat: bool) -> Response:
             raise ApiError(404, f"the model {body.get('model')!r} is not served here (this server serves "
                                 f"{state.model!r})", param="model", code="model_not_found")
         parsed = parse_request(body, chat=chat, defaults=state.defaults, max_new_tokens=state.max_new_tokens)
-        ids, inside = encoded(state, parsed)
+        ids, inside = await run_in_threadpool(encoded, state, parsed)  # a long prompt takes a while
     except ApiError as e:
         return error_response(e)
     except ClientDisconnect:
@@ -157,9 +162,11 @@ async def watch_disconnect(request: Request, job: EngineRequest) -> None:
 
 
 def encoded(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bool]:
-    """prompt_ids, with a chat template's own refusal (roles out of order, no user turn) as a 400."""
+    """prompt_ids (run on a worker thread), with a chat template's own refusal (roles out of order, no user
+    turn) as a 400."""
     try:
-        return prompt_ids(state, parsed)
+        with state.encoding:
+            return prompt_ids(state, parsed)
     except Exception as e:  # noqa: BLE001 - templates raise what they like (jinja2's errors, TypeError, ...)
         raise ApiError(400, f"the prompt cannot be built: {type(e).__name__}: {e}",
                        param="messages" if parsed.chat else "prompt") from None
@@ -195,9 +202,8 @@ async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[
     reply = "".join(text)
     reasoning, answer = split_reply(reply, inside) if shape.chat else (None, reply)
     stats = last.stats if last is not None else None
-    generated = stats.generated_tokens if stats is not None else 0
     reason = finish_reason(stats.finish_reason if stats else None, stopped)
-    return JSONResponse(shape.whole(answer, reasoning, reason, usage(stats, generated)))
+    return JSONResponse(shape.whole(answer, reasoning, reason, usage(stats)))
 
 
 class ReasoningStream:
@@ -265,7 +271,7 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
         stats = last.stats if last is not None else None
         yield sse(shape.chunk(reason=finish_reason(stats.finish_reason if stats else None, stopped)))
         if parsed.include_usage:
-            yield sse(shape.usage_chunk(usage(stats, stats.generated_tokens if stats else 0)))
+            yield sse(shape.usage_chunk(usage(stats)))
         yield b"data: [DONE]\n\n"
     except ApiError as e:  # the engine failed after the reply started: the error as the last event
         yield sse(e.body())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -72,7 +72,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def run_serve(out: Any, command: Any, *, host: str, port: int, api_key: str | None, max_queue: int) -> int:
+def run_serve(out: Any, command: Any, *, host: str, port: int, api_key: str | None, max_queue: int) -> NoReturn:
     """`serve`'s body (`command`: ui.common.CommandOptions; its sampling settings are the requests' defaults)."""
     try:
         import uvicorn
@@ -103,4 +103,7 @@ def run_serve(out: Any, command: Any, *, host: str, port: int, api_key: str | No
     finally:
         worker.stop()
         sock.close()
-    return 0
+    # uvicorn stops only on SIGINT/SIGTERM and then re-raises the signal, which reaches guarded as a
+    # KeyboardInterrupt (130, 143); a SIGINT this process inherited as ignored (a job a script started with
+    # `&`) is re-raised to no effect and comes back here: the same stop all the same
+    raise KeyboardInterrupt
