@@ -67,13 +67,16 @@ class StaticCache:
     other `slack` rows let the sequence return up to `slack` positions behind the newest write
     (`reachable`). Every row a query may see at position p was written at or before p, as in the
     full-length buffers.
+
+    `batch` > 1 holds that many independent sequences, one per batch row (batched generation of training
+    data, train/batched.py: `FastPath.forward_rows`); `length` then means nothing, each row's is the caller's.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, *,
                  dtype: torch.dtype, device: torch.device | Sequence[torch.device],
                  linear: LinearStates | None = None, attention_layers: set[int] | None = None,
                  layer_shapes: Sequence[tuple[int, int, int]] | None = None,
-                 ring: torch.Tensor | None = None, window: int | None = None):
+                 ring: torch.Tensor | None = None, window: int | None = None, batch: int = 1):
         # one device for all layers, or each layer's own (a target split over devices)
         self.devices = list(device) if isinstance(device, Sequence) else [device] * num_layers
 
@@ -81,7 +84,7 @@ class StaticCache:
             # (kv heads, head dim, rows) of layer i: the model's own, or all layers alike
             heads, dim, rows = layer_shapes[i] if layer_shapes is not None else (kv_heads, head_dim, capacity)
             rows = rows if attention_layers is None or i in attention_layers else 0
-            return torch.zeros((1, heads, rows, dim), dtype=dtype, device=self.devices[i])
+            return torch.zeros((batch, heads, rows, dim), dtype=dtype, device=self.devices[i])
 
         self.keys = [buffer(i) for i in range(num_layers)]
         self.values = [buffer(i) for i in range(num_layers)]
@@ -364,7 +367,9 @@ class StaticForward(nn.Module):
     (1, n, taps*H) or None, and for each linear-attention layer (hybrid targets) the tensors of its
     BlockRecord (the layer reads `convs`/`states` and writes nothing). `ring` is the cache's slot map when
     its sliding-window layers keep a ring (StaticCache): those layers write row p % R and attend over all
-    R rows, masked by the positions the rows hold.
+    R rows, masked by the positions the rows hold. A batch of b sequences runs as ids (b, n) with positions
+    (b, n), each row its own, against buffers of b rows (logits (b*n, V), taps (b, n, taps*H)): batched
+    generation of training data, on layers without linear attention.
 
     Attention folds each key/value head's group of query heads into its rows, (1, kv, group*n, hd), so the
     fused attention kernels run without repeating K/V or a grouped-query fallback (in bf16 on a CPU, 4x
@@ -456,43 +461,46 @@ class StaticForward(nn.Module):
                      ring: torch.Tensor | None):
         """Per call, not per layer: the ring's slots, the rotary tables per layer type, the masks per kind of
         layer, and for row-exact calls the blocked keys and q|k rope tables."""
-        n = positions.shape[0]
+        n = positions.shape[-1]
+        rows_at = positions if positions.dim() == 2 else positions[None]  # (batch rows or 1, n)
         slots = None
         if ring is not None:  # the ring's rows now hold these positions (masks below read it)
             slots = positions % ring.shape[0]
             ring.index_copy_(0, slots, positions)
         ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for key in self.rope_set:
-            cos, sin = self.rotary(h, positions[None]) if key is None else self.rotary(h, positions[None], key)
-            cos, sin = cos[:, :, None], sin[:, :, None]  # (1, n, 1, rotary): rope before the heads move forward
+            cos, sin = self.rotary(h, rows_at) if key is None else self.rotary(h, rows_at, key)
+            cos, sin = cos[:, :, None], sin[:, :, None]  # (b, n, 1, rotary): rope before the heads move forward
             half = cos.shape[-1] // 2
             ropes[key] = (cos, sin, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))  # rope_rows' sin
-        after = positions[:, None] - key_positions[None, :]  # (n, L): how far each key is behind each query
+        after = rows_at[:, :, None] - key_positions  # (b, n, L): how far each key is behind each query
         masks: dict[tuple[int | None, int, bool], torch.Tensor] = {}
         for window, group, in_ring in self.kind_set:
             if in_ring:
                 assert ring is not None and window is not None
-                behind = positions[:, None] - ring[None, :]  # (n, R); rows holding no position are far ahead
+                behind = rows_at[:, :, None] - ring  # (b, n, R); rows holding no position are far ahead
                 seen = (behind >= 0) & (behind < window)
             else:
                 seen = after >= 0 if window is None else (after >= 0) & (after < window)
-            masks[(window, group, in_ring)] = seen.repeat(group, 1)[None, None]  # (1, 1, group*n, keys)
+            masks[(window, group, in_ring)] = seen.repeat(1, group, 1)[:, None]  # (b, 1, group*n, keys)
         exact = None
-        if self.row_exact and n <= ROW_EXACT_ATTENTION:
+        # A batch of sequences (batched generation) attends through row_exact_attention too: for many rows of a
+        # few queries each, torch's fused CPU kernel measured 2-3x slower than its matmuls.
+        if (self.row_exact and n <= ROW_EXACT_ATTENTION) or rows_at.shape[0] > 1:
             # per call, not per layer: the blocked keys, and rope tables for q|k at once with the attention
             # scale folded into q's (so a plain layer ropes and scales q and k in four ops)
             qk_rope = None
             cos, _, signed = ropes[self.rope_set[0]]
             if self.uniform and cos.shape[-1] == self.head_dim:
-                qk_rope = tuple(torch.cat([t.expand(1, n, self.heads, -1) * self.scaling,
-                                           t.expand(1, n, self.kv_heads, -1)], dim=2) for t in (cos, signed))
+                qk_rope = tuple(torch.cat([t.expand(-1, n, self.heads, -1) * self.scaling,
+                                           t.expand(-1, n, self.kv_heads, -1)], dim=2) for t in (cos, signed))
             exact = ({kind: ~mask for kind, mask in masks.items()}, qk_rope)
         return slots, ropes, masks, exact
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
                 states: Sequence[torch.Tensor] = (), ring: torch.Tensor | None = None):
-        h = self.embed(ids)  # (1, n, H)
+        h = self.embed(ids)  # (b, n, H)
         slots, ropes, masks, exact = self._call_tables(h, positions, key_positions, ring)
         hot = here = h.device
         # the per-call inputs of the layers, copied once per forward to each device that needs them
@@ -539,7 +547,8 @@ class StaticForward(nn.Module):
             h = move(h, hot)
         if self.last_logit_only:
             h = h[:, -1:]
-        logits = self.lm_head(self.final_norm(h)[0])  # (n, V); a 2-D input keeps CPU bf16 on the plain matmul
+        # (b*n, V); a 2-D input keeps CPU bf16 on the plain matmul
+        logits = self.lm_head(self.final_norm(h).flatten(0, 1))
         if self.softcap:  # Gemma: cap * tanh(logits / cap), as transformers' forward
             logits = torch.tanh(logits / self.softcap) * self.softcap
         hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
@@ -567,29 +576,29 @@ class StaticForward(nn.Module):
 
     def _attention(self, i, proj, x, write_at, key_positions, mask, rope, keys, values, blocked=None,
                    qk_rope=None):
-        n, heads = x.shape[1], self.heads
+        b, n, heads = x.shape[0], x.shape[1], self.heads
         kv, hd = self.shapes[i]
         qkv, scale = proj["qkv"], self.scalings[i]
         if (qk_rope is not None and self.qk_norms[i] is None and not self.gated
                 and isinstance(qkv, WeightOnlyLinear)):
-            y = qkv.whole(x)  # (1, n, (heads + 2 kv) * hd): q and k side by side, roped (and q scaled) at once
-            qk = rope_rows(y[..., :(heads + kv) * hd].view(1, n, heads + kv, hd), *qk_rope)
+            y = qkv.whole(x)  # (b, n, (heads + 2 kv) * hd): q and k side by side, roped (and q scaled) at once
+            qk = rope_rows(y[..., :(heads + kv) * hd].view(b, n, heads + kv, hd), *qk_rope)
             q, k, v = qk[:, :, :heads], qk[:, :, heads:], y[..., (heads + kv) * hd:]
             return self._attend(i, proj, q, k, v, write_at, key_positions, mask, keys, values, blocked, 1.0)
         q, k, *rest = qkv(x)
         v = rest[0] if rest else k  # no v_proj (Gemma 4's global layers): the values are the raw keys
         gate = None
         if self.gated:
-            q, gate = q.reshape(1, n, -1, 2 * hd).chunk(2, dim=-1)
-            gate = gate.reshape(1, n, -1)
-        q = q.reshape(1, n, heads, hd)
-        k = k.reshape(1, n, kv, hd)
+            q, gate = q.reshape(b, n, -1, 2 * hd).chunk(2, dim=-1)
+            gate = gate.reshape(b, n, -1)
+        q = q.reshape(b, n, heads, hd)
+        k = k.reshape(b, n, kv, hd)
         qk_norms = self.qk_norms[i]
         if qk_norms is not None:
             q, k = qk_norms[0](q), qk_norms[1](k)
         v_norm = self.v_norms[i]
         if v_norm is not None:
-            v = v_norm(v.reshape(1, n, kv, hd))
+            v = v_norm(v.reshape(b, n, kv, hd))
         cos, sin, signed = rope
         if cos.shape[-1] == hd:
             q, k = rope_rows(q, cos, signed), rope_rows(k, cos, signed)
@@ -598,24 +607,33 @@ class StaticForward(nn.Module):
         return self._attend(i, proj, q, k, v, write_at, key_positions, mask, keys, values, blocked, scale, gate)
 
     def _attend(self, i, proj, q, k, v, write_at, key_positions, mask, keys, values, blocked, scale, gate=None):
-        """Writes k, v (1, n, kv, hd) into the cache rows `write_at` and attends q (1, n, heads, hd) over the
+        """Writes k, v (b, n, kv, hd) into the cache rows `write_at` and attends q (b, n, heads, hd) over the
         key window (a ring layer: all its rows)."""
-        n, heads = q.shape[1], self.heads
+        b, n, heads = q.shape[0], q.shape[1], self.heads
         kv, hd = self.shapes[i]
-        keys.index_copy_(2, write_at, k.transpose(1, 2))
-        values.index_copy_(2, write_at, v.reshape(1, n, kv, hd).transpose(1, 2))
+        write_rows(keys, write_at, k.transpose(1, 2))
+        write_rows(values, write_at, v.reshape(b, n, kv, hd).transpose(1, 2))
         rows = keys.shape[2] if self.kinds[i][2] else key_positions.shape[0]
-        # (1, n, heads, hd) -> (1, kv, group*n, hd): query head h belongs to key/value head h // group
-        folded = q.reshape(1, n, kv, heads // kv, hd).permute(0, 2, 3, 1, 4).reshape(1, kv, -1, hd)
+        # (b, n, heads, hd) -> (b, kv, group*n, hd): query head h belongs to key/value head h // group
+        folded = q.reshape(b, n, kv, heads // kv, hd).permute(0, 2, 3, 1, 4).reshape(b, kv, -1, hd)
         if blocked is not None:
             out = row_exact_attention(folded, keys[:, :, :rows], values[:, :, :rows], blocked, scale)
         else:
             out = F.scaled_dot_product_attention(folded, keys[:, :, :rows], values[:, :, :rows],
                                                  attn_mask=mask, scale=scale)
-        out = out.reshape(1, kv, heads // kv, n, hd).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
+        out = out.reshape(b, kv, heads // kv, n, hd).permute(0, 3, 1, 2, 4).reshape(b, n, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return proj["o"](out)
+
+
+def write_rows(buffer: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
+    """Writes K/V rows (b, heads, n, hd) into a cache buffer (b, heads, capacity, hd) at `at`: (n,) buffer
+    rows for every sequence alike (decoding), or (b, n), each sequence its own (batched generation)."""
+    if at.dim() == 1:
+        buffer.index_copy_(2, at, rows)
+    else:  # advanced indices first: the target is (b, n, heads, hd). (scatter_ measured 100x slower.)
+        buffer[torch.arange(at.shape[0], device=at.device)[:, None], :, at] = rows.transpose(1, 2)
 
 
 def _moved(inputs: Any, device: torch.device) -> Any:
@@ -737,8 +755,9 @@ class FastPath:
             self._shared = self.new_cache()
         return self._shared
 
-    def new_cache(self) -> StaticCache:
-        """A cache of its own (a second allocation of the whole context: decoding uses shared_cache())."""
+    def new_cache(self, batch: int = 1) -> StaticCache:
+        """A cache of its own (a second allocation of the whole context: decoding uses shared_cache()); `batch`
+        sequences side by side for forward_rows."""
         devices = self.devices or [self.device] * self.num_layers
         linear_devices = [d for i, d in enumerate(devices) if i not in self.attention_layers]
         linear = (LinearStates(self.linear_nets, dtype=self.dtype, device=linear_devices)
@@ -750,7 +769,7 @@ class FastPath:
                 if self.ring is not None else None)
         cache = StaticCache(self.num_layers, self.kv_heads, self.head_dim, self.capacity, dtype=self.dtype,
                             device=devices, linear=linear, attention_layers=self.attention_layers,
-                            layer_shapes=shapes, ring=ring, window=self.ring[1] if self.ring else None)
+                            layer_shapes=shapes, ring=ring, window=self.ring[1] if self.ring else None, batch=batch)
         if self.compiled and self.device.type == "cuda":  # CUDA graphs read the buffers where they are
             buffers = cache.keys + cache.values + ([ring] if ring is not None else [])
             if linear is not None:
@@ -820,6 +839,30 @@ class FastPath:
                 if last_logit_only:  # a prompt: keep the state before its last token for /regen
                     cache.linear.save_checkpoint(end - 1)
         cache.length = end
+        return logits, hidden
+
+    def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, rows: slice, *,
+                     taps: bool, last_logit_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An eager forward of several sequences at once (batched generation, train/batched.py): row r of
+        `ids` (b, n) runs at positions[r] (b, n), or all rows at `positions` (n,), in batch row rows[r] of a
+        cache from new_cache(batch=...). Each sequence keeps its own length (the caller's; cache.length is
+        not used), with buffer row == position, so a query at p sees the rows <= p of its own sequence only.
+        Returns logits (b*n, V) (b, V with last_logit_only) and, with taps, the tapped states (b, n, F).
+        Targets with rings, linear-attention layers or layers on several devices decode one sequence only."""
+        assert cache.ring is None and cache.linear is None and self.devices is None
+        end = int(positions.max()) + 1
+        if end > self.context:
+            from dflash_cli.engine.errors import InvalidSettingError
+
+            raise InvalidSettingError(f"the sequence needs {end} positions, the cache holds {self.context}")
+        # The keys the longest sequence needs, in steps of 32 (nothing is compiled here, and a batch reads every
+        # row's keys up to the window); once that is most of the buffer, the whole buffer: its rows are then
+        # contiguous, and a CPU matmul over a window of them measured 5x slower in bf16 (a copy first).
+        window = -(-end // 32) * 32
+        keys_at = torch.arange(cache.capacity if 2 * window > cache.capacity else window, device=ids.device)
+        with torch.inference_mode():
+            logits, hidden, _ = self._module(taps, last_logit_only)(
+                ids, positions, keys_at, [k[rows] for k in cache.keys], [v[rows] for v in cache.values])
         return logits, hidden
 
     def _in_pieces(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,

@@ -39,7 +39,7 @@ class TrainConfig:
     taps: list[int] | None = None
     # the data: the target's replies to the prompts (train/data.py)
     max_new_tokens: int = _bounded(200, "--max-new-tokens", 2)
-    gen_batch: int = _bounded(16, "--gen-batch", 1)
+    gen_batch: int | None = _bounded(None, "--gen-batch", 1)  # None: 128 rows batched, 16 via transformers
     gen_time_budget: float | None = _bounded(None, "--gen-budget", 0)  # this run's; None: answer every prompt
     distill_topk: int = _bounded(0, "--distill-topk", 0)  # the target's k likeliest tokens stored per position
     # the fit (train/trainer.py)

@@ -1,38 +1,33 @@
 """Training data: the target answers prompts itself; token ids and tapped features are cached on disk.
 
-Prompts are chat-templated and answered greedily in batches (left padding) by the target's transformers
-model. Forward hooks on the tapped decoder layers capture their outputs during the same generate call, so
-no second pass is needed. With `topk` > 0 a logits processor also keeps the target's k most likely tokens
-and their log-probabilities at every response position, for distillation from the target's distribution
-rather than from its greedy token alone. Each batch becomes one safetensors shard (`ids.{i}`, `feat.{i}`
-in bf16, and `top_ids.{i}` int32 / `top_logp.{i}` fp16 with top-k) and the JSON index records which
-prompts are done: a re-run skips them and resumes where it stopped.
+Prompts are chat-templated and answered greedily in batches. Llama-style targets on a CPU run the batched
+generator (train/batched.py: the fast path's static-cache forward with a batch dimension, each row its own
+sequence); the others run transformers' `generate` (left padding), where forward hooks on the tapped decoder
+layers capture their outputs during the same generate call, so no second pass is needed. With `topk` > 0
+the target's k most likely tokens and their log-probabilities are also kept at every response position,
+for distillation from the target's distribution rather than from its greedy token alone. Each batch of
+answers becomes one safetensors shard (`ids.{i}`, `feat.{i}` in bf16, and `top_ids.{i}` int32 /
+`top_logp.{i}` fp16 with top-k) and the JSON index records which prompts are done (and which generator
+answered them): a re-run skips them and resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.target import Target
+from dflash_cli.train.example import Example
+
+if TYPE_CHECKING:
+    from dflash_cli.train.batched import BatchedGenerator
 
 INDEX = "index.json"
-
-
-@dataclass
-class Example:
-    ids: torch.Tensor  # (L,) prompt + response token ids
-    features: torch.Tensor  # (L-1, n_taps*H) tapped states of every token fed to the target (not the last)
-    prompt_len: int
-    # (L - prompt_len, k): the target's k most likely ids at each response position and their log-probs;
-    # row r is the distribution the response's token r was chosen from. None without top-k data.
-    top_ids: torch.Tensor | None = None
-    top_logp: torch.Tensor | None = None
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -135,23 +130,67 @@ def generate_batch(target: Target, prompts_ids: list[list[int]], taps: Sequence[
 
 
 def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Sequence[int], cache_dir: str | Path, *,
-                  max_new_tokens: int = 200, batch_size: int = 16, stop_ids: Sequence[int] = (),
+                  max_new_tokens: int = 200, batch_size: int | None = None, stop_ids: Sequence[int] = (),
                   on_progress: Callable[[int, int, int, float], None] | None = None,
                   time_budget: float | None = None, topk: int = 0) -> list[int]:
     """Generates and stores answers for the prompts not yet in `cache_dir`; returns the indices done.
 
-    time_budget: seconds; no new batch starts after it is spent (the rest waits for a later run).
+    Llama-style targets on a CPU answer through the batched generator (train/batched.py), the others
+    through transformers' generate (`generate_batch`); both store the same shards.
+    batch_size: prompts answered together, and per shard (default: batched.DEFAULT_WIDTH, or 16 through
+    transformers' generate).
+    time_budget: seconds; no new prompt starts after it is spent (those under way finish; the rest waits
+    for a later run).
     topk: also store the target's k most likely tokens per response position (0 = none); a cache keeps
     the k it was started with.
 
-    on_progress(done_prompts, total_prompts, new_tokens, seconds) is called after each batch.
+    on_progress(done_prompts, total_prompts, new_tokens, seconds) is called after each shard.
     """
     import time
 
-    from dflash_cli.engine.files import save_tensors
+    from dflash_cli.train.batched import DEFAULT_WIDTH, batched_generator
 
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
+    index, topk = _open_index(cache_dir, target, taps, max_new_tokens, topk)
+    done = {int(i) for s in index["shards"] for i in s["prompts"]}
+    todo = [i for i in range(len(prompts)) if i not in done]
+    encoded = {i: _encode(tokenizer, prompts[i]) for i in todo}
+    gen = (batched_generator(target, taps, list(encoded.values()), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                             topk=topk, width=batch_size or DEFAULT_WIDTH)
+           if todo and (time_budget is None or time_budget > 0) else None)
+    size = gen.width if gen is not None else batch_size or 16
+    # similar lengths together (less padding) within windows of a few batches, so that a run stopped early
+    # has answered the first prompts of the list, held-out ones included
+    window = size * 8
+    todo = [i for w in range(0, len(todo), window) for i in sorted(todo[w : w + window], key=lambda i: len(encoded[i]))]
+    started = time.perf_counter()
+
+    def admit() -> bool:
+        return time_budget is None or time.perf_counter() - started < time_budget
+
+    if gen is not None:
+        shards = _batched_shards(gen, todo, encoded, size, admit)
+    else:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (list(stop_ids) or [0])[0]
+        shards = _transformers_shards(target, todo, encoded, size, admit, taps=taps, max_new_tokens=max_new_tokens,
+                                      stop_ids=stop_ids, pad_id=pad_id, topk=topk)
+    form = f"batched {gen.fmt.name}" if gen is not None else "transformers"
+    t0 = time.perf_counter()
+    for chunk, seqs in shards:
+        _store_shard(cache_dir, index, chunk, seqs, form)
+        done.update(chunk)
+        if on_progress:
+            new = sum(len(s.ids) - s.prompt_len for s in seqs)
+            on_progress(len(done), len(prompts), new, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+    return sorted(done)
+
+
+def _open_index(cache_dir: Path, target: Target, taps: Sequence[int], max_new_tokens: int,
+                topk: int) -> tuple[dict, int]:
+    """The folder's index (a new one when it holds no answers) and the k of top-k to store; taps other than the
+    folder's are an error."""
     index = read_index(cache_dir)
     key = {"taps": list(taps), "max_new_tokens": max_new_tokens, "target": target.name, "topk": topk}
     if index.get("key", key)["taps"] != list(taps):
@@ -160,37 +199,49 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
     topk = key["topk"] = stored_topk(cache_dir, topk)
     if not index.get("shards"):
         index["key"], index["shards"] = key, []
-    done = {int(i) for s in index["shards"] for i in s["prompts"]}
-    todo = [i for i in range(len(prompts)) if i not in done]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (list(stop_ids) or [0])[0]
-    encoded = {i: _encode(tokenizer, prompts[i]) for i in todo}
-    # similar lengths together (less padding) within windows of a few batches, so that a run stopped early
-    # has answered the first prompts of the list, held-out ones included
-    window = batch_size * 8
-    todo = [i for w in range(0, len(todo), window) for i in sorted(todo[w : w + window], key=lambda i: len(encoded[i]))]
-    started = time.perf_counter()
-    for start in range(0, len(todo), batch_size):
-        if time_budget is not None and time.perf_counter() - started >= time_budget:
-            break
-        chunk = todo[start : start + batch_size]
-        t0 = time.perf_counter()
-        seqs = generate_batch(target, [encoded[i] for i in chunk], taps, max_new_tokens=max_new_tokens,
-                              stop_ids=stop_ids, pad_id=pad_id, topk=topk)
-        name = f"shard-{len(index['shards']):05d}.safetensors"
-        tensors = {}
-        for j, s in enumerate(seqs):
-            tensors[f"ids.{j}"] = s.ids
-            tensors[f"feat.{j}"] = s.features
-            if s.top_ids is not None and s.top_logp is not None:
-                tensors[f"top_ids.{j}"], tensors[f"top_logp.{j}"] = s.top_ids, s.top_logp
-        save_tensors(tensors, cache_dir / name)
-        index["shards"].append({"file": name, "prompts": chunk, "prompt_lens": [s.prompt_len for s in seqs]})
-        _write_index(cache_dir, index)  # after the shard: an interrupted run never indexes a partial file
-        done.update(chunk)
-        if on_progress:
-            new = sum(len(s.ids) - s.prompt_len for s in seqs)
-            on_progress(len(done), len(prompts), new, time.perf_counter() - t0)
-    return sorted(done)
+    return index, topk
+
+
+def _transformers_shards(target: Target, todo: list[int], encoded: dict[int, list[int]], size: int,
+                         admit: Callable[[], bool], **options) -> Iterator[tuple[list[int], list[Example]]]:
+    """(prompt indices, their examples) per batch of transformers' generate, while `admit()`."""
+    for start in range(0, len(todo), size):
+        if not admit():
+            return
+        chunk = todo[start : start + size]
+        yield chunk, generate_batch(target, [encoded[i] for i in chunk], **options)
+
+
+def _batched_shards(gen: BatchedGenerator, todo: list[int], encoded: dict[int, list[int]], size: int,
+                    admit: Callable[[], bool]) -> Iterator[tuple[list[int], list[Example]]]:
+    """(prompt indices, their examples) per `size` answers of the batched generator, in the order they finish."""
+    chunk: list[int] = []
+    seqs: list[Example] = []
+    for i, example in gen.answers(((i, encoded[i]) for i in todo), admit):
+        chunk.append(i)
+        seqs.append(example)
+        if len(chunk) == size:
+            yield chunk, seqs
+            chunk, seqs = [], []
+    if chunk:
+        yield chunk, seqs
+
+
+def _store_shard(cache_dir: Path, index: dict, chunk: list[int], seqs: list[Example], form: str) -> None:
+    """Writes one shard and then its entry in the index (an interrupted run never indexes a partial file)."""
+    from dflash_cli.engine.files import save_tensors
+
+    name = f"shard-{len(index['shards']):05d}.safetensors"
+    tensors = {}
+    for j, s in enumerate(seqs):
+        tensors[f"ids.{j}"] = s.ids
+        tensors[f"feat.{j}"] = s.features
+        if s.top_ids is not None and s.top_logp is not None:
+            tensors[f"top_ids.{j}"], tensors[f"top_logp.{j}"] = s.top_ids, s.top_logp
+    save_tensors(tensors, cache_dir / name)
+    index["shards"].append({"file": name, "prompts": chunk, "prompt_lens": [s.prompt_len for s in seqs],
+                            "generator": form})
+    _write_index(cache_dir, index)
 
 
 def stored_topk(cache_dir: str | Path, topk: int) -> int:

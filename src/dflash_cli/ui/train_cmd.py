@@ -65,8 +65,9 @@ def _parse_taps(_ctx, _param, value):
               help="Random anchors (blocks) per sequence per step.")
 @click.option("--max-new-tokens", type=_ints("max_new_tokens"), default=TrainConfig.max_new_tokens,
               show_default=True, help="Longest generated response per prompt.")
-@click.option("--gen-batch", type=_ints("gen_batch"), default=TrainConfig.gen_batch, show_default=True,
-              help="Prompts per batched generation.")
+@click.option("--gen-batch", type=_ints("gen_batch"), default=TrainConfig.gen_batch,
+              help="Prompts answered at once [default: 128 on the fast path's batched generator (Llama-style "
+                   "targets on a CPU), 16 through transformers' generate].")
 @click.option("--gen-budget", "gen_time_budget", type=_floats("gen_time_budget"), default=None, metavar="MIN",
               help="Generate data for at most this many minutes in this run, then train on what is stored "
                    "(a later run with the same folder answers the rest); 0 = train on what is stored.")
