@@ -237,6 +237,16 @@ def test_distill_options_are_checked_before_anything_loads(tmp_path):
 
 # -- the draft vocabulary -----------------------------------------------------------------------------
 
+def _restricted_and_full(tmp_path, tiny_target_dir, vocab_ids):
+    """The target, a drafter restricted to `vocab_ids` (attached), and the same weights over the full vocabulary."""
+    folder = _drafter_with_vocab(tmp_path, vocab_ids)
+    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
+    drafter = load_drafter(folder, device=DEVICE, dtype="float32")
+    full = load_drafter(folder, device=DEVICE, dtype="float32")
+    full.draft_vocab = None
+    attach_drafter(target, drafter)
+    return target, drafter, full
+
 def _drafter_with_vocab(tmp_path, ids, cfg=None):
     cfg = cfg or drafter_config(target_config("qwen3"))
     folder = save_random_drafter(tmp_path / "d", cfg, seed=2, scale=3.0)
@@ -250,12 +260,7 @@ def test_drafts_come_from_the_draft_vocabulary_only(tmp_path, tiny_target_dir):
     from dflash_cli.engine.sampling import Sampler
 
     vocab_ids = torch.arange(3, VOCAB, 3)  # a third of the vocabulary
-    folder = _drafter_with_vocab(tmp_path, vocab_ids)
-    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
-    drafter = load_drafter(folder, device=DEVICE, dtype="float32")
-    full = load_drafter(folder, device=DEVICE, dtype="float32")
-    full.draft_vocab = None
-    attach_drafter(target, drafter)
+    target, drafter, full = _restricted_and_full(tmp_path, tiny_target_dir, vocab_ids)
     context = target.forward(torch.tensor([[5, 9, 30, 41]], device=DEVICE), target.new_cache(), 0, taps=True)[1]
     anchor = torch.tensor([7], device=DEVICE)
     got = drafter.draft(context, anchor, 4, 8, drafter.new_cache(), target.embed_weight, target.lm_head)
@@ -277,13 +282,8 @@ def test_sampled_drafts_from_a_draft_vocabulary_are_the_samplers_choice_at_each_
     lossless output, would not show a draft drawn with another position's noise: only lower acceptance."""
     from dflash_cli.engine.sampling import Sampler, sampling_probs
 
-    vocab_ids = torch.arange(3, VOCAB, 3)
-    folder = _drafter_with_vocab(tmp_path, vocab_ids)
-    target = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
-    drafter = load_drafter(folder, device=DEVICE, dtype="float32")
-    full = load_drafter(folder, device=DEVICE, dtype="float32")
-    full.draft_vocab = None
-    attach_drafter(target, drafter)
+    vocab_ids = torch.arange(3, VOCAB, 3)  # a third of the vocabulary
+    target, drafter, full = _restricted_and_full(tmp_path, tiny_target_dir, vocab_ids)
     context = target.forward(torch.tensor([[5, 9, 30, 41, 17, 23]], device=DEVICE), target.new_cache(), 0,
                              taps=True)[1]
     anchor, start, block = torch.tensor([7], device=DEVICE), 6, drafter.block_size

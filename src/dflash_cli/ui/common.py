@@ -182,9 +182,8 @@ def generation_settings(values: dict[str, Any]):
     """The per-reply settings of sampling_options' values (and --max-context)."""
     from dflash_cli.session import GenerationSettings
 
-    given = _present(values, GenerationSettings)
-    given.pop("chat_template", None)
-    return GenerationSettings(**given, chat_template=not values.get("no_chat_template", False))
+    return GenerationSettings(**_present(values, GenerationSettings),
+                              chat_template=not values.get("no_chat_template", False))
 
 
 def _present(values: dict[str, Any], cls: Any) -> dict[str, Any]:
