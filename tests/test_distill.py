@@ -103,12 +103,12 @@ def _examples(tiny_target_dir, topk):
     return target, examples, make_head(target.lm_head, None)
 
 
-def reference_block_loss(h, weight, batch, block_size, gamma, distill):
+def reference_block_loss(h, weight, batch, block_size, gamma, distill, softcap=None):
     """block_loss written out slot by slot from its definition, independent of the trainer's code: slot k
     (1..B-1) of the block at anchor p predicts x_{p+k} (if inside the sequence) with weight exp(-(k-1)/gamma);
     its loss is (1 - distill) * cross-entropy + distill * KL(p || q), p = the target's stored top-k
     distribution of position p+k renormalised over its k ids, q = softmax of the drafter's logits there;
-    the result is the weighted mean over the slots."""
+    the result is the weighted mean over the slots. With `softcap`, q is of softcap * tanh(logits / softcap)."""
     total = weights = 0.0
     n_seq, n_anchors = batch.anchors.shape
     for i in range(n_seq):
@@ -118,7 +118,10 @@ def reference_block_loss(h, weight, batch, block_size, gamma, distill):
                 pos = anchor + k
                 if pos >= int(batch.lengths[i]):
                     continue
-                logq = torch.log_softmax(h[i, a * block_size + k].double() @ weight.double().T, dim=-1)
+                logits = h[i, a * block_size + k].double() @ weight.double().T
+                if softcap:
+                    logits = softcap * torch.tanh(logits / softcap)
+                logq = torch.log_softmax(logits, dim=-1)
                 cross_entropy = -logq[int(batch.ids[i, pos])]
                 top_p = torch.softmax(batch.top_logp[i, pos].double(), dim=-1)  # renormalised over the top k
                 kl = sum(pj * (torch.log(pj) - logq[int(j)]) for pj, j in zip(top_p, batch.top_ids[i, pos]))
@@ -161,6 +164,28 @@ def test_block_loss_mixes_cross_entropy_and_kl_per_slot(tiny_target_dir):
     no_top = batch._replace(top_ids=None, top_logp=None)
     with pytest.raises(ValueError, match="needs top-k data"):
         block_loss(drafter, target.embed_weight, head, no_top, 7.0, None, 0.5)
+
+
+def test_a_soft_capped_head_puts_the_cap_into_the_loss(tiny_target_dir):
+    """A Gemma target caps its logits, and decoding caps the drafter's with the same cap: the loss must see
+    the capped distribution (a cap of a quarter of the largest logit changes it)."""
+    import random
+
+    from dflash_cli.train.trainer import block_loss, make_batch, make_head
+
+    target, examples, plain = _examples(tiny_target_dir, topk=6)
+    drafter = random_drafter(drafter_config(target_config("qwen3"), block_size=4), seed=3).to(DEVICE)
+    drafter.init_rotary(torch.device(DEVICE))
+    batch = make_batch(examples, 3, 4, random.Random(0), DEVICE)
+    uncapped, _, h = block_loss(drafter, target.embed_weight, plain, batch, 7.0, None, 0.5)
+    cap = plain.logits(h).abs().max().item() / 4
+    capped = make_head(target.lm_head, None, softcap=cap)
+    loss, _, h = block_loss(drafter, target.embed_weight, capped, batch, 7.0, None, 0.5)
+    weight = target.lm_head.weight.detach()
+    assert loss.item() == pytest.approx(reference_block_loss(h, weight, batch, 4, 7.0, 0.5, cap).item(), rel=1e-5)
+    assert uncapped.item() != pytest.approx(loss.item(), rel=1e-2)
+    sub = make_head(target.lm_head, torch.tensor([3, 5, 8, 13]), softcap=cap)  # the sub-vocabulary keeps it
+    torch.testing.assert_close(sub.logits(h[0, :2]), capped.logits(h[0, :2])[:, [3, 5, 8, 13]])
 
 
 def test_a_one_hot_distribution_on_the_label_gives_the_cross_entropy(tiny_target_dir):

@@ -391,6 +391,44 @@ def test_training_embeds_a_block_as_decoding_does():
     torch.testing.assert_close(got, want)
 
 
+def test_a_trained_drafter_caps_its_logits_as_its_target_does(pair):
+    """`train` writes the target's logit soft-cap into the drafter's config: decoding then caps the drafts'
+    logits, and training's loss head reads the same config field."""
+    from conftest import MASK_ID, target_config
+    from transformers import AutoConfig
+
+    from dflash_cli.engine.config import DrafterConfig
+    from dflash_cli.train.shape import drafter_config as trained_config
+
+    raw = trained_config(pair.target.model.config, layers=1, block_size=8, taps=[1, 3], mask_id=MASK_ID,
+                         vocab_rows=VOCAB)
+    assert DrafterConfig.from_dict(raw).final_logit_softcapping == 10.0  # gemma_config's cap
+    qwen = trained_config(AutoConfig.for_model(**target_config("qwen3")), layers=1, block_size=8, taps=[1],
+                          mask_id=MASK_ID, vocab_rows=VOCAB)
+    assert DrafterConfig.from_dict(qwen).final_logit_softcapping is None
+
+
+def test_train_distils_a_drafter_for_a_gemma_target(tmp_path):
+    """`train` end to end on a tiny Gemma 4 (its data on transformers' generate, a distilled fit): the drafter
+    it writes carries the soft-cap, loads beside its target and decodes losslessly."""
+    from conftest import save_tiny_tokenizer
+
+    from dflash_cli.train.api import train_drafter
+
+    target = save_gemma_target(tmp_path / "target", "dense", seed=3)
+    save_tiny_tokenizer(target)
+    questions = [f"tell me about {w}" for w in "cats rain tea".split()]
+    result = train_drafter(target, tmp_path / "drafter", prompts=questions, layers=1, block_size=4, steps=3,
+                           batch=2, anchors=4, max_new_tokens=24, eval_every=3, distill=0.5, distill_topk=4,
+                           device="cpu", dtype="float32")
+    raw = read_json(result.folder / "config.json")
+    assert raw["final_logit_softcapping"] == 10.0
+    pair = load_pair(target, result.folder, device="cpu", dtype="float32")
+    prompt = prompts(1, seed=5)[0]
+    got = generate(pair.target, pair.drafter, prompt, max_new_tokens=20, stop_ids=[]).tokens
+    assert got == hf_greedy(pair.target, prompt, 20)
+
+
 def test_the_memory_planner_counts_the_ring_the_engine_allocates(pair):
     """Long contexts: global layers hold every row, sliding layers a ring of window + 2 * 512 rows."""
     from dflash_cli.models.sizes import kv_cache_bytes

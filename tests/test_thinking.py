@@ -106,15 +106,15 @@ def save_thinking_tokenizer(folder, opens: bool):
     return fast
 
 
-def save_scripted_target(folder, opens: bool):
-    """A bigram model: each token's embedding is a basis vector, and the lm_head row of the token that
-    must follow it points along that vector; attention and MLP add nothing."""
+def save_bigram_target(folder, tok, chain: list[str]):
+    """A bigram model saved in `folder` with `tok`: each token of `chain` is followed by the next (the last
+    ends the reply). Each chain token's embedding is a basis vector, and the lm_head row of the token that
+    must follow it points along that vector; attention and MLP add nothing. The chain's tokens must differ."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder.mkdir(parents=True)
-    tok = save_thinking_tokenizer(folder, opens)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("\n", "<think>", "h", "m", "</think>", "O", "K")}
-    follows = {"\n": "<think>", "<think>": "h", "h": "m", "m": "</think>", "</think>": "O", "O": "K"}
+    ids = [tok.convert_tokens_to_ids(t) for t in chain]
+    assert len(set(ids)) == len(ids) and tok.unk_token_id not in ids, chain
+    tok.save_pretrained(folder)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**target_config("qwen3")), dtype=torch.float32)
     with torch.no_grad():
@@ -122,12 +122,19 @@ def save_scripted_target(folder, opens: bool):
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        for k, (token, nxt) in enumerate([*follows.items(), ("K", "<|im_end|>")]):
-            embed[ids[token]] = 0
-            embed[ids[token], k] = 1.0
-            head[tok.convert_tokens_to_ids(nxt), k] += 100.0
+        for k, (token, nxt) in enumerate(zip(ids, ids[1:])):
+            embed[token] = 0
+            embed[token, k] = 1.0
+            head[nxt, k] += 100.0
     model.save_pretrained(folder)
     return folder
+
+
+def save_scripted_target(folder, opens: bool):
+    """The bigram model that writes `<think>hm</think>OK` after the prompt's last newline, then ends the turn."""
+    folder.mkdir(parents=True)
+    tok = save_thinking_tokenizer(folder, opens)
+    return save_bigram_target(folder, tok, ["\n", "<think>", "h", "m", "</think>", "O", "K", "<|im_end|>"])
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from typing import Any
 
 from dflash_cli import settings as S
 from dflash_cli.engine.errors import DFlashError
+from dflash_cli.engine.text import THINK_TAGS, ThinkingMarkers
 
 
 class TranscriptError(DFlashError):
@@ -50,8 +51,9 @@ class ChatHistory:
     messages: list[dict[str, str]] = field(default_factory=list)
     interrupted: bool = False  # the last reply was cut short (and kept)
     cached_before: int = 0  # tokens the caches held before the last reply
-    # None: the model has no <think> sections; else whether the prompt of the last reply opened one
+    # None: the model has no reasoning sections; else whether the prompt of the last reply opened one
     reply_in_thinking: bool | None = None
+    reply_markers: ThinkingMarkers = THINK_TAGS  # how the last reply marks its reasoning
 
     def ask(self, text: str, settings: Any) -> Iterator[Any]:
         """Adds a user message and streams the reply (engine Steps); the reply joins the conversation."""
@@ -136,11 +138,13 @@ class Conversation(ChatHistory):
 
     def _respond(self, settings: GenerationSettings) -> Iterator[Any]:
         """Builds the prompt now (so reply_in_thinking is known before the first Step), then streams."""
-        from dflash_cli.engine.text import opens_thinking, uses_think_tags
+        from dflash_cli.engine.text import opens_thinking, thinking_markers
 
         prompt = self.prompt_ids(settings)
         tokenizer = self.runtime.tokenizer
-        self.reply_in_thinking = opens_thinking(tokenizer, prompt) if uses_think_tags(tokenizer) else None
+        markers = thinking_markers(tokenizer)
+        self.reply_markers = markers or THINK_TAGS
+        self.reply_in_thinking = opens_thinking(tokenizer, prompt, markers) if markers else None
         return self._kept(self._generate(prompt, settings))
 
     def _generate(self, prompt: list[int], settings: GenerationSettings) -> Iterator[Any]:

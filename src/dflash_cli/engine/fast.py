@@ -9,14 +9,15 @@ same call, with no hooks. Rolling back rejected drafts is a length update: K/V p
 are stale but never attended, because every query sees only keys at positions <= its own, and each
 position is rewritten before a query at or after it runs.
 
-Supported: decoder layers shaped like Llama's (Llama, Qwen2, Qwen3, Mistral without a sliding window):
-full causal attention with q/k/v/o projections, optional per-head q/k norms, rotary embeddings; and the
-Qwen3.5 and Qwen3-Next hybrids, whose attention layers add an output gate and partial rotary embeddings and
-whose Gated DeltaNet layers keep a recurrent state that rolls back exactly (engine/linear_attention.py; their
-mixtures of experts, a shared expert included, run as their own modules); and Gemma 4 (sliding-window and
-global layers of different shapes, sandwich norms, soft-capped logits; StaticForward), whose sliding layers
-keep a ring of K/V rows in long contexts (StaticCache). Other targets
-keep the transformers path (`fast_path_unsupported` says why).
+Supported: decoder layers shaped like Llama's (Llama, Qwen2, Qwen3, Mistral without a sliding window, and
+Qwen3-MoE): full causal attention with q/k/v/o projections, optional per-head q/k norms, rotary embeddings;
+and the Qwen3.5 and Qwen3-Next hybrids, whose attention layers add an output gate and partial rotary
+embeddings and whose Gated DeltaNet layers keep a recurrent state that rolls back exactly
+(engine/linear_attention.py; their mixtures of experts have a shared expert); and Gemma 4 (sliding-window
+and global layers of different shapes, sandwich norms, soft-capped logits; StaticForward), whose sliding
+layers keep a ring of K/V rows in long contexts (StaticCache). Mixtures of experts run as transformers'
+modules, or under q4/q8 with 4/8-bit experts and row-by-row routing (engine/moe.py). Other targets keep the
+transformers path (`fast_path_unsupported` says why).
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ from dflash_cli.engine.linear_attention import (
     linear_projections,
     state_after,
 )
+from dflash_cli.engine.moe import WeightOnlyExperts, quantize_experts, route, sparse_moe
 from dflash_cli.engine.packed import PackedLinear, Parallel, room_to_pack
 from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
 from dflash_cli.engine.weightonly import Q4Codes, WeightOnlyLinear, quantize_linears
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# Llama-style layers whose MLP may be a mixture of experts (Qwen3-MoE: Qwen3-Coder-30B-A3B), run as its own
+# module, or under q4/q8 with 4/8-bit experts (engine/moe.py)
+MOE_FAMILIES = ("qwen3_moe",)
 HYBRID_FAMILIES = HYBRID_MODEL_TYPES
 # Gemma 4 (26B-A4B, 31B): sliding-window and global layers of different shapes, sandwich norms, an optional
 # mixture of experts beside the MLP, soft-capped logits (StaticForward)
@@ -211,8 +216,9 @@ def fast_path_unsupported(model: HFModule) -> str | None:
     model_type = getattr(config, "model_type", None)
     if any(p.device.type == "meta" for p in model.parameters()):
         return "layers offloaded to cpu/disk (accelerate copies their weights in on every forward)"
-    if model_type not in FAMILIES + HYBRID_FAMILIES + GEMMA_FAMILIES:
-        return f"model type {model_type!r} (fast path: {', '.join(FAMILIES + HYBRID_FAMILIES + GEMMA_FAMILIES)})"
+    supported = FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES + GEMMA_FAMILIES
+    if model_type not in supported:
+        return f"model type {model_type!r} (fast path: {', '.join(supported)})"
     if model_type in GEMMA_FAMILIES:
         reason = _gemma_unsupported(model.get_decoder().config)
         if reason is not None:
@@ -260,7 +266,8 @@ def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
     """A layer's linear maps as qkv -> (q, k, v), o (or a linear-attention layer's inputs, out), and a gated
     MLP's gate_up -> (gate, up), down; weight-only quantized when `quant` is q4/q8 (engine/weightonly.py;
     `codes(linear)` may give ready 4-bit codes), else packed by oneDNN (fused where several) when `pack` and
-    it works here, else the layer's own modules. Other MLPs (mixtures of experts) run as their own module."""
+    it works here, else the layer's own modules. Other MLPs (mixtures of experts) run as their own module;
+    under q4/q8 a Qwen MoE block's shared expert, a gated MLP, gets shared_gate_up and shared_down."""
 
     def fuse(*linears: nn.Module) -> nn.Module | None:
         made: nn.Module | None = None
@@ -284,6 +291,11 @@ def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
         out.update(qkv=group(*qkv), o=group(attn.o_proj))
     if _gated_mlp(layer.mlp):
         out.update(gate_up=group(layer.mlp.gate_proj, layer.mlp.up_proj), down=group(layer.mlp.down_proj))
+    shared = getattr(layer.mlp, "shared_expert", None)
+    if quant is not None and shared is not None and _gated_mlp(shared):
+        gate_up, down = fuse(shared.gate_proj, shared.up_proj), fuse(shared.down_proj)
+        if gate_up is not None and down is not None:
+            out.update(shared_gate_up=gate_up, shared_down=down)
     return nn.ModuleDict(out)
 
 
@@ -292,7 +304,7 @@ def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
 # rounds before multiplying by the weight and F.rms_norm after, so about a quarter of the outputs differ in
 # the last bit from transformers' forward (decoding is unaffected: a target always runs one path). Others
 # (Qwen3.5's 1 + weight) run as modules.
-PLAIN_RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+PLAIN_RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "MistralRMSNorm"}
 
 
 def norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -529,13 +541,15 @@ class StaticForward(nn.Module):
                                       exact[0][kind] if exact is not None else None,
                                       exact[1] if exact is not None else None)
             if self.sandwich[i]:
-                h = self._sandwich(i, layer, proj, h, out)
+                h = self._sandwich(i, layer, proj, h, out, exact is not None)
             else:
                 h = h + out
                 x = self.post_norms[i](h)
                 if "gate_up" in proj:
                     gate, up = proj["gate_up"](x)
                     h = h + proj["down"](layer.mlp.act_fn(gate) * up)
+                elif isinstance(getattr(layer.mlp, "experts", None), WeightOnlyExperts):  # q4/q8 experts
+                    h = h + sparse_moe(layer.mlp, x, proj, exact is not None)
                 else:  # a mixture of experts
                     h = h + layer.mlp(x)
             if i in wanted:
@@ -554,10 +568,12 @@ class StaticForward(nn.Module):
         hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
         return logits, hidden, records
 
-    def _sandwich(self, i: int, layer: Any, proj: Any, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def _sandwich(self, i: int, layer: Any, proj: Any, h: torch.Tensor, attended: torch.Tensor,
+                  exact: bool = False) -> torch.Tensor:
         """The rest of a Gemma 4 decoder layer after its attention, as transformers computes it: each
         sublayer's output normed before its residual, the mixture of experts (when the layer has one) on
-        the post-attention hidden state beside the MLP, then the layer's scalar."""
+        the post-attention hidden state beside the MLP, then the layer's scalar. `exact`: a row-exact call,
+        whose router runs row by row (engine/moe.py)."""
         h = h + self.post_norms[i](attended)
         x = self.pre_ffn_norms[i](h)
         if "gate_up" in proj:
@@ -567,7 +583,7 @@ class StaticForward(nn.Module):
             mlp = layer.mlp(x)
         if getattr(layer, "enable_moe_block", False):
             flat = h.reshape(-1, h.shape[-1])
-            _, weights, experts = layer.router(flat)
+            _, weights, experts = route(layer.router, flat, exact)
             moe = layer.experts(layer.pre_feedforward_layernorm_2(flat), experts, weights).reshape(h.shape)
             mlp = layer.post_feedforward_layernorm_1(mlp) + layer.post_feedforward_layernorm_2(moe)
         h = h + self.post_ffn_norms[i](mlp)
@@ -700,6 +716,9 @@ class FastPath:
         self.devices: list[torch.device] | None = devices if set(devices) != {self.device} else None
         self.compile_step = compile_step
         self.on_fallback = on_fallback
+        # a mixture's fused experts: replaced in the model by 4/8-bit ones, the 16-bit tensors freed (moe.py);
+        # before the room to pack is measured, which counts the model's parameters
+        self.quantized_experts = quantize_experts(model, weights) if weights and self.device.type == "cpu" else 0
         # Eager CPU runs use oneDNN-packed weights (a second copy, when memory allows); compiled code leaves
         # the weights to the compiler.
         self.packed = pack = compile_step is None and room_to_pack(model)
@@ -728,7 +747,8 @@ class FastPath:
         """The linears' format in words ("q4 weights (the checkpoint's own 4-bit codes)", "packed weights")."""
         if self.weights:
             own = f" ({self.codes_used} linears with the checkpoint's own 4-bit codes)" if self.codes_used else ""
-            return f"{self.weights} weights{own}"
+            experts = f", {self.quantized_experts} layers of {self.weights} experts" if self.quantized_experts else ""
+            return f"{self.weights} weights{own}{experts}"
         return "packed weights" if self.packed else ""
 
     @property

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
@@ -20,11 +21,21 @@ class StreamDecoder:
     leading-space and byte-level merges render correctly) and ``ids[prefix:]``,
     and emits the difference. Text whose tail decodes to U+FFFD (an incomplete
     UTF-8 sequence) is held back until more ids arrive or :meth:`flush` is called.
+
+    Skipping special tokens keeps those in `keep` (default: the model's reasoning markers where its vocabulary
+    makes them special tokens, Gemma 4's `<|channel>` and `<channel|>`), so that the reasoning can still be
+    told apart from the answer in the text.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True,
+                 keep: Collection[int] | None = None) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._added = added_tokens(tokenizer)
+        keep = special_marker_ids(tokenizer, self._added) if keep is None else keep
+        # special ids shown although skip_special_tokens (empty: the tokenizer's own skipping will do)
+        self._keep = frozenset(keep) if skip_special_tokens else frozenset()
+        self._named = frozenset(tokenizer.all_special_ids) if self._keep else frozenset()
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0  # ids before this index have been emitted
@@ -51,7 +62,16 @@ class StreamDecoder:
 
     def _decode(self, ids: list[int]) -> str:
         # decode() of one id list is a str (transformers annotates it str | list[str], for batches too)
+        if self._keep:
+            return cast(str, self._tokenizer.decode([i for i in ids if i in self._keep or not self._special(i)],
+                                                    skip_special_tokens=False))
         return cast(str, self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens))
+
+    def _special(self, token_id: int) -> bool:
+        """Whether decoding with skip_special_tokens leaves the id out: an added token marked special (what a
+        fast tokenizer skips) or one of the tokenizer's named special tokens (what a Python one skips)."""
+        token = self._added.get(token_id)
+        return token_id in self._named or (token is not None and bool(token.special))
 
     def _step(self, final: bool) -> str:
         if self._read >= len(self._ids):
@@ -64,6 +84,33 @@ class StreamDecoder:
         self._prefix, self._read = self._read, len(self._ids)
         self._chunks.append(delta)
         return delta
+
+
+def added_tokens(tokenizer: PreTrainedTokenizerBase) -> Mapping[int, Any]:
+    """{id: AddedToken} of the tokenizer's added tokens ({} for a tokenizer without them)."""
+    return getattr(tokenizer, "added_tokens_decoder", None) or {}
+
+
+def added_token_id(tokenizer: PreTrainedTokenizerBase, content: str, added: Mapping[int, Any] | None = None
+                   ) -> int | None:
+    """The id of the added token spelled `content`, or None (a look-up, not a scan: a vocabulary can hold
+    thousands of added tokens). `added`: added_tokens(tokenizer), when the caller has it."""
+    added = added_tokens(tokenizer) if added is None else added
+    if not added:
+        return None
+    token_id = tokenizer.convert_tokens_to_ids(content)
+    if not isinstance(token_id, int):  # no such token, and no unknown token
+        return None
+    token = added.get(token_id)
+    return token_id if token is not None and token.content == content else None
+
+
+def special_marker_ids(tokenizer: PreTrainedTokenizerBase, added: Mapping[int, Any] | None = None) -> set[int]:
+    """The ids of the model's reasoning markers that are special tokens (decoding would skip them)."""
+    added = added_tokens(tokenizer) if added is None else added
+    markers = thinking_markers(tokenizer, added)
+    ids = [added_token_id(tokenizer, t, added) for t in markers.tokens] if markers is not None else []
+    return {i for i in ids if i is not None and added[i].special}
 
 
 def chat_template_of(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -83,17 +130,46 @@ def supports_thinking(tokenizer: PreTrainedTokenizerBase) -> bool:
     return "enable_thinking" in chat_template_of(tokenizer)
 
 
-def uses_think_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """True when the model writes its reasoning between <think> tags (its template or vocabulary has them)."""
-    if "</think>" in chat_template_of(tokenizer):
-        return True
-    return any(t.content == "</think>" for t in getattr(tokenizer, "added_tokens_decoder", {}).values())
+@dataclass(frozen=True)
+class ThinkingMarkers:
+    """How a model's reply marks its reasoning, as its text decodes: `open` starts the reasoning, `close` ends
+    it and the answer follows."""
+
+    open: str
+    close: str
+
+    @property
+    def tokens(self) -> tuple[str, str]:
+        """The vocabulary entries that spell the markers: the open marker up to its first `>`, the close."""
+        return self.open[: self.open.index(">") + 1], self.close
 
 
-def opens_thinking(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int]) -> bool:
-    """True when the prompt ends inside an open <think> (the template opened it): the reply starts in it."""
+THINK_TAGS = ThinkingMarkers("<think>", "</think>")  # Qwen3, Qwen3.5, Qwen3.6, DeepSeek-R1
+GEMMA_CHANNEL = ThinkingMarkers("<|channel>thought\n", "<channel|>")  # Gemma 4 (special tokens in its vocabulary)
+KNOWN_MARKERS = (THINK_TAGS, GEMMA_CHANNEL)
+
+
+def thinking_markers(tokenizer: PreTrainedTokenizerBase, added: Mapping[int, Any] | None = None
+                     ) -> ThinkingMarkers | None:
+    """The reasoning markers the model writes: the first known family whose close marker is in its chat
+    template or its vocabulary's added tokens; None for a model without reasoning sections. `added`:
+    added_tokens(tokenizer), when the caller has it."""
+    template = chat_template_of(tokenizer)
+    added = added_tokens(tokenizer) if added is None else added
+    return next((m for m in KNOWN_MARKERS if m.close in template or added_token_id(tokenizer, m.close, added)
+                 is not None), None)
+
+
+def opens_thinking(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int],
+                   markers: ThinkingMarkers | None = None) -> bool:
+    """True when the prompt ends inside an open reasoning section (the template opened it): the reply starts
+    in it. `markers`: the model's (default: found by thinking_markers). A prompt that ends with an empty,
+    closed section (`<think>\\n\\n</think>`, Gemma 4's `<|channel>thought\\n<channel|>`) is not inside one."""
+    markers = markers or thinking_markers(tokenizer)
+    if markers is None:
+        return False
     tail = cast(str, tokenizer.decode(list(prompt[-16:]), skip_special_tokens=False))  # one id list: a str
-    return tail.rstrip().endswith("<think>")
+    return tail.rstrip().endswith(markers.open.rstrip())
 
 
 def thinking_default(tokenizer: PreTrainedTokenizerBase) -> bool | None:
@@ -148,8 +224,9 @@ def encode_prompt(
             return text
 
         rendered = render(chat)
-        if _holds_control_text(tokenizer, chat):
-            literal = _encode_contents_literally(tokenizer, chat, rendered, render)
+        control, own = _control_text(tokenizer, chat)
+        if any(control):
+            literal = _encode_contents_literally(tokenizer, chat, rendered, render, own)
             if literal is not None:
                 return literal
         return _as_ids(tokenizer.encode(rendered, add_special_tokens=False))
@@ -161,19 +238,32 @@ def encode_prompt(
     return _as_ids(tokenizer.encode(text, split_special_tokens=True))  # typed control tokens stay text
 
 
-def _holds_control_text(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]]) -> bool:
-    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
-    return any(s in str(m.get("content", "")) for m in chat for s in specials)
+def _control_text(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]]) -> tuple[list[bool], list[bool]]:
+    """Per message: (whether its content holds a special token's text, which must stay plain text; whether it
+    is a reply of the model whose only special tokens are its reasoning markers, Gemma 4's `<|channel>` and
+    `<channel|>`: genuine, left to the template, which takes the reasoning out of earlier turns)."""
+    added = added_tokens(tokenizer)
+    specials = [t.content for t in added.values() if t.special]
+    markers = thinking_markers(tokenizer, added) if specials else None
+    marker_tokens = set(markers.tokens) if markers is not None else set()
+    control, own = [], []
+    for m in chat:
+        found = {s for s in specials if s in str(m.get("content", ""))}
+        is_own = bool(found) and m.get("role") == "assistant" and found <= marker_tokens
+        control.append(bool(found) and not is_own)
+        own.append(is_own)
+    return control, own
 
 
 _MARK = re.compile("\ue000(\\d+)\ue001")
 
 
-def _encode_contents_literally(tokenizer, chat, rendered: str, render) -> list[int] | None:
+def _encode_contents_literally(tokenizer, chat, rendered: str, render, own: list[bool]) -> list[int] | None:
     """Encodes the template's own text normally but message contents as plain text, so that a user who
-    types `<|im_end|>` gets those characters, not the control token (a forged turn boundary). None when
-    the template transforms contents (trims them, say) and the pieces cannot be told apart."""
-    parts = _MARK.split(render([dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(chat)]))
+    types `<|im_end|>` gets those characters, not the control token (a forged turn boundary); the model's
+    own replies with reasoning markers (`own`) go to the template as they are. None when the template
+    transforms contents (trims them, say) and the pieces cannot be told apart."""
+    parts = _MARK.split(render([m if own[i] else dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(chat)]))
     contents = [str(m.get("content", "")) for m in chat]
     if "".join(contents[int(p)] if k % 2 else p for k, p in enumerate(parts)) != rendered:
         return None

@@ -132,6 +132,33 @@ class Q8Linear(WeightOnlyLinear):
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
 
 
+def q4_fits(rows: int, cols: int) -> bool:
+    """Whether q4 takes an (out=rows, in=cols) weight: whole groups of 32 inputs, and outputs in the kernel's
+    packs of 16."""
+    return cols % GROUP == 0 and rows % 16 == 0
+
+
+def quantize_weight(weight: torch.Tensor, kind: str, sizes: list[int] | None = None,
+                    bias: torch.Tensor | None = None, *,
+                    codes: list[Q4Codes | None] | None = None) -> WeightOnlyLinear | None:
+    """An (out, in) weight as one q4/q8 layer: the rows of `sizes` linears stacked (all of it as one linear
+    by default; a mixture of experts' gate|up, engine/moe.py), None when q4 cannot take its shape. `codes`:
+    ready 4-bit codes per part of `sizes` (a GGUF's own), used instead of quantizing those rows."""
+    sizes = sizes or [int(weight.shape[0])]
+    with torch.no_grad():
+        if kind == "q4":
+            if not q4_fits(int(weight.shape[0]), int(weight.shape[1])):
+                return None
+            given = codes or [None] * len(sizes)
+            parts = [c if c is not None else quantize_q4(w) for w, c in zip(weight.split(sizes), given)]
+            fused = Q4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale.float() for p in parts]),
+                            torch.cat([p.zero.float() for p in parts]))
+            return Q4Linear(fused, sizes, bias)
+        if kind == "q8":
+            return Q8Linear(weight, sizes, bias)
+    raise ValueError(f"unknown weight-only quantization {kind!r}")
+
+
 def quantize_linears(linears: list[nn.Module], kind: str, *, codes: list[Q4Codes | None] | None = None,
                      keep_source: bool = False) -> WeightOnlyLinear | None:
     """`linears` (sharing an input) as one q4/q8 layer; None when they cannot be (not plain Linears, not on
@@ -146,21 +173,9 @@ def quantize_linears(linears: list[nn.Module], kind: str, *, codes: list[Q4Codes
     if any(with_bias) and not all(with_bias):
         return None
     sizes, bias = _sizes_and_bias(plain)
-    layer: WeightOnlyLinear
-    with torch.no_grad():
-        if kind == "q4":
-            if plain[0].in_features % GROUP or sum(sizes) % 16:  # the kernel's packing wants N % 16 == 0
-                return None
-            given = codes or [None] * len(plain)
-            parts = [c if c is not None else quantize_q4(m.weight) for m, c in zip(plain, given)]
-            fused = Q4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale.float() for p in parts]),
-                            torch.cat([p.zero.float() for p in parts]))
-            layer = Q4Linear(fused, sizes, bias)
-        elif kind == "q8":
-            layer = Q8Linear(torch.cat([m.weight.detach() for m in plain]), sizes, bias)
-        else:
-            raise ValueError(f"unknown weight-only quantization {kind!r}")
-    if keep_source and len(plain) == 1:
+    weight = torch.cat([m.weight.detach() for m in plain]) if len(plain) > 1 else plain[0].weight.detach()
+    layer = quantize_weight(weight, kind, sizes, bias, codes=codes)
+    if layer is not None and keep_source and len(plain) == 1:
         layer.source = plain[0].weight.detach()
     return layer
 

@@ -199,7 +199,8 @@ def fit_drafter(drafter: DFlashDrafter, target: Any, data: TrainingData, draft_v
     estimate when they were kept, else the last; returns the loop's state and what the drafter's training
     record says of the fit."""
     drafter.embed_scale = target.embed_scale  # blocks embedded as the target embeds tokens (Gemma: sqrt(H))
-    state = train_loop(drafter, target.embed_weight, target.lm_head, make_head(target.lm_head, data.vocab),
+    head = make_head(target.lm_head, data.vocab, softcap=drafter.config.final_logit_softcapping)
+    state = train_loop(drafter, target.embed_weight, target.lm_head, head,
                        data.train, data.heldout, replace(config, batch=min(config.batch, len(data.train))),
                        checkpoint, heldout_key=HELDOUT_ESTIMATE + ":" + ",".join(map(str, data.heldout_ids)),
                        autocast_dtype=dtype if dtype != torch.float32 else None, draft_vocab=draft_vocab,

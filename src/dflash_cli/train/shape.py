@@ -145,18 +145,24 @@ def pick_mask_token(tokenizer, embed: torch.Tensor, seen: set[int]) -> tuple[int
 def drafter_config(target_cfg, *, layers: int, block_size: int, taps: list[int], mask_id: int,
                    vocab_rows: int) -> dict[str, Any]:
     """A Qwen3-style drafter config shaped like the target's layers (public DFlash format)."""
-    cfg = getattr(target_cfg, "text_config", None) or target_cfg
-    heads = cfg.num_attention_heads
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    theta = getattr(cfg, "rope_theta", None) or rope.get("rope_theta") or 1e6
-    return dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=cfg.hidden_size,
-                intermediate_size=cfg.intermediate_size, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-                head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-                rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), hidden_act="silu", attention_bias=False,
+    text = getattr(target_cfg, "text_config", None) or target_cfg
+    # the saved values, not attributes: a per-layer config (Gemma 4's global layers) refuses a global read
+    cfg = text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
+    heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 4): the global layers' rotary
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 1e6
+    # the target's logit soft-cap (Gemma): decoding caps the drafter's logits with it, and the loss does too
+    softcap = cfg.get("final_logit_softcapping")
+    capped = {"final_logit_softcapping": float(softcap)} if softcap else {}
+    return dict(**capped, architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"], num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                rms_norm_eps=cfg.get("rms_norm_eps") or 1e-6, hidden_act="silu", attention_bias=False,
                 rope_theta=float(theta), rope_scaling=None,
-                max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
-                num_target_layers=cfg.num_hidden_layers, vocab_size=vocab_rows, tie_word_embeddings=False,
+                max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
+                num_target_layers=cfg["num_hidden_layers"], vocab_size=vocab_rows, tie_word_embeddings=False,
                 layer_types=["full_attention"] * layers, sliding_window=None, use_sliding_window=False,
                 block_size=block_size,
                 dflash_config={"mask_token_id": mask_id, "target_layer_ids": taps, "block_size": block_size})

@@ -46,14 +46,17 @@ class Progress:
 
 @dataclass
 class Head:
-    """The target's frozen LM head, optionally restricted to a sub-vocabulary for the loss."""
+    """The target's frozen LM head, optionally restricted to a sub-vocabulary for the loss, with the logit
+    soft-cap decoding applies to the drafter's logits (Gemma), so the loss sees the distribution drafts use."""
 
     weight: torch.Tensor  # (V', H)
     bias: torch.Tensor | None
     lut: torch.Tensor | None = None  # (V,) full id -> row of `weight`, -1 when absent; None = full vocabulary
+    softcap: float | None = None  # cap * tanh(logits / cap)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.weight.to(h.dtype), None if self.bias is None else self.bias.to(h.dtype))
+        logits = F.linear(h, self.weight.to(h.dtype), None if self.bias is None else self.bias.to(h.dtype))
+        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
     def map_labels(self, labels: torch.Tensor) -> torch.Tensor:
         if self.lut is None:
@@ -66,14 +69,14 @@ class Head:
         return ids if self.lut is None else self.lut[ids]
 
 
-def make_head(lm_head: torch.nn.Module, sub_ids: torch.Tensor | None) -> Head:
+def make_head(lm_head: torch.nn.Module, sub_ids: torch.Tensor | None, softcap: float | None = None) -> Head:
     weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
     if sub_ids is None:
-        return Head(weight, bias)
+        return Head(weight, bias, softcap=softcap)
     lut = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
     lut[sub_ids.to(weight.device)] = torch.arange(len(sub_ids), device=weight.device)
     sub = sub_ids.to(weight.device)
-    return Head(weight[sub].contiguous(), None if bias is None else bias.detach()[sub], lut)
+    return Head(weight[sub].contiguous(), None if bias is None else bias.detach()[sub], lut, softcap)
 
 
 def sub_vocabulary(examples: list[Example], min_prob: float = 0.05) -> torch.Tensor:

@@ -280,7 +280,7 @@ class ChatSession:
             steps = start()
             if self.runtime.first_token_wait:  # a server's queue and prefill: the wait is shown
                 steps = out.until_first(steps, self.runtime.first_token_wait)
-            out.begin_reply(conv.reply_in_thinking)
+            out.begin_reply(conv.reply_in_thinking, conv.reply_markers)
             for step in steps:
                 last = step
                 out.text(step)

@@ -73,7 +73,7 @@ def stream_reply(out: Output, runtime: Any, conversation: Any, prompt: str, sett
         steps = conversation.ask(prompt, settings)
         if runtime.first_token_wait:  # a server's queue and prefill can take long: said, not silent
             steps = out.until_first(steps, runtime.first_token_wait)
-        out.begin_reply(conversation.reply_in_thinking)
+        out.begin_reply(conversation.reply_in_thinking, conversation.reply_markers)
         for step in steps:
             last = step
             tokens.extend(step.tokens)

@@ -10,6 +10,7 @@ request, which the engine stops at its next step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import threading
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from dflash_cli.engine.errors import DFlashError
+from dflash_cli.engine.text import THINK_TAGS, ThinkingMarkers
 from dflash_cli.serving import EngineWorker
 from dflash_cli.serving import Request as EngineRequest
 from dflash_cli.ui.openai_requests import (
@@ -35,7 +37,7 @@ from dflash_cli.ui.openai_requests import (
     parse_request,
     usage,
 )
-from dflash_cli.ui.thinking import CLOSE, OPEN, ThinkingSplitter, split_reply
+from dflash_cli.ui.thinking import ThinkingSplitter, split_reply
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -53,6 +55,13 @@ class ServerState:
         # prompts are encoded on worker threads (off the event loop), one at a time: a fast tokenizer's
         # truncation and padding settings are state that concurrent calls can trip over
         self.encoding = threading.Lock()
+
+    @functools.cached_property
+    def markers(self) -> ThinkingMarkers | None:
+        """How the served model marks its reasoning (None: it has no reasoning sections)."""
+        from dflash_cli.engine.text import thinking_markers
+
+        return thinking_markers(self.worker.runtime.tokenizer)
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -86,8 +95,8 @@ def check_key(state: ServerState, request: Request) -> None:
 
 
 def prompt_ids(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bool]:
-    """The prompt's token ids, and whether the reply starts inside a <think> block the template opened."""
-    from dflash_cli.engine.text import encode_prompt, opens_thinking, uses_think_tags
+    """The prompt's token ids, and whether the reply starts inside a reasoning section the template opened."""
+    from dflash_cli.engine.text import encode_prompt, opens_thinking
 
     tokenizer = state.worker.runtime.tokenizer
     if isinstance(parsed.prompt, list):
@@ -100,8 +109,8 @@ def prompt_ids(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bo
     think = parsed.enable_thinking if parsed.enable_thinking is not None else state.think
     ids = encode_prompt(tokenizer, parsed.messages, chat_template=state.chat_template, enable_thinking=think,
                         system=None if own_system else state.system)
-    inside = uses_think_tags(tokenizer) and opens_thinking(tokenizer, ids)
-    return ids, bool(inside)
+    inside = state.markers is not None and opens_thinking(tokenizer, ids, state.markers)
+    return ids, inside
 
 
 async def completions(request: Request, *, chat: bool) -> Response:
@@ -125,13 +134,14 @@ async def completions(request: Request, *, chat: bool) -> Response:
         return error_response(ApiError(503, "the server is busy: too many requests are waiting",
                                        kind="server_error", code="queue_full"))
     watcher = asyncio.create_task(watch_disconnect(request, job))
+    markers = state.markers or THINK_TAGS  # a model without reasoning sections: a reply opening <think> is split
     try:
         first = await next_event(events, parsed)
         if parsed.stream:  # from here the streaming response watches the connection itself
             watcher.cancel()
-            return StreamingResponse(stream(ResponseShape(chat, state.model), parsed, events, first, job, inside),
-                                     media_type="text/event-stream")
-        return await whole_reply(ResponseShape(chat, state.model), events, first, parsed, inside and chat)
+            return StreamingResponse(stream(ResponseShape(chat, state.model), parsed, events, first, job, inside,
+                                            markers), media_type="text/event-stream")
+        return await whole_reply(ResponseShape(chat, state.model), events, first, parsed, inside and chat, markers)
     except ApiError as e:
         return error_response(e)
     except asyncio.CancelledError:  # the server is shutting down, or the connection was dropped
@@ -188,7 +198,7 @@ async def next_event(events: asyncio.Queue, parsed: ParsedRequest) -> tuple[str,
 
 
 async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[str, Any], parsed: ParsedRequest,
-                      inside: bool) -> Response:
+                      inside: bool, markers: ThinkingMarkers = THINK_TAGS) -> Response:
     text: list[str] = []
     stopped, last = False, None
     while event[0] == "step":
@@ -200,30 +210,34 @@ async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[
     last = done_step or last
     text.append(rest)
     reply = "".join(text)
-    reasoning, answer = split_reply(reply, inside) if shape.chat else (None, reply)
+    reasoning, answer = split_reply(reply, inside, markers) if shape.chat else (None, reply)
     stats = last.stats if last is not None else None
     reason = finish_reason(stats.finish_reason if stats else None, stopped)
     return JSONResponse(shape.whole(answer, reasoning, reason, usage(stats)))
 
 
 class ReasoningStream:
-    """ThinkingSplitter's thinking segments (which carry <think>, </think> and the blank lines around them)
-    as reasoning_content deltas whose concatenation is split_reply's reasoning: the tags and the newlines
-    next to them left out, trailing whitespace held back until more reasoning follows."""
+    """ThinkingSplitter's thinking segments (which carry the open and close markers, <think> and </think>
+    say, and the blank lines around them) as reasoning_content deltas whose concatenation is split_reply's
+    reasoning: the markers and the newlines next to them left out, trailing whitespace held back until more
+    reasoning follows."""
 
-    def __init__(self) -> None:
+    def __init__(self, markers: ThinkingMarkers = THINK_TAGS) -> None:
         self.started = self.closed = False
         self.held = ""
+        self.opening, self.closing = markers.open.rstrip(), markers.close
 
     def feed(self, piece: str) -> str:
         if self.closed:
-            return ""  # the blank lines after </think>
-        final = CLOSE in piece
+            return ""  # the blank lines after the close marker
+        final = self.closing in piece
         if final:
-            piece, self.closed = piece[: piece.index(CLOSE)], True
+            piece, self.closed = piece[: piece.index(self.closing)], True
         if not self.started:
             stripped = piece.lstrip()
-            piece = stripped[len(OPEN):].lstrip("\n") if stripped.startswith(OPEN) else stripped
+            if stripped.startswith(self.opening):
+                stripped = stripped[len(self.opening):].lstrip("\n")
+            piece = stripped
             if not piece:
                 return ""
             self.started = True
@@ -240,10 +254,10 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Queue, event: tuple[str, Any],
-                 job: EngineRequest, inside: bool) -> AsyncIterator[bytes]:
+                 job: EngineRequest, inside: bool, markers: ThinkingMarkers = THINK_TAGS) -> AsyncIterator[bytes]:
     """The reply as server-sent events; leaving early (the client went away) cancels the request."""
-    splitter = ThinkingSplitter(inside) if shape.chat else None
-    reasoning_text = ReasoningStream()
+    splitter = ThinkingSplitter(inside, markers) if shape.chat else None
+    reasoning_text = ReasoningStream(markers)
     stopped, last = False, None
     try:
         if shape.chat:

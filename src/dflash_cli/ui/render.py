@@ -16,9 +16,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dflash_cli.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from dflash_cli.engine.text import ThinkingMarkers
 
 DRAFT_STYLE = "\x1b[36m"  # cyan: proposed by the drafter and accepted by the target
 TARGET_STYLE = ""  # default colour: chosen by the target itself (corrections and bonus tokens)
@@ -123,15 +126,17 @@ class Output:
         if self._last_char != "\n":
             self._write_out("\n", "\n")
 
-    # -- replies with reasoning (<think> ... </think>) -----------------------------------------------
-    def begin_reply(self, in_thinking: bool | None) -> None:
-        """Before a reply's first Step: None for a model without <think> sections (its text goes out as
-        is), else whether the prompt opened one. The reasoning is then dimmed on a colour terminal,
-        plain elsewhere, and left out with hide_thinking."""
+    # -- replies with reasoning (<think> ... </think>, Gemma 4's channel) ------------------------------
+    def begin_reply(self, in_thinking: bool | None, markers: ThinkingMarkers | None = None) -> None:
+        """Before a reply's first Step: None for a model without reasoning sections (its text goes out as
+        is), else whether the prompt opened one; `markers` (engine.text.ThinkingMarkers; default <think>
+        tags) how the reasoning is marked. The reasoning is then dimmed on a colour terminal, plain
+        elsewhere, and left out with hide_thinking."""
+        from dflash_cli.engine.text import THINK_TAGS
         from dflash_cli.ui.thinking import ThinkingSplitter
 
         wanted = in_thinking is not None and (self.hide_thinking or self.color_out)
-        self._thinking = ThinkingSplitter(in_thinking) if wanted else None
+        self._thinking = ThinkingSplitter(in_thinking, markers or THINK_TAGS) if wanted else None
 
     def _thinking_text(self, step: Any) -> None:
         segments = [(thinking, s, drafted) for piece, drafted in zip(step.pieces, step.from_draft)

@@ -51,7 +51,7 @@ def reply_json(conversation: Any) -> dict[str, Any]:
     from dflash_cli.ui.thinking import split_reply
 
     text, inside = conversation.messages[-1]["content"], conversation.reply_in_thinking
-    thinking, answer = split_reply(text, inside) if inside is not None else (None, text)
+    thinking, answer = split_reply(text, inside, conversation.reply_markers) if inside is not None else (None, text)
     return {"text": answer, "thinking": thinking}
 
 
