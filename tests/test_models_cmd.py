@@ -150,6 +150,9 @@ def test_show_pair_and_memory_plan(fake, online, env):
     assert data["memory"]["quant"] == "nf4" and data["memory"]["context_tokens"] == 1024
     assert data["settings"]["quant"] == {"value": "nf4", "from": "flag"}
     assert data["memory"]["total_bytes"] > 0 and data["memory"]["available_bytes"] > 0
+    plans = {q: json.loads(invoke("show", "tiny", "--json", "--quant", q, endpoint=fake.endpoint).stdout)["memory"]
+             for q in ("bf16", "q4")}  # the CPU's weight-only formats plan too
+    assert plans["q4"]["quant"] == "q4" and plans["q4"]["total_bytes"] > plans["bf16"]["total_bytes"]
 
 
 def test_show_offline_not_cached_says_so(env):

@@ -268,18 +268,41 @@ def test_what_q4_cannot_take_stays_16bit():
     assert WeightOnlyExperts.quantize(nn.Linear(4, 4), "q4") is None
 
 
-def test_the_planner_counts_experts_at_4_and_8_bits():
+def test_experts_q4_cannot_take_become_q8_and_keep_rows_exact():
+    """48 inputs are not groups of 32: under q4 such experts become q8 (any width), not 16-bit, so a token's
+    output is still the same bits whatever else is in the call."""
+    from dflash_cli.engine.moe import WeightOnlyExperts, quantize_experts
+
+    owner = nn.Module()
+    owner.experts = experts_module(48, 32, 4, seed=2)
+    assert quantize_experts(owner, "q4") == 1
+    assert isinstance(owner.experts, WeightOnlyExperts) and owner.experts.kind == "q8"
+    torch.manual_seed(0)
+    x = torch.randn(12, 48, dtype=torch.bfloat16)
+    index = torch.randint(0, 4, (12, 2))
+    weights = torch.rand(12, 2)
+    together = owner.experts(x, index, weights)
+    alone = torch.cat([owner.experts(x[i:i + 1], index[i:i + 1], weights[i:i + 1]) for i in range(12)])
+    assert torch.equal(together, alone)
+
+
+def test_the_planner_counts_the_16_bit_load_peak_and_notes_the_experts_once_loaded():
+    """Loading holds the experts at 16 bits before the fast path quantizes them (a checkpoint of one tensor per
+    expert is merged into new tensors), so the memory check counts that peak; the note gives the 4/8-bit size
+    they keep once loaded, only for the model types whose experts the fast path quantizes."""
     from dflash_cli.models.sizes import target_weight_bytes
 
     config = read_json(HF_CONFIGS / "Qwen__Qwen3-Coder-30B-A3B-Instruct" / "config.json")
     e, inter, h, layers = 128, 768, 2048, 48
     weights = layers * e * 3 * inter * h
     rows = layers * e * (2 * inter + h)  # gate|up rows and down rows: q8 keeps a bf16 scale per row
-    bf16, q4, q8 = (target_weight_bytes(config, q).components["experts"] for q in ("bf16", "q4", "q8"))
-    assert bf16 == 2 * weights
-    assert q4 == weights // 2 + 4 * (weights // 32)  # 4-bit codes, a bf16 scale and zero per 32
-    assert q8 == weights + 2 * rows
-    assert target_weight_bytes(config, "q4").total < 0.4 * target_weight_bytes(config, "bf16").total
+    for quant, codes in (("q4", weights // 2 + 4 * (weights // 32)), ("q8", weights + 2 * rows)):
+        estimate = target_weight_bytes(config, quant)
+        assert estimate.components["experts"] == 2 * weights
+        assert f"{quant} keeps them in {codes / 2**30:.1f} GiB once loaded" in " ".join(estimate.notes)
+    other = dict(config, model_type="qwen2_moe")  # a mixture the fast path leaves to transformers
+    assert "experts stay 16-bit under q4" in " ".join(target_weight_bytes(other, "q4").notes)
+    assert target_weight_bytes(config, "bf16").components["experts"] == 2 * weights
 
 
 def test_qwen3_moe_on_the_fast_path_equals_transformers_in_fp32(folders):

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, drafter_config, save_random_drafter, target_config
+from conftest import DEVICE, VOCAB, drafter_config, save_random_drafter, target_config
 
 from dflash_cli.engine.load import attach_drafter, load_drafter, load_target
 from dflash_cli.train.forward import block_ids, block_labels, training_forward
@@ -41,6 +41,25 @@ def test_training_mask_gives_inference_logits(tmp_path, tiny_target_dir, layer_k
                 ref = target.lm_head(drafter(feats[n : n + 1, :p], F.embedding(block, target.embed_weight)[None],
                                              p, cache))[0]
             torch.testing.assert_close(train_logits[n, a], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_drafter_config_for_every_target_family():
+    """The drafter `train` shapes for a target: its sizes from the target's text config, also where a mixture
+    of experts names no dense MLP size (Qwen3.5-MoE) and under a multimodal wrapper."""
+    from conftest import hybrid_config
+    from transformers import AutoConfig
+
+    from dflash_cli.engine.config import DrafterConfig
+    from dflash_cli.train.shape import drafter_config as shaped
+
+    moe = hybrid_config(moe=True)
+    del moe["text_config"]["intermediate_size"]  # as Qwen3.5-35B-A3B's published config: experts' sizes only
+    cases = ((target_config("qwen3"), 128, 6), (hybrid_config(), 128, 4), (moe, 3 * 64, 4))
+    for cfg, mlp, layers in cases:
+        raw = shaped(AutoConfig.for_model(**cfg), layers=2, block_size=8, taps=[1, 2], mask_id=5, vocab_rows=VOCAB)
+        drafter = DrafterConfig.from_dict(raw)
+        assert (raw["hidden_size"], raw["intermediate_size"], drafter.block_size) == (64, mlp, 8)
+        assert raw["num_target_layers"] == layers
 
 
 def test_block_labels_shift_and_end():

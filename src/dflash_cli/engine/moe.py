@@ -116,7 +116,8 @@ class WeightOnlyExperts(nn.Module):
 def quantize_experts(model: nn.Module, kind: str) -> int:
     """Replaces every fused experts module of `model` (an `experts` attribute: Qwen's sparse MoE blocks,
     Gemma 4's layers) by its WeightOnlyExperts in `kind`, in place, freeing the 16-bit tensors; returns how
-    many modules are quantized (those done before included). Modules q4 cannot take stay as they are."""
+    many modules are quantized (those done before included). Under q4, modules whose sizes q4 cannot take
+    (not multiples of 32) become q8, which takes any width: a 16-bit module would not keep rows exact."""
     owners = [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
     done = 0
     for owner in owners:
@@ -125,6 +126,8 @@ def quantize_experts(model: nn.Module, kind: str) -> int:
             done += 1
             continue
         quantized = WeightOnlyExperts.quantize(experts, kind)  # type: ignore[arg-type]
+        if quantized is None and kind == "q4":
+            quantized = WeightOnlyExperts.quantize(experts, "q8")  # type: ignore[arg-type]
         if quantized is not None:
             owner.experts = quantized
             done += 1

@@ -223,12 +223,12 @@ def encode_prompt(
                 raise TypeError(f"chat template rendered to {type(text).__name__}, expected str")
             return text
 
+        specials = _special_texts(tokenizer)
+        if specials:
+            answered = _without_marked_reasoning(tokenizer, chat)
+            if any(s in str(m.get("content", "")) for m in answered for s in specials):
+                return _encode_keeping_text(tokenizer, answered, render, specials)
         rendered = render(chat)
-        control, own = _control_text(tokenizer, chat)
-        if any(control):
-            literal = _encode_contents_literally(tokenizer, chat, rendered, render, own)
-            if literal is not None:
-                return literal
         return _as_ids(tokenizer.encode(rendered, add_special_tokens=False))
 
     if isinstance(messages, str):
@@ -238,32 +238,54 @@ def encode_prompt(
     return _as_ids(tokenizer.encode(text, split_special_tokens=True))  # typed control tokens stay text
 
 
-def _control_text(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]]) -> tuple[list[bool], list[bool]]:
-    """Per message: (whether its content holds a special token's text, which must stay plain text; whether it
-    is a reply of the model whose only special tokens are its reasoning markers, Gemma 4's `<|channel>` and
-    `<channel|>`: genuine, left to the template, which takes the reasoning out of earlier turns)."""
-    added = added_tokens(tokenizer)
-    specials = [t.content for t in added.values() if t.special]
-    markers = thinking_markers(tokenizer, added) if specials else None
-    marker_tokens = set(markers.tokens) if markers is not None else set()
-    control, own = [], []
-    for m in chat:
-        found = {s for s in specials if s in str(m.get("content", ""))}
-        is_own = bool(found) and m.get("role") == "assistant" and found <= marker_tokens
-        control.append(bool(found) and not is_own)
-        own.append(is_own)
-    return control, own
+def _special_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The texts of the tokenizer's special added tokens, longest first."""
+    return sorted((t.content for t in added_tokens(tokenizer).values() if t.special and t.content),
+                  key=len, reverse=True)
+
+
+def _without_marked_reasoning(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]]
+                              ) -> list[dict[str, str]]:
+    """The chat with the reasoning sections of the model's replies taken out, where its markers are special
+    tokens (Gemma 4's `<|channel>thought ... <channel|>`): the template drops them from earlier turns too, and
+    what is left of a reply is checked for control text like any message (a marker without its pair is)."""
+    markers = thinking_markers(tokenizer)
+    if markers is None or not special_marker_ids(tokenizer):
+        return chat
+    opened, closed = markers.tokens
+    section = re.compile(re.escape(opened) + ".*?" + re.escape(closed), re.DOTALL)
+    return [dict(m, content=section.sub("", m["content"])) if m.get("role") == "assistant"
+            and isinstance(m.get("content"), str) else m for m in chat]
+
+
+def _encode_keeping_text(tokenizer, chat, render, specials: list[str]) -> list[int]:
+    """The chat's prompt ids with every special token's text typed in a message encoded as plain text, never
+    as the control token (a forged turn boundary). Contents are encoded literally where the pieces of the
+    rendered template can be told apart, also after trimming them (a template that trims contents); else
+    the typed control texts are broken up by a word joiner (U+2060) before rendering."""
+    trimmed = [dict(m, content=str(m.get("content", "")).strip()) for m in chat]
+    for attempt in (chat, trimmed):
+        literal = _encode_contents_literally(tokenizer, attempt, render(attempt), render)
+        if literal is not None:
+            return literal
+
+    def defuse(text: str) -> str:
+        for s in specials:
+            text = text.replace(s, s[0] + "\u2060" + s[1:])
+        return text
+
+    defused = [dict(m, content=defuse(str(m.get("content", "")))) for m in chat]
+    return _as_ids(tokenizer.encode(render(defused), add_special_tokens=False))
 
 
 _MARK = re.compile("\ue000(\\d+)\ue001")
 
 
-def _encode_contents_literally(tokenizer, chat, rendered: str, render, own: list[bool]) -> list[int] | None:
+def _encode_contents_literally(tokenizer, chat, rendered: str, render) -> list[int] | None:
     """Encodes the template's own text normally but message contents as plain text, so that a user who
-    types `<|im_end|>` gets those characters, not the control token (a forged turn boundary); the model's
-    own replies with reasoning markers (`own`) go to the template as they are. None when the template
-    transforms contents (trims them, say) and the pieces cannot be told apart."""
-    parts = _MARK.split(render([m if own[i] else dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(chat)]))
+    types `<|im_end|>` gets those characters, not the control token. None when the template transforms
+    contents (trims them, say) and the pieces cannot be told apart."""
+    parts = _MARK.split(render([dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(chat)]))
     contents = [str(m.get("content", "")) for m in chat]
     if "".join(contents[int(p)] if k % 2 else p for k, p in enumerate(parts)) != rendered:
         return None

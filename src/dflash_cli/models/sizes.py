@@ -42,10 +42,10 @@ Bytes per quantization (``quant``):
   1 byte per block plus one fp32 per 256 blocks.
 * ``q4`` / ``q8`` (CPU weight-only kernels): the 16-bit weights as loaded plus the codes (q4: 0.5 byte per
   weight and a bf16 scale and zero per 32; q8: 1 byte per weight and a bf16 scale per row), and an 8-bit
-  copy of the LM head (of the embedding when tied). Fused MoE experts count their codes only: the fast path
-  replaces them by 4/8-bit experts and frees the 16-bit tensors (engine/moe.py; a 16-bit checkpoint loaded
-  in its own dtype on a CPU is memory-mapped, so its experts are read from the file's pages as they are
-  quantized). Experts q4 cannot take (sizes not multiples of 32) count 16-bit.
+  copy of the LM head (of the embedding when tied). MoE experts count 16-bit: the fast path replaces them by
+  4/8-bit experts and frees the 16-bit tensors (engine/moe.py), but only after loading held them at 16 bits
+  (a checkpoint of one tensor per expert is merged into new fused tensors), and the memory check needs that
+  peak; a note gives their size once loaded.
 * Under int8/nf4 the embeddings, ``lm_head``, norms, routers and other plain parameters stay 16-bit.
   So do *fused* MoE expert tensors: transformers 5 stores them as 3-D ``nn.Parameter``s, not
   ``nn.Linear``, and bitsandbytes only replaces ``nn.Linear`` modules.
@@ -481,15 +481,30 @@ def _linear_bytes(lin: _Linear, quant: str, double_quant: bool) -> int:
     return w * lin.count + bias
 
 
-def _expert_code_bytes(mats: list[tuple[int, int, int]], quant: str, plain: int) -> int:
+def _expert_code_bytes(mats: list[tuple[int, int, int]], quant: str) -> int:
     """Fused experts (matrices, rows, columns) as the fast path's q4/q8 experts hold them (engine/moe.py):
     q8 an int8 code per weight and a bf16 scale per row; q4 half a byte per weight and a bf16 scale and zero
-    per group of 32, when every matrix takes q4 (the engine's rule), else 16-bit."""
+    per group of 32, when every matrix takes q4 (the engine's rule), else as q8."""
     if quant == "q8":
         return sum(m * rows * cols + 2 * m * rows for m, rows, cols in mats)
-    if any(cols % Q4_GROUP or rows % 16 for _, rows, cols in mats):
-        return plain * sum(m * rows * cols for m, rows, cols in mats)
+    if any(cols % Q4_GROUP or rows % 16 for _, rows, cols in mats):  # q4 cannot take them: the engine uses q8
+        return _expert_code_bytes(mats, "q8")
     return sum(m * rows * cols // 2 + 4 * (m * rows * cols // Q4_GROUP) for m, rows, cols in mats)
+
+
+# MoE model types whose experts the q4/q8 fast path turns into 4/8-bit ones (engine/moe.py, engine/fast.py)
+WEIGHT_ONLY_MOE_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "gemma4", "gemma4_text")
+
+
+def _weight_only_experts_note(c: _Counts, config: dict[str, Any], quant: str) -> str:
+    """Why the experts count 16-bit under q4/q8: loading holds them so (a checkpoint of one tensor per expert is
+    merged into new fused tensors; a fused one is read from the file's pages) before the fast path quantizes
+    them, so the peak, which the memory check needs, is the 16-bit one."""
+    if text_config(config).get("model_type") not in WEIGHT_ONLY_MOE_TYPES:
+        return f"experts stay 16-bit under {quant} (the fast path quantizes those of Qwen3-MoE, Qwen3.5-MoE, " \
+               "Qwen3-Next and Gemma 4 only)"
+    codes = _expert_code_bytes(c.expert_mats, quant)
+    return f"experts counted 16-bit, as loading holds them; {quant} keeps them in {codes / 2**30:.1f} GiB once loaded"
 
 
 @dataclass(frozen=True)
@@ -623,9 +638,9 @@ def _estimate(c: _Counts, config: dict[str, Any], quant: str, double_quant: bool
         # q4/q8: the fast path also keeps an 8-bit copy of the LM head (the tied embedding's, if tied)
         head_codes = (c.lm_head or c.embeddings) if quant in ("q4", "q8") else 0
         experts = (c.experts + c.expert_biases) * plain
-        if quant in ("q4", "q8") and not c.mxfp4_experts:
-            experts = _expert_code_bytes(c.expert_mats, quant, plain) + c.expert_biases * plain
-        elif c.mxfp4_experts and mxfp4_packed:
+        if quant in ("q4", "q8") and c.experts and not c.mxfp4_experts:
+            notes.append(_weight_only_experts_note(c, config, quant))
+        if c.mxfp4_experts and mxfp4_packed:
             # transformers' Mxfp4GptOssExperts: uint8 blocks (two fp4 a byte), a uint8 scale per 32, fp32 biases
             experts = c.experts // 2 + c.experts // MXFP4_BLOCK + 4 * c.expert_biases
             mxfp4 = "packed"

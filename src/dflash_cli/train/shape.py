@@ -155,8 +155,10 @@ def drafter_config(target_cfg, *, layers: int, block_size: int, taps: list[int],
     # the target's logit soft-cap (Gemma): decoding caps the drafter's logits with it, and the loss does too
     softcap = cfg.get("final_logit_softcapping")
     capped = {"final_logit_softcapping": float(softcap)} if softcap else {}
+    # a mixture of experts may name no dense MLP size (Qwen3.5-MoE): 3x hidden, Qwen3's dense ratio
+    mlp = cfg.get("intermediate_size") or 3 * cfg["hidden_size"]
     return dict(**capped, architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=cfg["hidden_size"],
-                intermediate_size=cfg["intermediate_size"], num_hidden_layers=layers, num_attention_heads=heads,
+                intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                 rms_norm_eps=cfg.get("rms_norm_eps") or 1e-6, hidden_act="silu", attention_bias=False,
