@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-FORMATS = {"fp32": dict(dtype="float32", quant=None), "bf16": dict(dtype="bfloat16", quant=None),
+FORMATS = {"fp32": dict(dtype="float32", quant="none"), "bf16": dict(dtype="bfloat16", quant="none"),
            "q4-fp32": dict(dtype="float32", quant="q4"),
            "q8": dict(dtype=None, quant="q8"), "q4": dict(dtype=None, quant="q4")}
 
