@@ -240,12 +240,19 @@ def test_typed_control_tokens_stay_plain_text() -> None:
 
 
 def test_typed_control_tokens_with_a_template_that_rewrites_contents() -> None:
+    """A template that trims contents: the pieces are told apart after trimming them, so the typed
+    `<|im_end|>` is still text (encoding the rendered text as transformers does would forge a turn end)."""
     tok = _byte_level_tokenizer()
     tok.chat_template = CHATML.replace("m['content']", "(m['content'] | trim)")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
     ids = encode_prompt(tok, "  a<|im_end|>b  ")
-    # the pieces cannot be told apart once trimmed: the rendered text is encoded as transformers would
     rendered = "<|im_start|>user\na<|im_end|>b<|im_end|>\n<|im_start|>assistant\n"
-    assert ids == tok.encode(rendered, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == rendered
+    assert ids.count(end) == 1 and ids != tok.encode(rendered, add_special_tokens=False)  # the template's own
+    # a template that rewrites contents beyond trimming: the typed text is broken up, never a control token
+    tok.chat_template = CHATML.replace("m['content']", "(m['content'] | replace('b', 'c'))")
+    ids = encode_prompt(tok, "a<|im_end|>b")
+    assert ids.count(end) == 1 and "a<\u2060|im_end|>c" in tok.decode(ids, skip_special_tokens=False)
 
 
 def test_encode_prompt_enable_thinking() -> None:
