@@ -11,13 +11,12 @@ writes `<|channel>thought\\nhm<channel|>OK`: the thinking feature reads the toke
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 from click.testing import CliRunner
 from conftest import VOCAB, drafter_config, save_random_drafter, target_config
 from test_chat import drive
-from test_thinking import ok, save_bigram_target, save_thinking_tokenizer, styled
+from test_thinking import assert_split_at_every_chunking, ok, save_bigram_target, save_thinking_tokenizer, styled
 
 from dflash_cli.engine.text import (
     GEMMA_CHANNEL,
@@ -219,17 +218,6 @@ def test_non_special_think_tags_decode_as_before():
 
 
 # -- the splitter ------------------------------------------------------------------------------------------
-def stream(text: str, cuts: list[int], inside: bool = False) -> list[tuple[bool, str]]:
-    splitter = ThinkingSplitter(inside, GEMMA_CHANNEL)
-    bounds = [0, *cuts, len(text)]
-    segments = [seg for a, b in zip(bounds, bounds[1:]) for seg in splitter.feed(text[a:b])]
-    return segments + splitter.flush()
-
-
-def parts(segments) -> tuple[str, str]:
-    return ("".join(s for t, s in segments if t), "".join(s for t, s in segments if not t))
-
-
 SPLITS = [
     ("<|channel>thought\nLet me see.\n<channel|>The answer.", False,
      "<|channel>thought\nLet me see.\n<channel|>", "The answer."),
@@ -247,14 +235,7 @@ SPLITS = [
 
 @pytest.mark.parametrize("text,inside,thinking,answer", SPLITS)
 def test_splitter_finds_the_channel_across_every_chunking(text, inside, thinking, answer):
-    for cut in range(len(text) + 1):  # every split into two chunks
-        assert parts(stream(text, [cut], inside)) == (thinking, answer), cut
-    assert parts(stream(text, list(range(1, len(text))), inside)) == (thinking, answer)  # a character a chunk
-    rng = random.Random(0)
-    for _ in range(50):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 4)))
-        segments = stream(text, cuts, inside)
-        assert "".join(s for _, s in segments) == text and parts(segments) == (thinking, answer)
+    assert_split_at_every_chunking(text, inside, thinking, answer, GEMMA_CHANNEL)
 
 
 def test_splitter_holds_back_only_what_may_be_a_marker():

@@ -19,6 +19,7 @@ from conftest import VOCAB, drafter_config, save_random_drafter, target_config
 from test_chat import drive
 
 from dflash_cli import settings as S
+from dflash_cli.engine.text import THINK_TAGS
 from dflash_cli.local_runtime import load_runtime
 from dflash_cli.models.registry import PairEntry
 from dflash_cli.session import GenerationSettings
@@ -38,8 +39,8 @@ REPLY = "<think>hm</think>OK"
 
 
 # -- the splitter ----------------------------------------------------------------------------------------
-def stream(text: str, cuts: list[int], inside: bool = False) -> list[tuple[bool, str]]:
-    splitter = ThinkingSplitter(inside)
+def stream(text: str, cuts: list[int], inside: bool = False, markers=THINK_TAGS) -> list[tuple[bool, str]]:
+    splitter = ThinkingSplitter(inside, markers)
     bounds = [0, *cuts, len(text)]
     segments = [seg for a, b in zip(bounds, bounds[1:]) for seg in splitter.feed(text[a:b])]
     return segments + splitter.flush()
@@ -58,13 +59,18 @@ def parts(segments) -> tuple[str, str]:
     ("<think>cut short </thi", False, "<think>cut short </thi", ""),
 ])
 def test_splitter_finds_the_tags_across_every_chunking(text, inside, thinking, answer):
-    for cut in range(len(text) + 1):  # every split into two chunks
-        assert parts(stream(text, [cut], inside)) == (thinking, answer), cut
-    assert parts(stream(text, list(range(1, len(text))), inside)) == (thinking, answer)  # one character a chunk
+    assert_split_at_every_chunking(text, inside, thinking, answer, THINK_TAGS)
+
+
+def assert_split_at_every_chunking(text, inside, thinking, answer, markers):
+    """Every split into two chunks, one character a chunk, and random 5-chunk splits: the same parts."""
+    for cut in range(len(text) + 1):
+        assert parts(stream(text, [cut], inside, markers)) == (thinking, answer), cut
+    assert parts(stream(text, list(range(1, len(text))), inside, markers)) == (thinking, answer)
     rng = random.Random(0)
     for _ in range(50):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 4)))
-        segments = stream(text, cuts, inside)
+        segments = stream(text, cuts, inside, markers)
         assert "".join(s for _, s in segments) == text and parts(segments) == (thinking, answer)
 
 
