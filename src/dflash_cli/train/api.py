@@ -123,16 +123,19 @@ class PromptSet(NamedTuple):
     texts: list[str]
     categories: list[str] | None  # each prompt's category, for the built-in sets
     label: str  # how they were given, for the drafter's training record
+    part_sizes: list[int]  # the lengths of the parts of a joined spec (`mix:24000+wide:8000`), in order
 
 
 def _resolve_prompts(prompts: Sequence[str] | str | Path | None) -> PromptSet:
     if prompts is None or isinstance(prompts, (str, Path)):
-        from dflash_cli.train.prompt_sets import resolve_prompts_with_categories
+        from dflash_cli.train.prompt_sets import join_prompt_parts, resolve_prompt_parts
 
-        texts, categories = resolve_prompts_with_categories(None if prompts is None else str(prompts))
-        prompt_set = PromptSet(texts, categories, "built-in" if prompts is None else str(prompts))
+        parts = resolve_prompt_parts(None if prompts is None else str(prompts))
+        texts, categories = join_prompt_parts(parts)
+        prompt_set = PromptSet(texts, categories, "built-in" if prompts is None else str(prompts),
+                               [len(part) for part, _ in parts])
     else:
-        prompt_set = PromptSet(list(prompts), None, f"{len(prompts)} prompts given to the API")
+        prompt_set = PromptSet(list(prompts), None, f"{len(prompts)} prompts given to the API", [len(prompts)])
     if not prompt_set.texts:
         raise InvalidSettingError("no prompts to train on")
     return prompt_set
@@ -152,7 +155,7 @@ def training_data(target: Any, tokenizer: Any, prompt_set: PromptSet, taps: list
                   config: TrainConfig, on_progress: OnProgress | None) -> TrainingData:
     """Answers the prompts not stored yet, then splits the stored replies into training and held-out ones."""
     new_tokens = _generate(target, tokenizer, prompt_set.texts, taps, out_dir / "data", config, on_progress)
-    train_ids, held_ids = split_heldout(len(prompt_set.texts))
+    train_ids, held_ids = split_heldout(len(prompt_set.texts), prompt_set.part_sizes)
     stored = {i: e for i, e in load_examples(out_dir / "data").items() if len(e.ids) - e.prompt_len >= 2}
     train_set = [stored[i] for i in train_ids if i in stored]
     if not train_set and config.gen_time_budget == 0:
@@ -168,10 +171,16 @@ def training_data(target: Any, tokenizer: Any, prompt_set: PromptSet, taps: list
                         sub_vocabulary(train_set) if config.sub_vocab else None, new_tokens)
 
 
-def split_heldout(n: int) -> tuple[list[int], list[int]]:
-    """Every 10th prompt (at most 32) is held out for the acceptance estimate; none below 4 prompts."""
-    held = [i for i in range(9, n, 10)][:32] if n >= 10 else ([n - 1] if n >= 4 else [])
-    return [i for i in range(n) if i not in set(held)], held
+def split_heldout(n: int, part_sizes: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """Every 10th prompt (at most 32) of each part of the list is held out for the acceptance estimate; none
+    below 4 prompts. `part_sizes` (default: one part of n) are the lengths of the sets a joined spec lists."""
+    held: list[int] = []
+    start = 0
+    for size in part_sizes or [n]:
+        held += [start + i for i in (list(range(9, size, 10))[:32] if size >= 10 else [size - 1] if size >= 4 else [])]
+        start += size
+    held_set = set(held)
+    return [i for i in range(n) if i not in held_set], held
 
 
 def _generate(target: Any, tokenizer: Any, prompts: list[str], taps: list[int], data_dir: Path,

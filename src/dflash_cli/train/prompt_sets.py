@@ -19,6 +19,10 @@ explanations of 96 topics, rewriting, summarising and continuing a sentence, def
 brainstorming, review sentiment, translations). Measured math/code/chat: 39.1/30.5/30.4% at 3000,
 39.9/30.3/29.8% at 12000, 39.5/30.4/30.1% at 30000, all distinct; at 30000 the code prompts start with 118
 distinct first-three-word openings and the chat prompts with 257. `demo` and its templates are left as they are.
+
+`wide` (train/wide_prompts.py) draws the same mix from longer, freer requests. Specs join with `+`
+(`wide:12000+mix:24000`, `resolve_prompt_parts`): one list, the parts in order, so a folder's stored answers keep
+their index when a later run lists another set after them.
 """
 
 from __future__ import annotations
@@ -571,14 +575,20 @@ MIX_SHARES = (("math", 0.4), ("code", 0.3), ("chat", 0.3))
 
 
 def mix_prompts_with_categories(n: int = 12000, seed: int = 0) -> list[tuple[str, str]]:
-    """(category, prompt) pairs behind `mix_prompts`: each prompt's category is drawn first (40% math, 30% code,
-    30% chat) and then that category's generator is drawn from until it gives a prompt not seen before, so the mix
-    stays the same at every n."""
+    """(category, prompt) pairs behind `mix_prompts` (`draw_distinct` over the mix generators)."""
+    gens: dict[str, Callable[[random.Random], str]] = {
+        "math": lambda g: _math(g) if g.random() < 0.6 else _math_more(g), "code": _code_mix, "chat": _chat_mix}
+    return draw_distinct(n, seed, gens, "mix")
+
+
+def draw_distinct(n: int, seed: int, gens: dict[str, Callable[[random.Random], str]],
+                  name: str) -> list[tuple[str, str]]:
+    """`n` (category, prompt) pairs: each prompt's category is drawn first (40% math, 30% code, 30% chat) and then
+    that category's generator is drawn from until it gives a prompt not seen before, so the mix stays the same at
+    every n and a smaller n gives a prefix of a larger one."""
     r = random.Random(seed)
     out: list[tuple[str, str]] = []
     seen: set[str] = set()
-    gens: dict[str, Callable[[random.Random], str]] = {
-        "math": lambda g: _math(g) if g.random() < 0.6 else _math_more(g), "code": _code_mix, "chat": _chat_mix}
     while len(out) < n:
         x = r.random()
         cat = "math" if x < 0.4 else "code" if x < 0.7 else "chat"
@@ -586,8 +596,8 @@ def mix_prompts_with_categories(n: int = 12000, seed: int = 0) -> list[tuple[str
             p = gens[cat](r)
             if p not in seen:
                 break
-        else:  # pragma: no cover - far beyond the sizes the set is meant for
-            raise ValueError(f"the mix prompt set ran out of distinct {cat} prompts at {len(out)}")
+        else:  # pragma: no cover - far beyond the sizes the sets are meant for
+            raise ValueError(f"the {name} prompt set ran out of distinct {cat} prompts at {len(out)}")
         seen.add(p)
         out.append((cat, p))
     return out
@@ -599,13 +609,27 @@ def mix_prompts(n: int = 12000, seed: int = 0) -> list[str]:
     return [p for _, p in mix_prompts_with_categories(n, seed)]
 
 
-PROMPT_SETS = {"demo": demo_prompts, "mix": mix_prompts}
-CATEGORIZED_SETS = {"demo": demo_prompts_with_categories, "mix": mix_prompts_with_categories}
+def _wide(n: int = 12000) -> list[tuple[str, str]]:
+    from dflash_cli.train.wide_prompts import wide_prompts_with_categories
+
+    return wide_prompts_with_categories(n)
 
 
-def resolve_prompts_with_categories(spec: str | None) -> tuple[list[str], list[str] | None]:
-    """`resolve_prompts(spec)` and each prompt's category (math, code or chat) for the built-in `demo` and
-    `mix` sets; None for prompt files and the small built-in set."""
+CATEGORIZED_SETS = {"demo": demo_prompts_with_categories, "mix": mix_prompts_with_categories, "wide": _wide}
+
+
+def resolve_prompt_parts(spec: str | None) -> list[tuple[list[str], list[str] | None]]:
+    """The parts of a `train --prompts` spec, each as (prompts, their categories or None): `A+B` joins several
+    files and sets into one list, in order, so a folder's stored answers keep their place when a later run adds a
+    set after them (`mix:24000+wide:8000`). A file whose own name has a `+` is read as that file."""
+    from pathlib import Path
+
+    if spec is None or Path(spec).is_file() or "+" not in spec:
+        return [_resolve_one(spec)]
+    return [_resolve_one(part) for part in spec.split("+")]
+
+
+def _resolve_one(spec: str | None) -> tuple[list[str], list[str] | None]:
     from pathlib import Path
 
     name, _, count = (spec or "").partition(":")
@@ -613,13 +637,32 @@ def resolve_prompts_with_categories(spec: str | None) -> tuple[list[str], list[s
             and (not count or count.isdecimal() and int(count) > 0)):
         pairs = CATEGORIZED_SETS[name](int(count)) if count else CATEGORIZED_SETS[name]()
         return [p for _, p in pairs], [cat for cat, _ in pairs]
-    return resolve_prompts(spec), None
+    return _resolve_uncategorized(spec), None
+
+
+def resolve_prompts_with_categories(spec: str | None) -> tuple[list[str], list[str] | None]:
+    """`resolve_prompts(spec)` and each prompt's category (math, code or chat) when every part is a built-in
+    `demo`, `mix` or `wide` set; None for prompt files and the small built-in set."""
+    return join_prompt_parts(resolve_prompt_parts(spec))
+
+
+def join_prompt_parts(parts: list[tuple[list[str], list[str] | None]]) -> tuple[list[str], list[str] | None]:
+    """One (prompts, categories) list from `resolve_prompt_parts`; categories only when every part has them."""
+    texts = [t for part, _ in parts for t in part]
+    if any(cats is None for _, cats in parts):
+        return texts, None
+    return texts, [c for _, cats in parts for c in cats or ()]
 
 
 def resolve_prompts(spec: str | None) -> list[str]:
     """Prompts for `train --prompts SPEC`: a file (one per line, or JSONL with "prompt"), a built-in set
     (`demo` = 6000 prompts, `demo:N` = N of them; `mix` = 12000 prompts at a steady 40/30/30% math/code/chat,
-    `mix:N` = N of them), or None for the small built-in set."""
+    `mix:N` = N of them; `wide`/`wide:N` the same for longer, freer requests), several joined by `+`, or
+    None for the small built-in set."""
+    return resolve_prompts_with_categories(spec)[0]
+
+
+def _resolve_uncategorized(spec: str | None) -> list[str]:
     from pathlib import Path
 
     from dflash_cli.engine.errors import InvalidSettingError
@@ -631,9 +674,7 @@ def resolve_prompts(spec: str | None) -> list[str]:
         return list(DEFAULT_PROMPTS)
     if Path(spec).is_file():
         return read_prompts(spec)
-    name, _, count = spec.partition(":")
-    if name in PROMPT_SETS and (not count or count.isdecimal() and int(count) > 0):
-        return PROMPT_SETS[name](int(count)) if count else PROMPT_SETS[name]()
     raise InvalidSettingError(f"no prompt file or built-in prompt set named {spec!r}",
                               hint=f"give a file (one prompt per line, or JSONL with a \"prompt\" field) or "
-                                   f"one of: {', '.join(PROMPT_SETS)}, or NAME:COUNT such as mix:30000")
+                                   f"one of: {', '.join(CATEGORIZED_SETS)}, or NAME:COUNT such as mix:30000; "
+                                   "join several with +")

@@ -1,0 +1,118 @@
+"""The `wide` training prompt set, and `--prompts` specs joined with `+`."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_cli.train.api import split_heldout
+from dflash_cli.train.data import read_index
+from dflash_cli.train.prompt_sets import (
+    mix_prompts,
+    mix_prompts_with_categories,
+    resolve_prompt_parts,
+    resolve_prompts,
+    resolve_prompts_with_categories,
+)
+from dflash_cli.train.wide_prompts import wide_prompts, wide_prompts_with_categories
+
+DEVICE = "cpu"
+
+
+@pytest.fixture(scope="module")
+def wide_12000():
+    return wide_prompts_with_categories(12000)
+
+
+def test_wide_set_is_reproducible_a_prefix_family_distinct_and_apart_from_the_bench_sets(wide_12000):
+    from dflash_cli.bench import BUILTIN_SETS, load_prompt_set
+
+    prompts = [p for _, p in wide_12000]
+    assert len(set(prompts)) == 12000 and wide_prompts() == prompts
+    assert wide_prompts(500) == prompts[:500] and wide_prompts(500, seed=1) != prompts[:500]
+    bench = {p.prompt for name in BUILTIN_SETS for p in load_prompt_set(name)}
+    assert len(bench) >= 100 and not bench & set(prompts)
+    # only the plain "Write a LANG function that TASK." form can repeat a mix prompt word for word
+    shared = set(prompts) & set(mix_prompts(24000))
+    assert len(shared) < 40 and all(p.startswith("Write a") for p in shared)
+    assert all(p.isascii() and 10 < len(p) < 400 and "  " not in p for p in prompts)
+
+
+@pytest.mark.parametrize("n", [3000, 12000])
+def test_wide_set_keeps_40_30_30_and_its_kinds_of_request(wide_12000, n):
+    head = wide_12000[:n]
+    shares = Counter(c for c, _ in head)
+    for cat, want in (("math", 0.40), ("code", 0.30), ("chat", 0.30)):
+        assert abs(shares[cat] / n - want) < 0.025, (cat, shares[cat] / n)
+    by_cat = {cat: [p for c, p in head if c == cat] for cat in ("math", "code", "chat")}
+    # word problems of several steps: two sentences or more (a story, then a question), two numbers or more
+    assert all(len(re.findall(r"[.?!](?:\s|$)", p)) >= 2 for p in by_cat["math"])
+    assert sum(len(re.findall(r"\d+", p)) >= 2 for p in by_cat["math"]) > 0.9 * len(by_cat["math"])
+    for cat, markers in (("code", ("What does this", "What is wrong", "Explain what this shell command", "function that")),
+                         ("chat", ("Why ", "story", "What should I do?", "Explain how", "message to"))):
+        for marker in markers:
+            assert sum(marker in p for p in by_cat[cat]) >= 10, (cat, marker)
+        assert len({" ".join(p.split()[:3]) for p in by_cat[cat]}) >= 30, cat
+
+
+def test_joined_specs_list_their_parts_in_order_with_categories_only_when_all_have_them(tmp_path):
+    texts, cats = resolve_prompts_with_categories("mix:50+wide:30")
+    assert texts == mix_prompts(50) + wide_prompts(30) == resolve_prompts("mix:50+wide:30")
+    assert cats == [c for c, _ in mix_prompts_with_categories(50) + wide_prompts_with_categories(30)]
+    f = tmp_path / "mine.txt"
+    f.write_text("one\ntwo\n")
+    assert resolve_prompts_with_categories(f"{f}+wide:5") == (["one", "two"] + wide_prompts(5), None)
+    assert [len(p) for p, _ in resolve_prompt_parts(f"wide:5+{f}+mix:3")] == [5, 2, 3]
+    plus = tmp_path / "a+b.txt"  # a file whose own name has a + is that file
+    plus.write_text("x\n")
+    assert resolve_prompts(str(plus)) == ["x"]
+
+
+@pytest.mark.parametrize("bad", ["mix:50+nope", "wide:0+mix:3", "mix:3+", "wide:x"])
+def test_a_bad_part_of_a_joined_spec_is_named(bad):
+    from dflash_cli.engine.errors import InvalidSettingError
+
+    with pytest.raises(InvalidSettingError, match="no prompt file or built-in prompt set named") as info:
+        resolve_prompts(bad)
+    assert "join several with +" in info.value.hint
+
+
+def test_each_part_of_a_joined_list_gives_its_own_held_out_prompts():
+    assert split_heldout(50) == ([i for i in range(50) if i not in (9, 19, 29, 39, 49)], [9, 19, 29, 39, 49])
+    assert split_heldout(50, [50]) == split_heldout(50)
+    train, held = split_heldout(400 + 30, [400, 30])
+    assert held == list(range(9, 320, 10)) + [409, 419, 429]  # at most 32 from the first part
+    assert sorted(train + held) == list(range(430)) and not set(train) & set(held)
+    assert split_heldout(7, [2, 5])[1] == [6]  # a part of 4-9 prompts gives its last one; fewer give none
+
+
+def test_a_later_run_adds_a_set_after_the_stored_answers_and_keeps_them(tmp_path, tiny_target_dir):
+    """`--prompts A` then `--prompts A+B` on one folder: A's answers stay as they were and where they were, only
+    B's are generated (after them in the list), and each part holds out its own prompts."""
+    from dflash_cli.ui.cli import cli
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("".join(f"Question {i} about apples?\n" for i in range(12)))
+    b.write_text("".join(f"Write line {i} of a song.\n" for i in range(10)))
+    out = tmp_path / "d"
+    common = ["train", "-m", str(tiny_target_dir), "-o", str(out), "--block-size", "4", "--anchors", "4",
+              "--max-new-tokens", "6", "--device", DEVICE, "--dtype", "float32", "--taps", "1,4"]
+    first = CliRunner().invoke(cli, [*common, "--prompts", str(a), "--steps", "2"])
+    assert first.exit_code == 0, first.output
+    before = read_index(out / "data")["shards"]
+    files = {s["file"]: (out / "data" / s["file"]).read_bytes() for s in before}
+    assert sorted(i for s in before for i in s["prompts"]) == list(range(12))
+
+    second = CliRunner().invoke(cli, [*common, "--prompts", f"{a}+{b}", "--steps", "4"])
+    assert second.exit_code == 0, second.output
+    after = read_index(out / "data")["shards"]
+    assert after[: len(before)] == before
+    assert all((out / "data" / name).read_bytes() == data for name, data in files.items())
+    assert sorted(i for s in after[len(before):] for i in s["prompts"]) == list(range(12, 22))
+    training = json.loads((out / "config.json").read_text())["training"]
+    assert training["prompts"] == f"{a}+{b}"
+    assert training["heldout_sequences"] == 2  # prompt 9 of a, prompt 9 of b (index 21)
