@@ -18,6 +18,7 @@ from conftest import HF_CONFIGS, VOCAB, drafter_config, read_json, save_random_d
 from test_gemma4 import gemma_drafter_config, save_gemma_target
 from test_hybrid import save_family
 from test_speculative import hf_greedy
+from test_weightonly import assert_speculative_equals_plain
 from torch import nn
 
 from dflash_cli.engine.generate import generate
@@ -173,18 +174,7 @@ def test_a_verify_routes_each_token_on_its_own_and_a_prompt_all_at_once(folders)
 
 @pytest.mark.parametrize("family, kind", [(f, "q4") for f in FAMILIES] + [("qwen3_moe", "q8")])
 def test_greedy_speculative_equals_greedy_plain_decoding_of_the_same_quantized_target(folders, family, kind):
-    pair = load(folders, family, kind)
-    for block_size in (3, 8):
-        for prompt in prompts(2, seed=block_size):
-            plain = generate(pair.target, None, prompt, max_new_tokens=24, stop_ids=[]).tokens
-            oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=0.8, seed=block_size,
-                                   vocab_size=VOCAB)
-            got = generate(pair.target, oracle, prompt, max_new_tokens=24, block_size=block_size, stop_ids=[])
-            assert got.tokens == plain
-            assert got.stats.accepted > 0
-            drafted = generate(pair.target, pair.drafter, prompt, max_new_tokens=24, block_size=block_size,
-                               stop_ids=[])
-            assert drafted.tokens == plain
+    assert_speculative_equals_plain(load(folders, family, kind), prompts, (3, 8), max_new_tokens=24)
 
 
 def experts_module(hidden: int, inter: int, experts: int, seed: int = 0) -> nn.Module:

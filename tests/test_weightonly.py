@@ -184,18 +184,25 @@ def quantized_pair(pairs, family, kind, dtype="bfloat16", context=400):
 def test_greedy_speculative_equals_greedy_plain_decoding_of_the_same_quantized_target(pairs, family, kind):
     pair = quantized_pair(pairs, family, kind)
     assert pair.target.fast.row_exact and pair.target.fast.dtype == torch.bfloat16
-    for block_size in (2, 4, 8):
-        for prompt in random_prompts(2, seed=block_size):
-            plain = generate(pair.target, None, prompt, max_new_tokens=30, stop_ids=[]).tokens
-            # an oracle that knows the plain reply drafts it right 80% of the time: long accepted prefixes
+    assert_speculative_equals_plain(pair, random_prompts, (2, 4, 8), max_new_tokens=30)
+
+
+def assert_speculative_equals_plain(pair, make_prompts, block_sizes, *, max_new_tokens: int) -> None:
+    """Greedy speculative decoding commits the plain greedy reply, with long accepted prefixes (an oracle that
+    knows the reply drafts it right 80% of the time) and with the pair's own random drafter, at every block
+    size; `make_prompts(2, seed=block_size)` gives the prompts."""
+    for block_size in block_sizes:
+        for prompt in make_prompts(2, seed=block_size):
+            plain = generate(pair.target, None, prompt, max_new_tokens=max_new_tokens, stop_ids=[]).tokens
             oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=0.8, seed=block_size,
                                    vocab_size=VOCAB)
-            got = generate(pair.target, oracle, prompt, max_new_tokens=30, block_size=block_size, stop_ids=[])
+            got = generate(pair.target, oracle, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
+                           stop_ids=[])
             assert got.tokens == plain
             assert got.stats.accepted > 0
-            random_drafts = generate(pair.target, pair.drafter, prompt, max_new_tokens=30, block_size=block_size,
-                                     stop_ids=[])
-            assert random_drafts.tokens == plain
+            drafted = generate(pair.target, pair.drafter, prompt, max_new_tokens=max_new_tokens,
+                               block_size=block_size, stop_ids=[])
+            assert drafted.tokens == plain
 
 
 def test_a_stop_inside_a_block_and_a_second_turn_match_plain_decoding(pairs):

@@ -21,6 +21,7 @@ from dflash_cli.train.prompt_sets import (
 from dflash_cli.train.wide_prompts import wide_prompts, wide_prompts_with_categories
 
 DEVICE = "cpu"
+MIX_12000_SHA256, WIDE_12000_SHA256 = "a91468a7115b9f8d", "c2929a6a94aa180a"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,8 @@ def test_wide_set_keeps_40_30_30_and_its_kinds_of_request(wide_12000, n):
     # word problems of several steps: two sentences or more (a story, then a question), two numbers or more
     assert all(len(re.findall(r"[.?!](?:\s|$)", p)) >= 2 for p in by_cat["math"])
     assert sum(len(re.findall(r"\d+", p)) >= 2 for p in by_cat["math"]) > 0.9 * len(by_cat["math"])
-    for cat, markers in (("code", ("What does this", "What is wrong", "Explain what this shell command", "function that")),
+    code_markers = ("What does this", "What is wrong", "Explain what this shell command", "function that")
+    for cat, markers in (("code", code_markers),
                          ("chat", ("Why ", "story", "What should I do?", "Explain how", "message to"))):
         for marker in markers:
             assert sum(marker in p for p in by_cat[cat]) >= 10, (cat, marker)
@@ -72,13 +74,33 @@ def test_joined_specs_list_their_parts_in_order_with_categories_only_when_all_ha
     assert resolve_prompts(str(plus)) == ["x"]
 
 
-@pytest.mark.parametrize("bad", ["mix:50+nope", "wide:0+mix:3", "mix:3+", "wide:x"])
-def test_a_bad_part_of_a_joined_spec_is_named(bad):
+@pytest.mark.parametrize("bad, part", [("mix:50+nope", "'nope'"), ("wide:0+mix:3", "'wide:0'"), ("wide:x", "'wide:x'")])
+def test_a_bad_part_of_a_joined_spec_is_named(bad, part):
     from dflash_cli.engine.errors import InvalidSettingError
 
-    with pytest.raises(InvalidSettingError, match="no prompt file or built-in prompt set named") as info:
+    with pytest.raises(InvalidSettingError, match=f"no prompt file or built-in prompt set named {part}") as info:
         resolve_prompts(bad)
     assert "join several with +" in info.value.hint
+    assert ("+" not in bad) or repr(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["mix:3+", "mix:3++wide:2", "+mix:3"])
+def test_an_empty_part_is_an_error_and_spaces_around_parts_are_not(bad):
+    from dflash_cli.engine.errors import InvalidSettingError
+
+    with pytest.raises(InvalidSettingError, match="an empty part in the prompt spec"):
+        resolve_prompts(bad)
+    assert resolve_prompts("mix:3 + wide:2") == mix_prompts(3) + wide_prompts(2)
+
+
+def test_the_listed_sets_stay_the_prompts_the_demo_drafter_was_trained_on():
+    """The demo drafter's recipe names `mix:24000` and `wide:12000`; a change to their generators changes the data
+    such a command makes (and moves stored answers away from their prompts: train refuses those folders)."""
+    import hashlib
+
+    digest = {name: hashlib.sha256("\n".join(f(12000)).encode()).hexdigest()[:16]
+              for name, f in (("mix", mix_prompts), ("wide", wide_prompts))}
+    assert digest == {"mix": MIX_12000_SHA256, "wide": WIDE_12000_SHA256}
 
 
 def test_each_part_of_a_joined_list_gives_its_own_held_out_prompts():
@@ -90,6 +112,17 @@ def test_each_part_of_a_joined_list_gives_its_own_held_out_prompts():
     assert split_heldout(7, [2, 5])[1] == [6]  # a part of 4-9 prompts gives its last one; fewer give none
 
 
+def test_a_prompt_listed_twice_is_not_trained_on_where_another_copy_is_held_out():
+    from dflash_cli.train.api import split_prompts
+
+    a = [f"prompt {i}" for i in range(12)]
+    b = a[1:] + ["new"]  # b's 10th prompt (place 21) is a's 11th (place 10); b's 9th (20) is a's 10th, held out
+    train, held = split_prompts(a + b, [12, 12])
+    assert held == [9, 21]
+    assert train == [i for i in range(24) if i not in (9, 21, 10, 20)]
+    assert split_prompts(a, [12]) == split_heldout(12)
+
+
 def test_a_later_run_adds_a_set_after_the_stored_answers_and_keeps_them(tmp_path, tiny_target_dir):
     """`--prompts A` then `--prompts A+B` on one folder: A's answers stay as they were and where they were, only
     B's are generated (after them in the list), and each part holds out its own prompts."""
@@ -97,7 +130,7 @@ def test_a_later_run_adds_a_set_after_the_stored_answers_and_keeps_them(tmp_path
 
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("".join(f"Question {i} about apples?\n" for i in range(12)))
-    b.write_text("".join(f"Write line {i} of a song.\n" for i in range(10)))
+    b.write_text("".join(f"Write line {i} of a song.\n" for i in range(5)))
     out = tmp_path / "d"
     common = ["train", "-m", str(tiny_target_dir), "-o", str(out), "--block-size", "4", "--anchors", "4",
               "--max-new-tokens", "6", "--device", DEVICE, "--dtype", "float32", "--taps", "1,4"]
@@ -112,7 +145,13 @@ def test_a_later_run_adds_a_set_after_the_stored_answers_and_keeps_them(tmp_path
     after = read_index(out / "data")["shards"]
     assert after[: len(before)] == before
     assert all((out / "data" / name).read_bytes() == data for name, data in files.items())
-    assert sorted(i for s in after[len(before):] for i in s["prompts"]) == list(range(12, 22))
+    assert sorted(i for s in after[len(before):] for i in s["prompts"]) == list(range(12, 17))
     training = json.loads((out / "config.json").read_text())["training"]
     assert training["prompts"] == f"{a}+{b}"
-    assert training["heldout_sequences"] == 2  # prompt 9 of a, prompt 9 of b (index 21)
+    assert training["heldout_sequences"] == 2  # prompt 9 of a, the last of b's 5 (index 16); one list of 17: one
+
+    # listed the other way round, the stored answers no longer sit at their prompts' places: refused
+    third = CliRunner().invoke(cli, [*common, "--prompts", f"{b}+{a}", "--steps", "6"])
+    assert third.exit_code != 0 and "holds an answer to another prompt at place 0" in third.output
+    assert read_index(out / "data")["shards"] == after
+

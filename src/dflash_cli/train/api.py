@@ -154,8 +154,9 @@ class TrainingData:
 def training_data(target: Any, tokenizer: Any, prompt_set: PromptSet, taps: list[int], out_dir: Path,
                   config: TrainConfig, on_progress: OnProgress | None) -> TrainingData:
     """Answers the prompts not stored yet, then splits the stored replies into training and held-out ones."""
+    check_stored_prompts(prompt_set.texts, tokenizer, out_dir / "data")  # before any answer is added
     new_tokens = _generate(target, tokenizer, prompt_set.texts, taps, out_dir / "data", config, on_progress)
-    train_ids, held_ids = split_heldout(len(prompt_set.texts), prompt_set.part_sizes)
+    train_ids, held_ids = split_prompts(prompt_set.texts, prompt_set.part_sizes)
     stored = {i: e for i, e in load_examples(out_dir / "data").items() if len(e.ids) - e.prompt_len >= 2}
     train_set = [stored[i] for i in train_ids if i in stored]
     if not train_set and config.gen_time_budget == 0:
@@ -169,6 +170,28 @@ def training_data(target: Any, tokenizer: Any, prompt_set: PromptSet, taps: list
     return TrainingData(train_set, [stored[i] for i in held_ids if i in stored],
                         [categories[i] for i in held_ids if i in stored] if categories else None, held_ids,
                         sub_vocabulary(train_set) if config.sub_vocab else None, new_tokens)
+
+
+def check_stored_prompts(texts: Sequence[str], tokenizer: Any, data_dir: Path) -> None:
+    """Stored answers are found by their prompt's place in the list: each must start with the tokens of the
+    prompt now at that place, or the list was given in another order than when they were generated."""
+    from dflash_cli.train.data import encode_prompt_ids, stored_prompt_ids
+
+    for i, ids in stored_prompt_ids(data_dir).items():
+        if i < len(texts) and ids != encode_prompt_ids(tokenizer, texts[i]):
+            raise InvalidSettingError(
+                f"{data_dir} holds an answer to another prompt at place {i} of the prompt list: the prompts were "
+                "listed in another order when it was generated",
+                hint="list the sets as the earlier runs did and add new ones at the end (mix:24000+wide:8000), "
+                     "or use another output folder")
+
+
+def split_prompts(texts: Sequence[str], part_sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """`split_heldout` over the parts, less the training prompts whose text is also held out (joined sets can
+    list one prompt twice)."""
+    train_ids, held_ids = split_heldout(len(texts), part_sizes)
+    held_texts = {texts[i] for i in held_ids}
+    return [i for i in train_ids if texts[i] not in held_texts], held_ids
 
 
 def split_heldout(n: int, part_sizes: Sequence[int] | None = None) -> tuple[list[int], list[int]]:

@@ -42,7 +42,8 @@ def read_prompts(path: str | Path) -> list[str]:
     return lines
 
 
-def _encode(tokenizer, prompt: str) -> list[int]:
+def encode_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A training prompt's tokens, as the generators read it (the target's chat template)."""
     from dflash_cli.engine.text import encode_prompt
 
     return encode_prompt(tokenizer, prompt)
@@ -155,7 +156,7 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
     index, topk = _open_index(cache_dir, target, taps, max_new_tokens, topk)
     done = {int(i) for s in index["shards"] for i in s["prompts"]}
     todo = [i for i in range(len(prompts)) if i not in done]
-    encoded = {i: _encode(tokenizer, prompts[i]) for i in todo}
+    encoded = {i: encode_prompt_ids(tokenizer, prompts[i]) for i in todo}
     gen = (batched_generator(target, taps, list(encoded.values()), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                              topk=topk, width=batch_size or DEFAULT_WIDTH)
            if todo and (time_budget is None or time_budget > 0) else None)
@@ -280,6 +281,19 @@ def load_examples(cache_dir: str | Path) -> dict[int, Example]:
             examples[pi] = Example(tensors[f"ids.{j}"], tensors[f"feat.{j}"], plen,
                                    tensors.get(f"top_ids.{j}"), tensors.get(f"top_logp.{j}"))
     return examples
+
+
+def stored_prompt_ids(cache_dir: str | Path) -> dict[int, list[int]]:
+    """Each stored answer's prompt tokens, by prompt index (reads only the token ids of each shard)."""
+    from safetensors import safe_open
+
+    cache_dir = Path(cache_dir)
+    prompts: dict[int, list[int]] = {}
+    for shard in read_index(cache_dir).get("shards", []):
+        with safe_open(str(cache_dir / shard["file"]), framework="pt") as f:
+            for j, (pi, plen) in enumerate(zip(shard["prompts"], shard["prompt_lens"])):
+                prompts[pi] = f.get_slice(f"ids.{j}")[:plen].tolist()
+    return prompts
 
 
 def load_dataset(cache_dir: str | Path, prompt_ids: Sequence[int] | None = None) -> list[Example]:

@@ -21,8 +21,8 @@ brainstorming, review sentiment, translations). Measured math/code/chat: 39.1/30
 distinct first-three-word openings and the chat prompts with 257. `demo` and its templates are left as they are.
 
 `wide` (train/wide_prompts.py) draws the same mix from longer, freer requests. Specs join with `+`
-(`wide:12000+mix:24000`, `resolve_prompt_parts`): one list, the parts in order, so a folder's stored answers keep
-their index when a later run lists another set after them.
+(`mix:24000+wide:8000`, `resolve_prompt_parts`): one list, the parts in order, so a folder's stored answers keep
+their index when a later run lists another set after them (answers are found by their place in the list).
 """
 
 from __future__ import annotations
@@ -624,9 +624,17 @@ def resolve_prompt_parts(spec: str | None) -> list[tuple[list[str], list[str] | 
     set after them (`mix:24000+wide:8000`). A file whose own name has a `+` is read as that file."""
     from pathlib import Path
 
+    from dflash_cli.engine.errors import InvalidSettingError
+
     if spec is None or Path(spec).is_file() or "+" not in spec:
         return [_resolve_one(spec)]
-    return [_resolve_one(part) for part in spec.split("+")]
+    parts = [part.strip() for part in spec.split("+")]
+    if not all(parts):
+        raise InvalidSettingError(f"an empty part in the prompt spec {spec!r}", hint="join sets and files as A+B")
+    try:
+        return [_resolve_one(part) for part in parts]
+    except InvalidSettingError as e:
+        raise InvalidSettingError(f"{e} (in {spec!r})", hint=e.hint) from None
 
 
 def _resolve_one(spec: str | None) -> tuple[list[str], list[str] | None]:
@@ -677,4 +685,4 @@ def _resolve_uncategorized(spec: str | None) -> list[str]:
     raise InvalidSettingError(f"no prompt file or built-in prompt set named {spec!r}",
                               hint=f"give a file (one prompt per line, or JSONL with a \"prompt\" field) or "
                                    f"one of: {', '.join(CATEGORIZED_SETS)}, or NAME:COUNT such as mix:30000; "
-                                   "join several with +")
+                                   "join several with + (a file whose name has a + only alone)")

@@ -113,7 +113,8 @@ TASKS = ["returns the product of the odd numbers in a list", "counts the upperca
          "removes all vowels from a string", "returns the digits of a number as a list",
          "checks whether a list contains any duplicates", "returns the k largest values of a list",
          "counts the words that start with a capital letter", "converts a Roman numeral to an integer",
-         "returns the sum of a list, skipping None values", "checks whether two lists have the same elements in any order",
+         "returns the sum of a list, skipping None values",
+         "checks whether two lists have the same elements in any order",
          "pads a number with leading zeros to a given width", "returns the middle character or characters of a string",
          "finds all pairs in a list that add up to a target", "truncates a string to n characters and adds ...",
          "counts the lines of a text that contain a given word", "returns the running maximum of a list",
@@ -121,7 +122,8 @@ TASKS = ["returns the product of the odd numbers in a list", "counts the upperca
 RETURNS = ["", " It should return 0 for an empty input.", " Handle the empty case.", " Include a short example.",
            " Explain how it works.", " Add two test cases.", " Keep it short."]
 BUGGY = [("Python", "def last(xs): return xs[len(xs)]", "should return the last element but raises an error"),
-         ("Python", "def total(xs): s = 0; for x in xs: s = x; return s", "should add up a list but returns the wrong sum"),
+         ("Python", "def total(xs): s = 0; for x in xs: s = x; return s",
+          "should add up a list but returns the wrong sum"),
          ("Python", "def is_even(n): return n % 2 == 1", "should tell whether a number is even but gets it backwards"),
          ("Python", "def count_a(s): return s.count('A')", "should count the letter a in any case but misses some"),
          ("JavaScript", "function sum(a) { let s; for (const x of a) s += x; return s; }", "returns NaN"),
@@ -132,7 +134,8 @@ BUGGY = [("Python", "def last(xs): return xs[len(xs)]", "should return the last 
          ("Python", "def add_item(item, bag=[]): bag.append(item); return bag", "keeps items from earlier calls"),
          ("Go", "for i := 0; i < len(s); i++ { fmt.Println(s[i]) }", "prints numbers instead of letters"),
          ("SQL", "SELECT name FROM users WHERE email = NULL;", "never returns any row")]
-PRINTS = [("Python", "print([1, 2, 3] * 2)"), ("Python", "print('5' + '3', 5 + 3)"), ("JavaScript", "console.log([] + {})"),
+PRINTS = [("Python", "print([1, 2, 3] * 2)"), ("Python", "print('5' + '3', 5 + 3)"),
+          ("JavaScript", "console.log([] + {})"),
           ("Python", "print(7 // 2, 7 % 2, -7 // 2)"), ("JavaScript", "console.log(typeof null)"),
           ("Python", "print(bool(''), bool(' '), bool([]))"), ("JavaScript", "console.log('2' * '3', '2' + 3)"),
           ("Python", "a = [1, 2]; b = a; b.append(3); print(a)"), ("Python", "print(round(2.5), round(3.5))"),
@@ -143,7 +146,8 @@ COMMANDS = ["ls -la | grep '^d'", "du -sh * | sort -h", "tar -czf backup.tar.gz 
             "wc -w essay.txt", "sort names.txt | uniq -c", "git log --oneline -5", "curl -I https://example.com"]
 PY_FEATURES = ["a context manager that times a block of code", "a decorator that retries a function three times",
                "a generator that yields the lines of a file that are not empty", "a dataclass for a book with a title,"
-               " an author and a year", "a class with a property that checks its value", "an enum of the days of the week",
+               " an author and a year", "a class with a property that checks its value",
+               "an enum of the days of the week",
                "a function with keyword-only arguments", "a small command-line script using argparse"]
 CODE_TOPICS = ["git merge and git rebase", "a process and a thread", "a compiler and an interpreter",
                "== and is in Python", "let and const in JavaScript", "an array and a linked list",
@@ -242,7 +246,8 @@ PLANS = ["a packing list for a weekend at the beach", "a weekly meal plan for a 
 
 TAILS = ["", "", " Keep it short.", " Use simple words.", " Give an example.", " Answer in a few sentences.",
          " Use a short list.", " Explain it like I'm twelve.", " Be specific."]
-TWISTS = ["who finds a map", "who loses something important", "who makes an unlikely friend", "who has to keep a secret",
+TWISTS = ["who finds a map", "who loses something important", "who makes an unlikely friend",
+          "who has to keep a secret",
           "who gets a strange letter", "who must fix a mistake", "who hears music nobody else hears",
           "who wakes up somewhere new"]
 

@@ -45,8 +45,9 @@ def _parse_taps(_ctx, _param, value):
 @click.option("--prompts", default=None, metavar="FILE|SET",
               help="Prompts: a file (one per line, or JSONL with a \"prompt\" field) or a built-in set: "
                    "demo (6000 math, code and chat prompts), demo:N (N of them), mix / mix:N (12000 or N, a steady "
-                   "40/30/30% math/code/chat), wide / wide:N (the same mix of longer, freer requests); join several "
-                   "with + (wide:8000+mix:24000) [default: 48 built-in prompts].")
+                   "40/30/30% math/code/chat), wide / wide:N (12000 or N, the same mix of longer, freer requests); "
+                   "join several with +, adding new ones at the end (mix:24000+wide:8000) [default: 48 built-in "
+                   "prompts].")
 @click.option("--layers", type=_ints("layers"), default=None, help=f"Drafter layers [default: {DEFAULT_LAYERS}].")
 @click.option("--block-size", type=_ints("block_size"), default=None,
               help=f"Block length B, anchor included [default: {DEFAULT_BLOCK_SIZE}].")
