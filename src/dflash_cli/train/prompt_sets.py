@@ -30,9 +30,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-NAMES = ["Ava", "Ben", "Chloe", "Daniel", "Elena", "Farid", "Grace", "Hugo", "Isla", "Jonas", "Keiko", "Leo",
-         "Mia", "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sami", "Tara", "Umar", "Vera", "Wen", "Yusuf", "Zoe",
-         "Carlos", "Amara", "Lucas", "Hana", "Omar", "Ingrid", "Mateo", "Nadia", "Pablo", "Sofia", "Theo"]
+from dflash_cli.train.prompt_draw import NAMES, draw_distinct
+
 ITEMS = ["apples", "oranges", "stickers", "marbles", "books", "pencils", "cookies", "cupcakes", "toy cars",
          "seashells", "stamps", "balloons", "candles", "eggs", "flowers", "postcards", "buttons", "crayons",
          "bottles of water", "tickets", "comic books", "plants", "bracelets", "puzzles", "socks", "muffins"]
@@ -579,28 +578,6 @@ def mix_prompts_with_categories(n: int = 12000, seed: int = 0) -> list[tuple[str
     gens: dict[str, Callable[[random.Random], str]] = {
         "math": lambda g: _math(g) if g.random() < 0.6 else _math_more(g), "code": _code_mix, "chat": _chat_mix}
     return draw_distinct(n, seed, gens, "mix")
-
-
-def draw_distinct(n: int, seed: int, gens: dict[str, Callable[[random.Random], str]],
-                  name: str) -> list[tuple[str, str]]:
-    """`n` (category, prompt) pairs: each prompt's category is drawn first (40% math, 30% code, 30% chat) and then
-    that category's generator is drawn from until it gives a prompt not seen before, so the mix stays the same at
-    every n and a smaller n gives a prefix of a larger one."""
-    r = random.Random(seed)
-    out: list[tuple[str, str]] = []
-    seen: set[str] = set()
-    while len(out) < n:
-        x = r.random()
-        cat = "math" if x < 0.4 else "code" if x < 0.7 else "chat"
-        for _ in range(100_000):
-            p = gens[cat](r)
-            if p not in seen:
-                break
-        else:  # pragma: no cover - far beyond the sizes the sets are meant for
-            raise ValueError(f"the {name} prompt set ran out of distinct {cat} prompts at {len(out)}")
-        seen.add(p)
-        out.append((cat, p))
-    return out
 
 
 def mix_prompts(n: int = 12000, seed: int = 0) -> list[str]:

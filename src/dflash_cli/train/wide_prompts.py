@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from dflash_cli.train.prompt_sets import NAMES, draw_distinct
+from dflash_cli.train.prompt_draw import NAMES, draw_distinct
 
 WIDE_ASKS = ["Go through it step by step.", "Walk me through the solution.", "Explain each step.",
              "Work through it carefully.", "Show your reasoning.", "Solve it step by step and check the answer.",
