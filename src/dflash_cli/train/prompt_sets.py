@@ -31,6 +31,7 @@ import random
 from collections.abc import Callable
 
 from dflash_cli.train.prompt_draw import NAMES, draw_distinct
+from dflash_cli.train.wide_prompts import wide_prompts_with_categories
 
 ITEMS = ["apples", "oranges", "stickers", "marbles", "books", "pencils", "cookies", "cupcakes", "toy cars",
          "seashells", "stamps", "balloons", "candles", "eggs", "flowers", "postcards", "buttons", "crayons",
@@ -570,9 +571,6 @@ def _chat_mix(r: random.Random) -> str:
     return r.choice(forms)()
 
 
-MIX_SHARES = (("math", 0.4), ("code", 0.3), ("chat", 0.3))
-
-
 def mix_prompts_with_categories(n: int = 12000, seed: int = 0) -> list[tuple[str, str]]:
     """(category, prompt) pairs behind `mix_prompts` (`draw_distinct` over the mix generators)."""
     gens: dict[str, Callable[[random.Random], str]] = {
@@ -586,13 +584,8 @@ def mix_prompts(n: int = 12000, seed: int = 0) -> list[str]:
     return [p for _, p in mix_prompts_with_categories(n, seed)]
 
 
-def _wide(n: int = 12000) -> list[tuple[str, str]]:
-    from dflash_cli.train.wide_prompts import wide_prompts_with_categories
-
-    return wide_prompts_with_categories(n)
-
-
-CATEGORIZED_SETS = {"demo": demo_prompts_with_categories, "mix": mix_prompts_with_categories, "wide": _wide}
+CATEGORIZED_SETS = {"demo": demo_prompts_with_categories, "mix": mix_prompts_with_categories,
+                    "wide": wide_prompts_with_categories}
 
 
 def resolve_prompt_parts(spec: str | None) -> list[tuple[list[str], list[str] | None]]:
@@ -636,7 +629,7 @@ def join_prompt_parts(parts: list[tuple[list[str], list[str] | None]]) -> tuple[
     texts = [t for part, _ in parts for t in part]
     if any(cats is None for _, cats in parts):
         return texts, None
-    return texts, [c for _, cats in parts for c in cats or ()]
+    return texts, [c for _, cats in parts for c in cats]
 
 
 def resolve_prompts(spec: str | None) -> list[str]:
