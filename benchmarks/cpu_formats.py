@@ -31,7 +31,9 @@ import torch
 
 FORMATS = {"fp32": dict(dtype="float32", quant="none"), "bf16": dict(dtype="bfloat16", quant="none"),
            "q4-fp32": dict(dtype="float32", quant="q4"),
-           "q8": dict(dtype=None, quant="q8"), "q4": dict(dtype=None, quant="q4")}
+           "q8": dict(dtype=None, quant="q8"), "q4": dict(dtype=None, quant="q4"),
+           "q8a8": dict(dtype=None, quant="q8a8"), "q4a8": dict(dtype=None, quant="q4a8"),
+           "auto": dict(dtype=None, quant=None)}
 
 
 def cpu_line() -> str:

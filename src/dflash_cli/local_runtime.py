@@ -185,7 +185,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     forward = enable_fast_path(pair.target, pair.drafter, compile, max_context,
                                bnb_quant=quant if quant in ("int8", "nf4") else None,
                                on_status=on_status, on_notice=on_notice, weights_optional=quant_auto)
-    if quant in ("q4", "q8") and pair.target.weight_quant is None:  # --quant auto fell back
+    if quant in ("q4", "q8", "q4a8", "q8a8") and pair.target.weight_quant is None:  # --quant auto fell back
         quant = None
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed
         from dflash_cli.engine.generate import warm_up

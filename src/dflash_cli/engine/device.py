@@ -87,7 +87,8 @@ def pick_dtype(name: str | None, device: torch.device, quant: str | None = None)
     where it computes bf16 natively and fp32 elsewhere; with a weight-only `quant` (q4/q8) bf16 on every CPU:
     their kernels read bf16 activations, and only bf16 activations keep speculative decoding of such a
     target exact (fp32 ones are rounded to bf16 at every linear, where a decode's and a verify's ~1e-7
-    differences become different values)."""
+    differences become different values); with q4a8/q8a8 (8-bit activations, engine/int8act.py) fp32, what
+    their kernels read."""
     if name and name != "auto":
         known = dtype_name(name)
         if known is None:
@@ -99,6 +100,8 @@ def pick_dtype(name: str | None, device: torch.device, quant: str | None = None)
         return cuda_dtype(device)
     if quant in ("q4", "q8"):
         return torch.bfloat16
+    if quant in ("q4a8", "q8a8"):
+        return torch.float32
     if device.type == "cpu" and cpu_has_fast_bf16():
         return torch.bfloat16
     return torch.float32

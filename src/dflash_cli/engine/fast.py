@@ -30,10 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_cli.engine import native
 from dflash_cli.engine.config import PREFILL_CHUNK
 from dflash_cli.engine.drafter import apply_rope
 from dflash_cli.engine.errors import RollbackError
 from dflash_cli.engine.hf_module import HFModule
+from dflash_cli.engine.int8act import INT8_ACT_QUANTS
 from dflash_cli.engine.linear_attention import (
     CHUNK,
     BlockRecord,
@@ -402,9 +404,12 @@ class StaticForward(nn.Module):
 
     def __init__(self, model: HFModule, taps: list[int], projections: nn.ModuleList, lm_head: nn.Module, *,
                  last_logit_only: bool = False, devices: Sequence[torch.device] | None = None,
-                 row_exact: bool = False, ring: tuple[int, int] | None = None):
+                 row_exact: bool = False, ring: tuple[int, int] | None = None, native_attention: bool = False):
         super().__init__()
         self.row_exact = row_exact  # short calls attend through row_exact_attention
+        # q4a8/q8a8 (fp32 activations): short calls attend through the project's C kernel instead, row-exact
+        # in fp32 where torch's matmuls are not (engine/native.py)
+        self.native = native.library().lib if native_attention and native.library() is not None else None
         decoder = model.get_decoder()
         config = decoder.config  # the text model's (a multimodal class nests it)
         self.embed = model.get_input_embeddings()
@@ -631,6 +636,10 @@ class StaticForward(nn.Module):
         write_rows(values, write_at, v.reshape(b, n, kv, hd).transpose(1, 2))
         rows = keys.shape[2] if self.kinds[i][2] else key_positions.shape[0]
         # (b, n, heads, hd) -> (b, kv, group*n, hd): query head h belongs to key/value head h // group
+        if self.native is not None and blocked is not None and b == 1 and not self.kinds[i][2]:
+            # q4a8/q8a8: fp32 attention row-exact in C, read and written in the projections' layouts
+            out = native.attention(self.native, q, keys, values, write_at, self.kinds[i][0], scale)
+            return proj["o"](out * torch.sigmoid(gate) if gate is not None else out)
         folded = q.reshape(b, n, kv, heads // kv, hd).permute(0, 2, 3, 1, 4).reshape(b, kv, -1, hd)
         if blocked is not None:
             out = row_exact_attention(folded, keys[:, :, :rows], values[:, :, :rows], blocked, scale)
@@ -726,7 +735,10 @@ class FastPath:
         used: list[str] = []
         codes = _codes_lookup(model, q4_codes, used) if q4_codes else None
         # quantized linears compute each row on their own; attention then must too (row_exact_attention)
-        self.row_exact = bool(weights) and self.device.type == "cpu" and self.dtype != torch.float32
+        # (q4a8/q8a8 quantize every row's activations: an fp32 attention's ~1e-7 differences between a decode
+        # and a verify would change their codes, so they attend row-exact in fp32 too)
+        self.row_exact = bool(weights) and self.device.type == "cpu" and (
+            self.dtype != torch.float32 or weights in INT8_ACT_QUANTS)
         self.projections = nn.ModuleList(layer_projections(layer, pack, weights, codes)
                                          for layer in model.get_decoder().layers)
         self.codes_used = len(set(used))  # linears that run the checkpoint's own codes
@@ -734,7 +746,8 @@ class FastPath:
         # keep_source: a draft vocabulary takes its rows from the dense head (drafter.draft_head). Under q4 the
         # LM head is q8: 4-bit groups cost it 9% of its weight (the demo's tau fell from 1.7 to 1.1), as fast
         # at 1 row; llama.cpp's 4-bit formats also keep the output matrix at 6-8 bits.
-        self.lm_head = ((quantize_linears([head], "q8", keep_source=True) if weights else None)
+        head_kind = "q8a8" if weights in INT8_ACT_QUANTS else "q8"
+        self.lm_head = ((quantize_linears([head], head_kind, keep_source=True) if weights else None)
                         or (PackedLinear.pack(head, keep_source=True) if pack else None) or head)
         self.fallback_reason: str | None = None
         self.taps: list[int] = []
@@ -820,7 +833,8 @@ class FastPath:
         if key not in self._eager:
             self._eager[key] = StaticForward(self.model, self.taps if taps else [], self.projections, self.lm_head,
                                              last_logit_only=last_logit_only, devices=self.devices,
-                                             row_exact=self.row_exact, ring=self.ring)
+                                             row_exact=self.row_exact, ring=self.ring,
+                                             native_attention=self.weights in INT8_ACT_QUANTS)
         return self._eager[key]
 
     def forward(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,

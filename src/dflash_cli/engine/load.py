@@ -174,7 +174,7 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     if weight_quant is not None:
         quant = None
         if device.type != "cpu" or layer_devices is not None:
-            raise InvalidSettingError(f"--quant {weight_quant} runs on one CPU (PyTorch's weight-only CPU kernels)",
+            raise InvalidSettingError(f"--quant {weight_quant} runs on one CPU (weight-only CPU kernels)",
                                       hint="on a GPU use --quant nf4 or int8 (bitsandbytes)")
     config = read_config(folder, "target")
     check_target_config(config, str(folder))
@@ -215,7 +215,7 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
     target.offload_dir = offloaded  # removed with the target
     target.weight_quant = weight_quant
     codes = folder / Q4_CODES_FILE
-    target.q4_codes_file = codes if weight_quant == "q4" and codes.is_file() else None
+    target.q4_codes_file = codes if weight_quant in ("q4", "q4a8") and codes.is_file() else None
     return target
 
 

@@ -9,7 +9,8 @@ from torch import nn
 
 from dflash_cli.engine.errors import InvalidSettingError
 
-QUANTS = ("none", "int8", "nf4", "q4", "q8")  # q4/q8: CPU weight-only kernels (engine/weightonly.py)
+# q4/q8: CPU weight-only kernels (engine/weightonly.py); q4a8/q8a8: with 8-bit activations (engine/int8act.py)
+QUANTS = ("none", "int8", "nf4", "q4", "q8", "q4a8", "q8a8")
 
 
 def check_quant(name: str | None) -> str | None:

@@ -119,7 +119,7 @@ class Target:
         self._capturing = False
         self.fast: FastPath | None = None  # engine.fast.FastPath once enable_fast_path() succeeded
         self.offload_dir: Any = None  # a TemporaryDirectory holding disk-offloaded weights, if any
-        self.weight_quant: str | None = None  # "q4"/"q8": the fast path runs the linears weight-only quantized
+        self.weight_quant: str | None = None  # "q4"/"q8"/"q4a8"/"q8a8": the fast path runs the linears quantized
         self.q4_codes_file: Any = None  # a Path of ready 4-bit codes (weightonly.Q4_CODES_FILE), if any
         # linear-attention (Qwen3.5) layers: transformers' cache cannot roll their state back, ours can
         self.hybrid = any(is_linear_attention(layer) for layer in self.layers)
@@ -154,7 +154,7 @@ class Target:
         if reason is not None:
             return reason
         codes = None
-        if self.weight_quant == "q4" and self.q4_codes_file is not None:
+        if self.weight_quant in ("q4", "q4a8") and self.q4_codes_file is not None:
             from dflash_cli.engine.weightonly import read_q4_codes
 
             codes = read_q4_codes(self.q4_codes_file)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-WEIGHT_QUANTS = ("q4", "q8")
+WEIGHT_QUANTS = ("q4", "q8", "q4a8", "q8a8")  # q4a8/q8a8: 8-bit activations (engine/int8act.py)
 GROUP = 32  # GGUF Q4_1's block; Q4 needs in_features divisible by it
 # a target folder may carry its linears' 4-bit codes (the built-in model: the GGUF's own Q4_1 blocks), as
 # "<module name>.codes" (uint8 (out, in/2), two codes per byte, the low nibble first), ".d" and ".m"
@@ -30,12 +30,14 @@ Q4_CODES_FILE = "q4_1-codes.safetensors"
 @dataclass
 class Q4Codes:
     """A (out, in) weight in 4 bits: codes 0..15 (int32, (out, in)) and per-group scale and zero ((out, in/G),
-    any float dtype) with w = (codes - 8) * scale + zero."""
+    any float dtype) with w = (codes - 8) * scale + zero; `mins`, where known exactly (a GGUF's Q4_1 m, or
+    quantize_q4_1's), is zero - 8 * scale unrounded, for the q4a8 kernels (engine/int8act.py)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group: int = GROUP
+    mins: torch.Tensor | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out, cols = self.codes.shape
@@ -47,7 +49,7 @@ class Q4Codes:
     def from_q4_1(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Codes:
         """GGUF Q4_1 (w = d*q + m) as scale/zero codes: the same 4-bit codes, nothing requantized."""
         d32, m32 = d.float(), m.float()
-        return cls(q.to(torch.int32), d32, m32 + 8 * d32)
+        return cls(q.to(torch.int32), d32, m32 + 8 * d32, mins=m32)
 
 
 def quantize_q4(weight: torch.Tensor, group: int = GROUP) -> Q4Codes:
@@ -146,6 +148,8 @@ def quantize_weight(weight: torch.Tensor, kind: str, sizes: list[int] | None = N
     ready 4-bit codes per part of `sizes` (a GGUF's own), used instead of quantizing those rows."""
     sizes = sizes or [int(weight.shape[0])]
     with torch.no_grad():
+        if kind in ("q4a8", "q8a8"):
+            return _quantize_a8(weight, kind, sizes, bias, codes)
         if kind == "q4":
             if not q4_fits(int(weight.shape[0]), int(weight.shape[1])):
                 return None
@@ -157,6 +161,22 @@ def quantize_weight(weight: torch.Tensor, kind: str, sizes: list[int] | None = N
         if kind == "q8":
             return Q8Linear(weight, sizes, bias)
     raise ValueError(f"unknown weight-only quantization {kind!r}")
+
+
+def _quantize_a8(weight: torch.Tensor, kind: str, sizes: list[int], bias: torch.Tensor | None,
+                 codes: list[Q4Codes | None] | None) -> WeightOnlyLinear | None:
+    from dflash_cli.engine.int8act import Q4A8Linear, Q8A8Linear, a8_fits, quantize_q4_1
+
+    if not a8_fits(int(weight.shape[0]), int(weight.shape[1])):
+        return None
+    if kind == "q8a8":
+        return Q8A8Linear(weight, sizes, bias)
+    given = codes or [None] * len(sizes)
+    parts = [c if c is not None else quantize_q4_1(w) for w, c in zip(weight.split(sizes), given)]
+    mins = [p.mins.float() if p.mins is not None else p.zero.float() - 8 * p.scale.float() for p in parts]
+    fused = Q4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale.float() for p in parts]),
+                    torch.cat([p.zero.float() for p in parts]), mins=torch.cat(mins))
+    return Q4A8Linear(fused, sizes, bias)
 
 
 def quantize_linears(linears: list[nn.Module], kind: str, *, codes: list[Q4Codes | None] | None = None,

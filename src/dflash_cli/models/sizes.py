@@ -95,7 +95,7 @@ Q4_GROUP = 32  # q4: a bf16 scale and zero per 32 weights
 
 QUANT_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "none": "bf16", "fp16": "fp16", "float16": "fp16",
                  "fp32": "fp32", "float32": "fp32", "int8": "int8", "nf4": "nf4",
-                 "q4": "q4", "q8": "q8"}
+                 "q4": "q4", "q8": "q8", "q4a8": "q4a8", "q8a8": "q8a8"}
 #: `--quant auto` order: best quality first
 AUTO_ORDER = ("bf16", "int8", "nf4")
 
@@ -108,7 +108,7 @@ LINEAR_STATE_COPIES = 3  # per linear-attention layer: two buffers to roll back,
 def normalize_quant(quant: str | None) -> str:
     key = "bf16" if quant is None else str(quant).lower()
     if key not in QUANT_ALIASES:
-        raise ValueError(f"unknown quantization {quant!r}: use bf16, fp16, fp32, int8, nf4, q4 or q8")
+        raise ValueError(f"unknown quantization {quant!r}: use bf16, fp16, fp32, int8, nf4, q4, q8, q4a8 or q8a8")
     return QUANT_ALIASES[key]
 
 
@@ -456,7 +456,7 @@ def count_drafter(drafter_config: dict[str, Any]) -> _Counts:
 
 def _plain_bytes(quant: str) -> int:
     """Bytes per parameter of what bitsandbytes does not quantize (the compute dtype)."""
-    return 4 if quant == "fp32" else 2
+    return 4 if quant in ("fp32", "q4a8", "q8a8") else 2
 
 
 def _linear_bytes(lin: _Linear, quant: str, double_quant: bool) -> int:
@@ -472,6 +472,12 @@ def _linear_bytes(lin: _Linear, quant: str, double_quant: bool) -> int:
         # weight-only CPU kernels (engine/weightonly.py): the 16-bit weights loaded stay beside the codes
         codes = math.ceil(per / 2) + 4 * math.ceil(per / Q4_GROUP) if quant == "q4" else per + 2 * lin.out
         w = 2 * per + codes
+    elif quant in ("q4a8", "q8a8"):
+        # 8-bit-activation kernels (engine/int8act.py): fp32 weights as loaded plus the codes, with fp32 d
+        # (and q4's m) per block of 32
+        blocks = math.ceil(per / Q4_GROUP)
+        codes = math.ceil(per / 2) + 8 * blocks if quant == "q4a8" else per + 4 * blocks
+        w = 4 * per + codes
     elif quant == "nf4":
         blocks = math.ceil(per / NF4_BLOCK)
         absmax = (blocks + 4 * math.ceil(blocks / NF4_DOUBLE_QUANT_GROUP) + 4) if double_quant else 4 * blocks
@@ -485,7 +491,7 @@ def _expert_code_bytes(mats: list[tuple[int, int, int]], quant: str) -> int:
     """Fused experts (matrices, rows, columns) as the fast path's q4/q8 experts hold them (engine/moe.py):
     q8 an int8 code per weight and a bf16 scale per row; q4 half a byte per weight and a bf16 scale and zero
     per group of 32, when every matrix takes q4 (the engine's rule), else as q8."""
-    if quant == "q8":
+    if quant in ("q8", "q8a8"):
         return sum(m * rows * cols + 2 * m * rows for m, rows, cols in mats)
     if any(cols % Q4_GROUP or rows % 16 for _, rows, cols in mats):  # q4 cannot take them: the engine uses q8
         return _expert_code_bytes(mats, "q8")
@@ -636,9 +642,9 @@ def _estimate(c: _Counts, config: dict[str, Any], quant: str, double_quant: bool
         params = {"fc": c.fc, "layers_linear": linear_w + linear_b, "norms_other": c.norms_other}
     else:
         # q4/q8: the fast path also keeps an 8-bit copy of the LM head (the tied embedding's, if tied)
-        head_codes = (c.lm_head or c.embeddings) if quant in ("q4", "q8") else 0
+        head_codes = (c.lm_head or c.embeddings) if quant in ("q4", "q8", "q4a8", "q8a8") else 0
         experts = (c.experts + c.expert_biases) * plain
-        if quant in ("q4", "q8") and c.experts and not c.mxfp4_experts:
+        if quant in ("q4", "q8", "q4a8", "q8a8") and c.experts and not c.mxfp4_experts:
             notes.append(_weight_only_experts_note(c, config, quant))
         if c.mxfp4_experts and mxfp4_packed:
             # transformers' Mxfp4GptOssExperts: uint8 blocks (two fp4 a byte), a uint8 scale per 32, fp32 biases

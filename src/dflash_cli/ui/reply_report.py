@@ -74,7 +74,7 @@ def compare_line(runtime: Any, tokens: list[int], stats: Any, baseline: tuple[li
     else:
         same = f"first divergence at token {cmp['first_divergence']}"
         fast = getattr(runtime.target, "fast", None)
-        if runtime.quant in ("q4", "q8") and fast is not None and fast.row_exact:
+        if runtime.quant in ("q4", "q8", "q4a8", "q8a8") and fast is not None and fast.row_exact:
             same += f" (not expected with {runtime.quant}, whose rows are exact: please report it)"
         elif runtime.quant in ("q4", "q8"):
             same += f" (expected now and then with {runtime.quant} on {runtime.dtype} activations, rounded " \
