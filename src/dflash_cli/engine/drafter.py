@@ -15,6 +15,7 @@ from torch import nn
 
 from dflash_cli.engine.config import DrafterConfig
 from dflash_cli.engine.packed import PackedLinear, dense_weight
+from dflash_cli.engine.weightonly import quantize_linears
 from dflash_cli.engine.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -242,6 +243,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None)
         self._draft_head: tuple[Any, torch.Tensor, tuple, nn.Module] | None = None  # see draft_head()
+        self.head_quant: str | None = None  # "q8a8": the draft head's rows 8-bit (engine/int8act.py)
         # engine/draft_graph.StaticDraft once the loop drafts at fixed shapes (compiled targets), else None
         self.static_draft: Any = None
         # the target's embedding scale (Gemma: sqrt(hidden), in the embedding's dtype), set when the pair is
@@ -362,8 +364,9 @@ class DFlashDrafter(nn.Module):
                 if bias is not None:
                     sub.bias = nn.Parameter(bias.detach()[rows].clone(), requires_grad=False)
             sub.requires_grad_(False)
+            quantized = quantize_linears([sub], self.head_quant) if self.head_quant else None
             cached = (weakref.ref(weight), self.draft_vocab, (weight.shape[0], weight.device, weight.dtype),
-                      PackedLinear.pack(sub) or sub)
+                      quantized or PackedLinear.pack(sub) or sub)
             self._draft_head = cached
         return cached[3]
 

@@ -34,6 +34,7 @@ from dflash_cli.engine import native
 from dflash_cli.engine.config import PREFILL_CHUNK
 from dflash_cli.engine.drafter import apply_rope
 from dflash_cli.engine.errors import RollbackError
+from dflash_cli.engine.fused import PLAIN_RMS_NORMS, layer_struct, run_layer
 from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.int8act import INT8_ACT_QUANTS
 from dflash_cli.engine.linear_attention import (
@@ -305,8 +306,7 @@ def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
 # that one call instead of their eight small ops. In fp32 the result is the same; in bf16 transformers
 # rounds before multiplying by the weight and F.rms_norm after, so about a quarter of the outputs differ in
 # the last bit from transformers' forward (decoding is unaffected: a target always runs one path). Others
-# (Qwen3.5's 1 + weight) run as modules.
-PLAIN_RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "MistralRMSNorm"}
+# (Qwen3.5's 1 + weight) run as modules. (PLAIN_RMS_NORMS lives in engine/fused.py, which reads it too.)
 
 
 def norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -473,6 +473,12 @@ class StaticForward(nn.Module):
         # under a device map each layer runs where its weights are; the rest (embeddings, norm, LM head) on
         # the hot device, where the caller's ids and the drafter are
         self.devices = list(devices) if devices is not None else None
+        # q4a8/q8a8 Llama-style layers: each one C call (engine/fused.py), when every layer can be
+        self.fused: list[Any] | None = None
+        if self.native is not None and devices is None:
+            made = [layer_struct(layer, proj, heads=self.heads, kv=self.kv_heads, hd=self.head_dim,
+                                 scale=self.scaling) for layer, proj in zip(self.layers, projections)]
+            self.fused = made if all(m is not None for m in made) and self.uniform else None
 
     def _call_tables(self, h: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                      ring: torch.Tensor | None):
@@ -517,6 +523,8 @@ class StaticForward(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
                 states: Sequence[torch.Tensor] = (), ring: torch.Tensor | None = None):
+        if self.fused is not None and ids.shape[0] == 1 and ring is None:
+            return self._fused_forward(ids, positions, keys, values)
         h = self.embed(ids)  # (b, n, H)
         slots, ropes, masks, exact = self._call_tables(h, positions, key_positions, ring)
         hot = here = h.device
@@ -564,6 +572,9 @@ class StaticForward(nn.Module):
                 tapped[i] = self.final_norm(tap) if i == last else tap
         if here != hot:
             h = move(h, hot)
+        return self._head(h, tapped, records)
+
+    def _head(self, h: torch.Tensor, tapped: dict[int, torch.Tensor], records: list[tuple[torch.Tensor, ...]]):
         if self.last_logit_only:
             h = h[:, -1:]
         # (b*n, V); a 2-D input keeps CPU bf16 on the plain matmul
@@ -572,6 +583,23 @@ class StaticForward(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
         return logits, hidden, records
+
+    def _fused_forward(self, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                       values: list[torch.Tensor]):
+        """forward() with every layer one C call (engine/fused.py), on one sequence."""
+        assert self.fused is not None and self.native is not None
+        h = self.embed(ids).contiguous()  # (1, n, H) fp32, updated in place by each layer
+        cos, sin = self.rotary(h, positions[None])  # (1, n, hd)
+        half = cos.shape[-1] // 2
+        cos, signed = cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        positions = positions.contiguous()
+        wanted, last = set(self.taps), len(self.layers) - 1
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.fused):
+            run_layer(self.native, layer, h, positions, cos, signed, keys[i], values[i])
+            if i in wanted:
+                tapped[i] = self.final_norm(h) if i == last else h.clone()
+        return self._head(h, tapped, [])
 
     def _sandwich(self, i: int, layer: Any, proj: Any, h: torch.Tensor, attended: torch.Tensor,
                   exact: bool = False) -> torch.Tensor:

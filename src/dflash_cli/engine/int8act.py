@@ -6,8 +6,8 @@ torch's int4 kernel (`--quant q4`) reads bf16 activations, which a CPU without n
 software, and the small ops around it then run in bf16 too; here activations and everything around the
 linears stay fp32, and each linear quantizes its input rows itself. Each output row depends on its own
 input row only, so a 1-token decode and a block verify give bit-identical rows (the lossless rule), as with
-q4/q8. q4a8 keeps GGUF Q4_1's d and m exactly (w = d * code + m); q8a8 has one scale per block of 32
-(GGUF's Q8_0), also for q4a8's LM head.
+q4/q8. q4a8 keeps GGUF Q4_1's codes, d and m exactly (w = d * code + m, d and m fp16); q8a8 has one fp16 scale per
+block of 32 (GGUF's Q8_0), also for q4a8's LM head.
 """
 
 from __future__ import annotations
@@ -21,30 +21,69 @@ INT8_ACT_QUANTS = ("q4a8", "q8a8")
 
 
 def q4_1_parts(codes: Q4Codes) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d, m) fp32 of w = d * code + m for `codes` (its own m where it came from a GGUF's Q4_1)."""
+    """(d, m) of w = d * code + m for `codes` (its own m where it came from a GGUF's Q4_1), as fp16: the
+    kernel's scales (a GGUF's own are fp16 already)."""
     d = codes.scale.float()
     m = codes.mins.float() if codes.mins is not None else codes.zero.float() - 8 * d
-    return d.contiguous(), m.contiguous()
+    return d.half(), m.half()
 
 
-def pack_blocks(codes: torch.Tensor) -> torch.Tensor:
-    """(out, in) codes 0..15 as the kernel's (out, in/2) bytes: per block of 32, byte j holds code j in its
-    low nibble and code j + 16 in its high one (GGUF's Q4_1 order)."""
-    out, cols = codes.shape
-    c = codes.to(torch.uint8).reshape(out, cols // GROUP, GROUP)
-    return (c[..., :16] | (c[..., 16:] << 4)).reshape(out, cols // 2).contiguous()
+def by_column_groups(x: torch.Tensor) -> torch.Tensor:
+    """(n, blocks, ...) per-column data as (n/8, blocks, 8, ...): the 8 columns of a group side by side."""
+    return x.reshape(x.shape[0] // 8, 8, *x.shape[1:]).transpose(1, 2)
+
+
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """(n, k) codes 0..15 in the kernel's layout (native/int8_matmul.c): per group of 8 columns and block of 32
+    inputs, 128 bytes, byte 32t + 4c + i holding column c's code of input 4t + i (low nibble) and 16 + 4t + i
+    (high nibble)."""
+    n, k = codes.shape
+    c = by_column_groups(codes.to(torch.uint8).reshape(n, k // GROUP, 2, 4, 4))  # (n/8, blocks, 8c, half, 4t, 4i)
+    packed = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # (n/8, blocks, 8c, 4t, 4i)
+    return packed.permute(0, 1, 3, 2, 4).reshape(n // 8, k // GROUP, 128).contiguous()
+
+
+def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    groups, blocks, _ = packed.shape
+    p = packed.reshape(groups, blocks, 4, 8, 4).permute(0, 1, 3, 2, 4)  # (n/8, blocks, 8c, 4t, 4i)
+    codes = torch.stack([p & 0xF, p >> 4], dim=3)  # (n/8, blocks, 8c, half, 4t, 4i)
+    return codes.transpose(1, 2).reshape(groups * 8, blocks * GROUP)
+
+
+def pack_q8(codes: torch.Tensor) -> torch.Tensor:
+    """(n, k) int8 codes in the kernel's layout: per group of 8 columns and block of 32, 256 bytes, byte
+    32t + 4c + i column c's code of input 4t + i."""
+    n, k = codes.shape
+    c = by_column_groups(codes.reshape(n, k // GROUP, 8, 4))  # (n/8, blocks, 8c, 8t, 4i)
+    return c.permute(0, 1, 3, 2, 4).reshape(n // 8, k // GROUP, 256).contiguous()
+
+
+def unpack_q8(packed: torch.Tensor) -> torch.Tensor:
+    groups, blocks, _ = packed.shape
+    p = packed.reshape(groups, blocks, 8, 8, 4).permute(0, 1, 3, 2, 4)  # (n/8, blocks, 8c, 8t, 4i)
+    return p.transpose(1, 2).reshape(groups * 8, blocks * GROUP)
+
+
+def pack_scales(x: torch.Tensor) -> torch.Tensor:
+    """(n, blocks) scales as fp16 (n/8, blocks, 8)."""
+    return by_column_groups(x.half()).contiguous()
+
+
+def unpack_scales(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).reshape(-1, x.shape[1]).float()
 
 
 def quantize_q4_1(weight: torch.Tensor) -> Q4Codes:
-    """Min/max 4-bit quantization per block of 32 in GGUF Q4_1's form (fp32 d and m, as its fp16 ones but
-    unrounded)."""
+    """Min/max 4-bit quantization per block of 32 in GGUF Q4_1's form, d and m rounded to fp16 first (as the
+    kernel reads them) and the codes chosen against the rounded values."""
     out, cols = weight.shape
     w = weight.detach().float().reshape(out, cols // GROUP, GROUP)
     low, high = w.amin(-1), w.amax(-1)
-    d = (high - low) / 15
+    m = low.half().float()
+    d = ((high - m) / 15).half().float()
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    codes = torch.round((w - low[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.int32)
-    return Q4Codes(codes.reshape(out, cols), d, low + 8 * d, GROUP, mins=low)
+    codes = torch.round((w - m[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.int32)
+    return Q4Codes(codes.reshape(out, cols), d, m + 8 * d, GROUP, mins=m)
 
 
 def _need_library() -> native.Built:
@@ -54,8 +93,14 @@ def _need_library() -> native.Built:
     return built
 
 
+def round_up8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
 class Int8ActLinear(WeightOnlyLinear):
-    """Base of Q4A8Linear/Q8A8Linear: fp32 in, fp32 out (other dtypes are cast at the call)."""
+    """Base of Q4A8Linear/Q8A8Linear: fp32 in, fp32 out (other dtypes are cast at the call). The kernels take
+    outputs in groups of 8: other widths (a draft vocabulary's head) carry zero rows up to the next multiple
+    (`padded`), cut off after the call."""
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -64,6 +109,8 @@ class Int8ActLinear(WeightOnlyLinear):
         if not rows.is_contiguous():
             rows = rows.contiguous()
         y = self.matmul(rows)
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features].contiguous()
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -74,22 +121,24 @@ class Q4A8Linear(Int8ActLinear):
         super().__init__(sizes, bias)
         self.lib = _need_library().lib
         self.in_features = int(codes.codes.shape[1])
-        self.codes = pack_blocks(codes.codes)
-        self.d, self.m = q4_1_parts(codes)
+        self.codes = pack_q4(codes.codes)
+        d, m = q4_1_parts(codes)
+        self.d, self.m = pack_scales(d), pack_scales(m)
+        self.padded = self.out_features
         self.bias = bias.float().contiguous() if bias is not None else None
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], self.out_features)
+        out = torch.empty(rows.shape[0], self.padded)
         self.lib.dfq_q4_matmul(rows.data_ptr(), rows.shape[0], self.in_features, self.codes.data_ptr(),
                                self.d.data_ptr(), self.m.data_ptr(), self.out_features, native.ptr(self.bias),
                                out.data_ptr())
         return out
 
     def dequantize(self) -> torch.Tensor:
-        out, half = self.codes.shape
-        c = self.codes.reshape(out, half // 16, 16)
-        codes = torch.cat([c & 0xF, c >> 4], dim=-1).float()  # (out, blocks, 32)
-        return (codes * self.d[..., None] + self.m[..., None]).reshape(out, half * 2)
+        codes = unpack_q4(self.codes).float()
+        out, cols = codes.shape
+        d, m = unpack_scales(self.d), unpack_scales(self.m)
+        return (codes.reshape(out, cols // GROUP, GROUP) * d[..., None] + m[..., None]).reshape(out, cols)
 
 
 class Q8A8Linear(Int8ActLinear):
@@ -99,21 +148,28 @@ class Q8A8Linear(Int8ActLinear):
         out, cols = weight.shape
         self.in_features = int(cols)
         w = weight.detach().float().reshape(out, cols // GROUP, GROUP)
-        d = w.abs().amax(-1) / 127
+        d = (w.abs().amax(-1) / 127).half().float()  # fp16, as the kernel reads it (GGUF's Q8_0)
         inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        self.codes = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out, cols).contiguous()
-        self.d = d.contiguous()
-        self.bias = bias.float().contiguous() if bias is not None else None
+        codes = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out, cols)
+        self.padded = round_up8(out)
+        extra = self.padded - out
+        if extra:
+            codes = torch.cat([codes, codes.new_zeros(extra, cols)])
+            d = torch.cat([d, d.new_zeros(extra, d.shape[1])])
+        self.codes, self.d = pack_q8(codes), pack_scales(d)
+        self.bias = None if bias is None else torch.cat([bias.float(), bias.new_zeros(extra).float()]).contiguous()
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], self.out_features)
+        out = torch.empty(rows.shape[0], self.padded)
         self.lib.dfq_q8_matmul(rows.data_ptr(), rows.shape[0], self.in_features, self.codes.data_ptr(),
-                               self.d.data_ptr(), self.out_features, native.ptr(self.bias), out.data_ptr())
+                               self.d.data_ptr(), self.padded, native.ptr(self.bias), out.data_ptr())
         return out
 
     def dequantize(self) -> torch.Tensor:
-        out, cols = self.codes.shape
-        return (self.codes.float().reshape(out, cols // GROUP, GROUP) * self.d[..., None]).reshape(out, cols)
+        codes = unpack_q8(self.codes).float()
+        out, cols = codes.shape
+        w = (codes.reshape(out, cols // GROUP, GROUP) * unpack_scales(self.d)[..., None]).reshape(out, cols)
+        return w[:self.out_features]
 
 
 def quantize_act_rows(x: torch.Tensor) -> torch.Tensor:
@@ -128,6 +184,28 @@ def quantize_act_rows(x: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(rows, k // GROUP, GROUP) * d[..., None]).reshape(rows, k)
 
 
-def a8_fits(rows: int, cols: int) -> bool:
-    """Whether q4a8/q8a8 take an (out=rows, in=cols) weight: whole blocks of 32 inputs."""
-    return cols % GROUP == 0 and rows > 0
+def a8_fits(rows: int, cols: int, kind: str = "q4a8") -> bool:
+    """Whether q4a8/q8a8 take an (out=rows, in=cols) weight: whole blocks of 32 inputs, and for q4a8 groups
+    of 8 outputs (q8a8 pads its rows)."""
+    return cols % GROUP == 0 and rows > 0 and (kind == "q8a8" or rows % 8 == 0)
+
+
+def quantize_drafter(drafter: torch.nn.Module) -> int:
+    """A drafter's linears (and its draft-vocabulary head, when it has one) as q8a8, in place, for a q4a8/q8a8
+    target: its forwards run at the same few rows as the target's, where fp32 matmuls cost most of a draft.
+    Drafts need not be exact (the target verifies them); 8-bit weights with per-block scales keep them close
+    to fp32 ones. Returns how many linears were replaced."""
+    from torch import nn
+
+    from dflash_cli.engine.weightonly import quantize_linears
+
+    count = 0
+    for parent in list(drafter.modules()):
+        for name, child in list(parent.named_children()):
+            made = quantize_linears([child], "q8a8") if type(child) is nn.Linear else None
+            if made is not None:
+                setattr(parent, name, made)
+                count += 1
+    if hasattr(drafter, "head_quant"):
+        drafter.head_quant = "q8a8"
+    return count

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("int8_matmul.c", "attention.c")
+SOURCES = ("int8_matmul.c", "attention.c", "layer.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 ABI_VERSION = 1
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -36,7 +36,21 @@ SIGNATURES = {
     "dfq_q4_matmul": [P, LONG, LONG, P, P, P, LONG, P, P],
     "dfq_q8_matmul": [P, LONG, LONG, P, P, LONG, P, P],
     "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P],
+    "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG],
 }
+
+
+class Linear(ctypes.Structure):
+    """native/dfq.h's struct dfq_linear: kind 4 or 8, (n, k), codes, d, m, bias."""
+    _fields_ = [("kind", LONG), ("n", LONG), ("k", LONG), ("codes", P), ("d", P), ("m", P), ("bias", P)]
+
+
+class Layer(ctypes.Structure):
+    """native/layer.c's struct dfq_layer."""
+    _fields_ = [("hidden", LONG), ("heads", LONG), ("kv", LONG), ("hd", LONG), ("inter", LONG),
+                ("norm1", P), ("norm2", P), ("q_norm", P), ("k_norm", P),
+                ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("qk_eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear)]
 
 
 @dataclass

@@ -167,7 +167,7 @@ def _quantize_a8(weight: torch.Tensor, kind: str, sizes: list[int], bias: torch.
                  codes: list[Q4Codes | None] | None) -> WeightOnlyLinear | None:
     from dflash_cli.engine.int8act import Q4A8Linear, Q8A8Linear, a8_fits, quantize_q4_1
 
-    if not a8_fits(int(weight.shape[0]), int(weight.shape[1])):
+    if not a8_fits(int(weight.shape[0]), int(weight.shape[1]), kind):
         return None
     if kind == "q8a8":
         return Q8A8Linear(weight, sizes, bias)

@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "dfq.h"
+
 /* exp(x) for 8 floats (Cephes' polynomial, as the common AVX "mathfun" ports: ~1 ulp over the range
  * softmax needs; below -87 it flushes to 0) */
 static inline __m256 exp8(__m256 x) {
@@ -48,6 +50,49 @@ static inline float dot(const float *a, const float *b, long hd) {
     return hsum8(_mm256_add_ps(s0, s1));
 }
 
+void dfq_attend_one(const float *q, long hd, const float *keys, const float *values, long lo, long count,
+                    float scale, float *out) {
+    float stack[512], *p = count <= 504 ? stack : malloc(sizeof(float) * (size_t)(count + 8));
+    const float *kb = keys + lo * hd, *vb = values + lo * hd;
+    float max = -INFINITY;
+    for (long j = 0; j < count; j++) {
+        p[j] = dot(q, kb + j * hd, hd) * scale;
+        max = p[j] > max ? p[j] : max;
+    }
+    const __m256 vmax = _mm256_set1_ps(max);
+    __m256 vsum = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= count; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmax));
+        _mm256_storeu_ps(p + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    if (j < count) { /* the tail through the same vector exp, padded lanes left out of the sum */
+        float tail[8] = {0};
+        for (long i = j; i < count; i++) tail[i - j] = p[i] - max;
+        __m256 e = exp8(_mm256_loadu_ps(tail));
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count - j)), lane);
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(live));
+        _mm256_storeu_ps(tail, e);
+        for (long i = j; i < count; i++) p[i] = tail[i - j];
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    const float inv = 1.0f / hsum8(vsum);
+    for (long d = 0; d < hd; d += 32) {
+        const long width = hd - d < 32 ? hd - d : 32;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (long i = 0; i < count; i++) {
+            const __m256 w = _mm256_set1_ps(p[i]);
+            const float *v = vb + i * hd + d;
+            for (long c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (long c = 0; c < width / 8; c++) _mm256_storeu_ps(out + d + 8 * c, _mm256_mul_ps(acc[c], vinv));
+    }
+    if (p != stack) free(p);
+}
+
 /* q: (n, heads, hd) with row stride q_stride (floats between tokens); keys/values: (kv, capacity, hd), buffer
  * row == position; positions (n,); a query at position p sees keys lo..p, lo = p - window + 1 with a window,
  * else 0; scale multiplies the scores; out: (n, heads * hd). hd is a multiple of 8. */
@@ -55,57 +100,11 @@ void dfq_attention(const float *q, long q_stride, long n, long heads, long kv, l
                    const float *values, long capacity, const int64_t *positions, long window, float scale,
                    float *out) {
     const long group = heads / kv, tasks = n * heads;
-    long longest = 0;
-    for (long t = 0; t < n; t++) longest = positions[t] + 1 > longest ? positions[t] + 1 : longest;
-#pragma omp parallel if (tasks > 1 && longest * tasks > 2048)
-    {
-        float *p = malloc(sizeof(float) * (size_t)(longest + 8));
-#pragma omp for schedule(static)
-        for (long task = 0; task < tasks; task++) {
-            const long t = task / heads, h = task % heads, g = h / group;
-            const long pos = positions[t], lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-            const long count = pos - lo + 1;
-            const float *qr = q + t * q_stride + h * hd;
-            const float *kb = keys + (g * capacity + lo) * hd, *vb = values + (g * capacity + lo) * hd;
-            float max = -INFINITY;
-            for (long j = 0; j < count; j++) {
-                p[j] = dot(qr, kb + j * hd, hd) * scale;
-                max = p[j] > max ? p[j] : max;
-            }
-            const __m256 vmax = _mm256_set1_ps(max);
-            __m256 vsum = _mm256_setzero_ps();
-            long j = 0;
-            for (; j + 8 <= count; j += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmax));
-                _mm256_storeu_ps(p + j, e);
-                vsum = _mm256_add_ps(vsum, e);
-            }
-            if (j < count) { /* the tail through the same vector exp, padded lanes left out of the sum */
-                float tail[8] = {0};
-                for (long i = j; i < count; i++) tail[i - j] = p[i] - max;
-                __m256 e = exp8(_mm256_loadu_ps(tail));
-                const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count - j)), lane);
-                e = _mm256_and_ps(e, _mm256_castsi256_ps(live));
-                _mm256_storeu_ps(tail, e);
-                for (long i = j; i < count; i++) p[i] = tail[i - j];
-                vsum = _mm256_add_ps(vsum, e);
-            }
-            const float inv = 1.0f / hsum8(vsum);
-            float *o = out + t * heads * hd + h * hd;
-            for (long d = 0; d < hd; d += 32) {
-                const long width = hd - d < 32 ? hd - d : 32;
-                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                                 _mm256_setzero_ps()};
-                for (long i = 0; i < count; i++) {
-                    const __m256 w = _mm256_set1_ps(p[i]);
-                    const float *v = vb + i * hd + d;
-                    for (long c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
-                }
-                const __m256 vinv = _mm256_set1_ps(inv);
-                for (long c = 0; c < width / 8; c++) _mm256_storeu_ps(o + d + 8 * c, _mm256_mul_ps(acc[c], vinv));
-            }
-        }
-        free(p);
+#pragma omp parallel for schedule(static) if (tasks > 1 && positions[n - 1] * tasks > 2048)
+    for (long task = 0; task < tasks; task++) {
+        const long t = task / heads, h = task % heads, g = h / group, pos = positions[t];
+        const long lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        dfq_attend_one(q + t * q_stride + h * hd, hd, keys + g * capacity * hd, values + g * capacity * hd, lo,
+                       pos - lo + 1, scale, out + t * heads * hd + h * hd);
     }
 }

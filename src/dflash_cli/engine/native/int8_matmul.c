@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QK 32
+#include "dfq.h"
 
 int dfq_abi_version(void) { return 1; }
 
@@ -39,7 +39,7 @@ static inline float hsum(__m256 v) {
 }
 
 /* One row of k floats as k/32 blocks: codes q (k), scales d and sums s (k/32). */
-static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) {
+void dfq_quantize_row(const float *x, long k, int8_t *q, float *d, float *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (long b = 0; b < k / QK; b++) {
         const float *xb = x + b * QK;
@@ -74,142 +74,153 @@ static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) 
 }
 
 void dfq_quantize_rows(const float *x, long rows, long k, int8_t *q, float *d, float *s) {
-    for (long r = 0; r < rows; r++) quantize_row(x + r * k, k, q + r * k, d + r * (k / QK), s + r * (k / QK));
+    for (long r = 0; r < rows; r++) dfq_quantize_row(x + r * k, k, q + r * k, d + r * (k / QK), s + r * (k / QK));
 }
 
-static inline __m256i unpack_q4(const uint8_t *qs) {
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i t = _mm_loadu_si128((const __m128i *)qs);
-    __m128i lo = _mm_and_si128(t, mask), hi = _mm_and_si128(_mm_srli_epi16(t, 4), mask);
-    return _mm256_set_m128i(hi, lo);
+/* Weights are laid out for 8 output columns at a time (one column per lane of a vector): for each group of
+ * 8 columns and each block of 32 inputs, q4 has 4 vectors of 32 bytes, byte 4c + i of vector t holding
+ * column c's code of input 4t + i in its low nibble and of input 16 + 4t + i in its high nibble, then the 8
+ * columns' d and m as fp16; q8 has 8 vectors, byte 4c + i of vector t column c's int8 code of input
+ * 4t + i, then the 8 d as fp16. A row's 4 activation codes are broadcast to the 8 lanes, and maddubs
+ * multiplies them with each column's 4 codes: no horizontal sums, one scale multiply for 8 outputs. */
+
+static inline __m256i bcast4(const int8_t *a) {
+    int32_t v;
+    memcpy(&v, a, 4);
+    return _mm256_set1_epi32(v);
 }
 
-/* Up to R activation rows times C weight rows of q4. acc[r][c] runs the same operations for every (r, c),
- * whatever R and C are. */
-#define Q4_TILE(R, C)                                                                                      \
-    static inline void q4_tile_##R##_##C(const int8_t *aq, const float *ad, const float *as, long k,        \
-                                         const void *wqv, const float *wd, const float *wm, long o,           \
-                                         long n, float *out, const float *bias) {                            \
-        const long nb = k / QK;                                                                             \
-        const uint8_t *wq = wqv;                                                                            \
-        const __m256i ones = _mm256_set1_epi16(1);                                                          \
-        __m256 acc[R][C];                                                                                   \
-        float summ[R][C];                                                                                   \
-        for (int r = 0; r < R; r++)                                                                         \
-            for (int c = 0; c < C; c++) { acc[r][c] = _mm256_setzero_ps(); summ[r][c] = 0.0f; }              \
-        for (long b = 0; b < nb; b++) {                                                                     \
-            __m256i w[C];                                                                                   \
-            float dw[C], mw[C];                                                                             \
-            for (int c = 0; c < C; c++) {                                                                   \
-                w[c] = unpack_q4(wq + (o + c) * (k / 2) + b * 16);                                          \
-                dw[c] = wd[(o + c) * nb + b];                                                               \
-                mw[c] = wm[(o + c) * nb + b];                                                               \
-            }                                                                                               \
-            for (int r = 0; r < R; r++) {                                                                   \
-                __m256i a = _mm256_loadu_si256((const __m256i *)(aq + r * k + b * QK));                     \
-                float da = ad[r * nb + b], sa = as[r * nb + b];                                             \
-                for (int c = 0; c < C; c++) {                                                               \
-                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w[c], a), ones);                     \
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[c] * da), acc[r][c]); \
-                    summ[r][c] += mw[c] * sa;                                                               \
-                }                                                                                           \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int r = 0; r < R; r++)                                                                         \
-            for (int c = 0; c < C; c++) {                                                                   \
-                float y = hsum(acc[r][c]) + summ[r][c];                                                     \
-                out[r * n + o + c] = bias ? y + bias[o + c] : y;                                            \
-            }                                                                                               \
-    }
-
-/* the same for q8 weights (one scale per block): |w| times a with w's sign, as maddubs needs */
-#define Q8_TILE(R, C)                                                                                      \
-    static inline void q8_tile_##R##_##C(const int8_t *aq, const float *ad, const float *as, long k,        \
-                                         const void *wqv, const float *wd, const float *unused, long o,       \
-                                         long n, float *out, const float *bias) {                            \
-        (void)as; (void)unused;                                                                             \
-        const int8_t *wq = wqv;                                                                             \
-        const long nb = k / QK;                                                                             \
-        const __m256i ones = _mm256_set1_epi16(1);                                                          \
-        __m256 acc[R][C];                                                                                   \
-        for (int r = 0; r < R; r++)                                                                         \
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                                     \
-        for (long b = 0; b < nb; b++) {                                                                     \
-            __m256i w[C], wabs[C];                                                                          \
-            float dw[C];                                                                                    \
-            for (int c = 0; c < C; c++) {                                                                   \
-                w[c] = _mm256_loadu_si256((const __m256i *)(wq + (o + c) * k + b * QK));                    \
-                wabs[c] = _mm256_sign_epi8(w[c], w[c]);                                                     \
-                dw[c] = wd[(o + c) * nb + b];                                                               \
-            }                                                                                               \
-            for (int r = 0; r < R; r++) {                                                                   \
-                __m256i a = _mm256_loadu_si256((const __m256i *)(aq + r * k + b * QK));                     \
-                float da = ad[r * nb + b];                                                                  \
-                for (int c = 0; c < C; c++) {                                                               \
-                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[c], _mm256_sign_epi8(a, w[c])), ones); \
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[c] * da), acc[r][c]); \
-                }                                                                                           \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int r = 0; r < R; r++)                                                                         \
-            for (int c = 0; c < C; c++) {                                                                   \
-                float y = hsum(acc[r][c]);                                                                  \
-                out[r * n + o + c] = bias ? y + bias[o + c] : y;                                            \
-            }                                                                                               \
-    }
-
-Q4_TILE(1, 1) Q4_TILE(2, 1) Q4_TILE(3, 1) Q4_TILE(4, 1)
-Q4_TILE(1, 2) Q4_TILE(2, 2) Q4_TILE(3, 2) Q4_TILE(4, 2)
-Q8_TILE(1, 1) Q8_TILE(2, 1) Q8_TILE(3, 1) Q8_TILE(4, 1)
-Q8_TILE(1, 2) Q8_TILE(2, 2) Q8_TILE(3, 2) Q8_TILE(4, 2)
-
-typedef void (*tile_fn)(const int8_t *, const float *, const float *, long, const void *, const float *,
-                        const float *, long, long, float *, const float *);
-
-static const tile_fn Q4_TILES[2][4] = {
-    {q4_tile_1_1, q4_tile_2_1, q4_tile_3_1, q4_tile_4_1},
-    {q4_tile_1_2, q4_tile_2_2, q4_tile_3_2, q4_tile_4_2}};
-static const tile_fn Q8_TILES[2][4] = {
-    {q8_tile_1_1, q8_tile_2_1, q8_tile_3_1, q8_tile_4_1},
-    {q8_tile_1_2, q8_tile_2_2, q8_tile_3_2, q8_tile_4_2}};
-
-/* Columns in chunks of 16 (pairs inside), each chunk over all rows in tiles of 4: a thread reads its
- * weight rows once per 4 activation rows. */
-#define CHUNK 16
-
-static void matmul(const tile_fn tiles[2][4], const float *x, long m, long k, const void *wq, const float *wd,
-                   const float *wm, long n, const float *bias, float *out) {
+static inline __attribute__((always_inline)) void q4_group(const int R, const int8_t *aq, const float *ad,
+                                                           const float *as, long k, const uint8_t *codes,
+                                                           const uint16_t *d, const uint16_t *m, float *out,
+                                                           long ldo, const float *bias, int accumulate) {
     const long nb = k / QK;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *cb = codes + b * 128;
+        __m256i s16[4];
+        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(cb + 32 * t));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; r++) {
+                const int8_t *a = aq + r * k + b * QK;
+                /* |sum| <= 8 * 2 * 15 * 127 = 30480: int16 holds the block's 8 maddubs terms */
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(a + 4 * t)));
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(a + 16 + 4 * t)));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 8)));
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * 8)));
+        for (int r = 0; r < R; r++) {
+            const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+            acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dw, _mm256_set1_ps(ad[r * nb + b])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 y = acc[r];
+        if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
+        if (accumulate) y = _mm256_add_ps(_mm256_loadu_ps(out + r * ldo), y);
+        _mm256_storeu_ps(out + r * ldo, y);
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_group(const int R, const int8_t *aq, const float *ad,
+                                                           long k, const int8_t *codes, const uint16_t *d,
+                                                           float *out, long ldo, const float *bias,
+                                                           int accumulate) {
+    const long nb = k / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const int8_t *cb = codes + b * 256;
+        __m256i s32[4];
+        for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(cb + 32 * t));
+            const __m256i wabs = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < R; r++) {
+                const __m256i a = _mm256_sign_epi8(bcast4(aq + r * k + b * QK + 4 * t), w);
+                s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, a), ones));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 8)));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_set1_ps(ad[r * nb + b])),
+                                     acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 y = acc[r];
+        if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
+        if (accumulate) y = _mm256_add_ps(_mm256_loadu_ps(out + r * ldo), y);
+        _mm256_storeu_ps(out + r * ldo, y);
+    }
+}
+
+static void group_rows(const struct dfq_linear *w, long g, const int8_t *aq, const float *ad, const float *as,
+                       int rows, float *out, long ldo, int accumulate) {
+    const long k = w->k, nb = k / QK;
+    const float *bias = w->bias ? w->bias + 8 * g : NULL;
+    out += 8 * g;
+    if (w->kind == 4) {
+        const uint8_t *codes = (const uint8_t *)w->codes + g * nb * 128;
+        const uint16_t *d = (const uint16_t *)w->d + g * nb * 8, *m = (const uint16_t *)w->m + g * nb * 8;
+        switch (rows) {
+        case 1: q4_group(1, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        case 2: q4_group(2, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        case 3: q4_group(3, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        default: q4_group(4, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        }
+    } else {
+        const int8_t *codes = (const int8_t *)w->codes + g * nb * 256;
+        const uint16_t *d = (const uint16_t *)w->d + g * nb * 8;
+        switch (rows) {
+        case 1: q8_group(1, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 2: q8_group(2, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 3: q8_group(3, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        default: q8_group(4, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        }
+    }
+}
+
+/* Groups of 8 columns shared out among the threads, each over all rows in tiles of 4: a thread reads a
+ * group's weights once per 4 activation rows (from L1 after the first). */
+void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *ad, const float *as, long m,
+                     float *out, long ldo, int accumulate) {
+    const long k = w->k, nb = k / QK, groups = w->n / 8;
+#pragma omp for schedule(static)
+    for (long g = 0; g < groups; g++)
+        for (long r = 0; r < m; r += 4)
+            group_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, m - r < 4 ? (int)(m - r) : 4, out + r * ldo, ldo,
+                       accumulate);
+}
+
+static void matmul(const struct dfq_linear *w, const float *x, long m, float *out) {
+    const long k = w->k, nb = k / QK;
     int8_t *aq = malloc((size_t)(m * k));
     float *ad = malloc(sizeof(float) * (size_t)(m * nb)), *as = malloc(sizeof(float) * (size_t)(m * nb));
     dfq_quantize_rows(x, m, k, aq, ad, as);
-    const long chunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) if (chunks > 1 && m * n * k > 65536)
-    for (long ch = 0; ch < chunks; ch++) {
-        const long o0 = ch * CHUNK, o1 = o0 + CHUNK < n ? o0 + CHUNK : n;
-        for (long r = 0; r < m; r += 4) {
-            const int rows = m - r < 4 ? (int)(m - r) : 4;
-            for (long o = o0; o < o1;) {
-                const int cols = o1 - o >= 2 ? 2 : 1;
-                tiles[cols - 1][rows - 1](aq + r * k, ad + r * nb, as + r * nb, k, wq, wd, wm, o, n,
-                                          out + r * n, bias);
-                o += cols;
-            }
-        }
-    }
+#pragma omp parallel if (w->n > 8 && m * w->n * k > 65536)
+    dfq_matmul_rows(w, aq, ad, as, m, out, w->n, 0);
     free(aq);
     free(ad);
     free(as);
 }
 
-/* out (m, n) = x (m, k) times the q4 weight (n, k): codes (n, k/2), d and m (n, k/32). */
-void dfq_q4_matmul(const float *x, long m, long k, const uint8_t *codes, const float *d, const float *mins,
+/* out (m, n) = x (m, k) times the q4 weight (n, k) in the layout above (n a multiple of 8). */
+void dfq_q4_matmul(const float *x, long m, long k, const uint8_t *codes, const uint16_t *d, const uint16_t *mins,
                    long n, const float *bias, float *out) {
-    matmul(Q4_TILES, x, m, k, codes, d, mins, n, bias, out);
+    const struct dfq_linear w = {4, n, k, codes, d, mins, bias};
+    matmul(&w, x, m, out);
 }
 
-/* out (m, n) = x (m, k) times the q8 weight (n, k): codes (n, k), d (n, k/32). */
-void dfq_q8_matmul(const float *x, long m, long k, const int8_t *codes, const float *d, long n,
+/* out (m, n) = x (m, k) times the q8 weight (n, k) in the layout above (n a multiple of 8). */
+void dfq_q8_matmul(const float *x, long m, long k, const int8_t *codes, const uint16_t *d, long n,
                    const float *bias, float *out) {
-    matmul(Q8_TILES, x, m, k, codes, d, NULL, n, bias, out);
+    const struct dfq_linear w = {8, n, k, codes, d, NULL, bias};
+    matmul(&w, x, m, out);
 }

@@ -1,0 +1,73 @@
+"""Whole Llama-style decoder layers in one C call (native/layer.c) under q4a8/q8a8: the small ops around the
+linears (norms, rotary, K/V writes, attention, SiLU, residuals) cost more than the linears in eager PyTorch
+on a CPU, one dispatch each; here a layer is one call. Row-exact like its parts, and checked against the
+op-by-op forward in tests/test_int8act.py."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_cli.engine import native
+from dflash_cli.engine.int8act import Int8ActLinear, Q4A8Linear
+
+# RMSNorms that compute F.rms_norm's function (x * rsqrt(mean(x^2) + eps) in fp32, times the weight): the
+# fast path runs them as that one call (engine/fast.py), the C layer as its own pass
+PLAIN_RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "MistralRMSNorm"}
+SILU = {"SiLU", "SiLUActivation"}
+
+
+def _linear(layer: Any) -> native.Linear | None:
+    if not isinstance(layer, Int8ActLinear) or layer.padded != layer.out_features:
+        return None
+    kind = 4 if isinstance(layer, Q4A8Linear) else 8
+    m = getattr(layer, "m", None)
+    return native.Linear(kind, layer.out_features, layer.in_features, layer.codes.data_ptr(), layer.d.data_ptr(),
+                         m.data_ptr() if m is not None else None, native.ptr(layer.bias))
+
+
+def _norm(norm: nn.Module | None) -> tuple[int | None, float]:
+    if norm is None or type(norm).__name__ not in PLAIN_RMS_NORMS:
+        raise ValueError
+    weight = norm.weight  # type: ignore[union-attr]
+    assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.is_contiguous()
+    return weight.data_ptr(), float(norm.variance_epsilon)  # type: ignore[arg-type]
+
+
+def layer_struct(layer: Any, proj: nn.ModuleDict, *, heads: int, kv: int, hd: int, scale: float) -> native.Layer | None:
+    """`layer` as native/layer.c's struct, or None where that C layer cannot run it (another norm, activation,
+    or layout; a gated or partial-rotary attention; linears not in q4a8/q8a8)."""
+    attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+    if attn is None or type(getattr(mlp, "act_fn", None)).__name__ not in SILU or hd % 8 or hd > 1024:
+        return None
+    if hasattr(layer, "pre_feedforward_layernorm") or not all(k in proj for k in ("qkv", "o", "gate_up", "down")):
+        return None
+    parts = [_linear(proj[k]) for k in ("qkv", "o", "gate_up", "down")]
+    if any(p is None for p in parts):
+        return None
+    qkv, o, gate_up, down = parts
+    assert qkv is not None and o is not None and gate_up is not None and down is not None
+    hidden, inter = o.n, down.k
+    if qkv.n != (heads + 2 * kv) * hd or gate_up.n != 2 * inter or o.k != heads * hd or hidden % 32:
+        return None
+    try:
+        (norm1, eps1), (norm2, eps2) = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        q_norm = k_norm = None
+        qk_eps = 0.0
+        if hasattr(attn, "q_norm"):
+            (q_norm, qk_eps), (k_norm, _) = _norm(attn.q_norm), _norm(attn.k_norm)
+    except (ValueError, AssertionError):
+        return None
+    return native.Layer(hidden, heads, kv, hd, inter, norm1, norm2, q_norm, k_norm, eps1, eps2, qk_eps, scale,
+                        qkv, o, gate_up, down)
+
+
+def run_layer(lib: ctypes.CDLL, layer: native.Layer, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+              signed_sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Runs one layer on h (1, n, hidden) fp32 in place; cos/signed_sin (n, hd); keys/values (1, kv, capacity,
+    hd), row r holding position r."""
+    lib.dfq_layer_forward(ctypes.byref(layer), h.data_ptr(), h.shape[1], positions.data_ptr(), cos.data_ptr(),
+                          signed_sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2])

@@ -1,0 +1,153 @@
+/* One Llama-style decoder layer (Llama, Qwen2, Qwen3, Mistral) in fp32 with q4a8/q8a8 linears, in one call:
+ * RMSNorm, q|k|v, per-head q/k norms (Qwen3), rotary embedding, K/V written to the cache, causal attention,
+ * o, residual, RMSNorm, gate|up, SiLU times up, down, residual. In eager PyTorch the ~25 small ops around the
+ * linears cost more than the linears themselves on a 2-core CPU (benchmarks/README.md); here they are
+ * passes over a few kilobytes between the matmuls, inside one parallel region.
+ *
+ * Every row is computed from its own token and the cache alone, in a fixed order, as in the parts
+ * (int8_matmul.c, attention.c): a decode and a verify give bit-identical rows.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "dfq.h"
+
+struct dfq_layer {
+    long hidden, heads, kv, hd, inter;
+    const float *norm1, *norm2, *q_norm, *k_norm; /* q_norm/k_norm: (hd) or NULL */
+    float eps1, eps2, qk_eps, scale;
+    struct dfq_linear qkv, o, gate_up, down;
+};
+
+static inline float sum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w, k a multiple of 8 */
+static void rms_norm(const float *x, const float *w, long k, float eps, float *out) {
+    __m256 ss = _mm256_setzero_ps();
+    for (long i = 0; i < k; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(sum8(ss) / (float)k + eps));
+    for (long i = 0; i < k; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _mm256_loadu_ps(w + i)));
+}
+
+/* x (hd) roped in place: x * cos + rotate_half(x) * sin, with sin's first half negated (signed), times scale */
+static void rope(float *x, const float *cos, const float *signed_sin, long hd, float scale) {
+    float tmp[1024];
+    const long half = hd / 2;
+    for (long i = 0; i < hd; i++) tmp[i] = x[i];
+    for (long i = 0; i < hd; i++) {
+        const float rolled = tmp[i < half ? i + half : i - half];
+        x[i] = (tmp[i] * cos[i] + rolled * signed_sin[i]) * scale;
+    }
+}
+
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* out = silu(gate) * up = gate / (1 + exp(-gate)) * up, k a multiple of 8 */
+static void silu_mul(const float *gate, const float *up, long k, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (long i = 0; i < k; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+    }
+}
+
+/* Runs the layer on h (n, hidden), in place, for tokens at `positions` (n); cos and signed_sin: (n, hd)
+ * rotary tables; keys/values: (kv, capacity, hd) cache buffers whose row r holds position r. */
+void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_t *positions, const float *cos,
+                       const float *signed_sin, float *keys, float *values, long capacity) {
+    const long H = L->hidden, heads = L->heads, kv = L->kv, hd = L->hd, I = L->inter;
+    const long wide = (heads + 2 * kv) * hd, widest = I > H ? (I > heads * hd ? I : heads * hd) : H;
+    float *xn = malloc(sizeof(float) * (size_t)(n * (H > heads * hd ? H : heads * hd)));
+    float *qkv = malloc(sizeof(float) * (size_t)(n * wide));
+    float *gu = malloc(sizeof(float) * (size_t)(n * 2 * I)), *act = malloc(sizeof(float) * (size_t)(n * I));
+    int8_t *aq = malloc((size_t)(n * widest));
+    float *ad = malloc(sizeof(float) * (size_t)(n * widest / QK)), *as = malloc(sizeof(float) * (size_t)(n * widest / QK));
+    const long group = heads / kv;
+#pragma omp parallel
+    {
+        /* attention's input: norm, quantize, q|k|v */
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; r++) {
+            rms_norm(h + r * H, L->norm1, H, L->eps1, xn + r * H);
+            dfq_quantize_row(xn + r * H, H, aq + r * H, ad + r * (H / QK), as + r * (H / QK));
+        }
+        dfq_matmul_rows(&L->qkv, aq, ad, as, n, qkv, wide, 0);
+        /* per head: q/k norms, rope (q scaled), k and v into the cache */
+#pragma omp for schedule(static)
+        for (long task = 0; task < n * (heads + kv); task++) {
+            const long r = task / (heads + kv), j = task % (heads + kv);
+            float *x = qkv + r * wide + j * hd;
+            const float *c = cos + r * hd, *s = signed_sin + r * hd;
+            if (j < heads) {
+                if (L->q_norm) rms_norm(x, L->q_norm, hd, L->qk_eps, x);
+                rope(x, c, s, hd, L->scale);
+            } else {
+                const long g = j - heads;
+                if (L->k_norm) rms_norm(x, L->k_norm, hd, L->qk_eps, x);
+                rope(x, c, s, hd, 1.0f);
+                float *krow = keys + (g * capacity + positions[r]) * hd;
+                float *vrow = values + (g * capacity + positions[r]) * hd;
+                const float *v = qkv + r * wide + (heads + kv + g) * hd;
+                for (long i = 0; i < hd; i++) { krow[i] = x[i]; vrow[i] = v[i]; }
+            }
+        }
+        /* attention per (token, head) into xn (n, heads * hd), then quantized for o */
+#pragma omp for schedule(static)
+        for (long task = 0; task < n * heads; task++) {
+            const long r = task / heads, hh = task % heads, g = hh / group;
+            dfq_attend_one(qkv + r * wide + hh * hd, hd, keys + g * capacity * hd, values + g * capacity * hd, 0,
+                           positions[r] + 1, 1.0f, xn + r * heads * hd + hh * hd);
+        }
+        const long A = heads * hd;
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
+        dfq_matmul_rows(&L->o, aq, ad, as, n, h, H, 1);
+        /* the MLP */
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; r++) {
+            rms_norm(h + r * H, L->norm2, H, L->eps2, xn + r * H);
+            dfq_quantize_row(xn + r * H, H, aq + r * H, ad + r * (H / QK), as + r * (H / QK));
+        }
+        dfq_matmul_rows(&L->gate_up, aq, ad, as, n, gu, 2 * I, 0);
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; r++) {
+            silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, I, act + r * I);
+            dfq_quantize_row(act + r * I, I, aq + r * I, ad + r * (I / QK), as + r * (I / QK));
+        }
+        dfq_matmul_rows(&L->down, aq, ad, as, n, h, H, 1);
+    }
+    free(xn);
+    free(qkv);
+    free(gu);
+    free(act);
+    free(aq);
+    free(ad);
+    free(as);
+}
