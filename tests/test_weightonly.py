@@ -261,12 +261,13 @@ def test_bf16_weights_run_the_fast_path_losslessly_on_any_cpu(pairs):
         assert generate(pair.target, oracle, prompt, max_new_tokens=24, stop_ids=[]).tokens == plain
 
 
-@pytest.mark.parametrize("capability, fast_bf16, expected", [
-    ("AVX512", True, "q4"), ("AVX2", True, "q4"), ("AVX512", False, None), ("AVX2", False, None),
-    ("DEFAULT", False, None), ("DEFAULT", True, None), ("NO AVX", False, None),
+@pytest.mark.parametrize("capability, fast_bf16, native_missing, expected", [
+    ("AVX512", True, None, "q4"), ("AVX2", True, None, "q4"), ("AVX512", False, None, "q4a8"),
+    ("AVX2", False, None, "q4a8"), ("AVX2", False, "no C compiler (cc or gcc) on the PATH", None),
+    ("DEFAULT", False, None, None), ("DEFAULT", True, None, None), ("NO AVX", False, None, None),
 ])
-def test_auto_quant_on_a_cpu_follows_what_it_reports(capability, fast_bf16, expected):
-    chosen, why = cpu_auto_quant(capability, fast_bf16)
+def test_auto_quant_on_a_cpu_follows_what_it_reports(capability, fast_bf16, native_missing, expected):
+    chosen, why = cpu_auto_quant(capability, fast_bf16, native_missing)
     assert chosen == expected
     assert capability in why
     assert ("without native bf16" in why) == (capability in ("AVX512", "AVX2") and not fast_bf16)
@@ -285,7 +286,7 @@ def test_weight_only_targets_compute_in_bf16_unless_told_otherwise():
 def test_auto_quant_in_the_preflight_picks_the_cpus_format(monkeypatch):
     from test_plan import cfg
 
-    from dflash_cli.engine import device
+    from dflash_cli.engine import device, native
     from dflash_cli.models.resolve import MemoryBudget, preflight_memory
 
     budget = MemoryBudget(64 * 2**30, 4096, "bf16", "system memory", "cpu")
@@ -294,6 +295,9 @@ def test_auto_quant_in_the_preflight_picks_the_cpus_format(monkeypatch):
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)
     assert preflight_memory(smol, None, "auto", budget, "smol") == "q4"
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(native, "available_without_building", lambda: None)
+    assert preflight_memory(smol, None, "auto", budget, "smol") == "q4a8"
+    monkeypatch.setattr(native, "available_without_building", lambda: "no C compiler (cc or gcc) on the PATH")
     assert preflight_memory(smol, None, "auto", budget, "smol") == "none"
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)
     monkeypatch.setattr(device, "cpu_capability", lambda: "DEFAULT")

@@ -174,6 +174,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         placement = resolve_placement(device, device_map, max_memory)
     dev, split = placement.device, placement.split
     quant = None if quant in (None, "none") else quant
+    if quant in ("q4a8", "q8a8") and dev.type == "cpu":
+        quant = _native_kernels(quant, quant_auto, on_status, on_notice)
     dt = pick_dtype(dtype, dev, quant)
     layer_devices = plan_layers(target_dir, drafter_dir, split, quant or plan_dtype(dt), max_context) \
         if split else None
@@ -222,6 +224,25 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
                                   "which hybrid (linear-attention) targets cannot run with",
                                   hint="give the GPUs more room (--max-memory), or use --quant nf4")
     return plan.layer_devices()
+
+
+def _native_kernels(quant: str, quant_auto: bool, on_status: Status | None,
+                    on_notice: Status | None) -> str | None:
+    """Builds (once per CPU) or loads the q4a8/q8a8 kernels; `quant`, or None when --quant auto's choice
+    cannot be had here (a notice says why); an explicit choice that cannot is an error."""
+    from dflash_cli.engine import native
+
+    built = native.library(on_status)
+    if built is not None:
+        if built.seconds and on_notice is not None:
+            on_notice(f"built the {quant} kernels for this CPU in {built.seconds:.1f}s (kept in {built.path.parent})")
+        return quant
+    if quant_auto:
+        if on_notice is not None:
+            on_notice(f"--quant auto: {quant} is not available ({native.unavailable()}); running unquantized")
+        return None
+    raise InvalidSettingError(f"--quant {quant} needs this project's AVX2 kernels: {native.unavailable()}",
+                              hint="install a C compiler (gcc), or use --quant q4, q8 or none")
 
 
 def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int | None, *, bnb_quant: str | None,

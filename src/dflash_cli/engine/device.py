@@ -65,20 +65,30 @@ def cpu_capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
-def cpu_auto_quant(capability: str | None = None, fast_bf16: bool | None = None) -> tuple[str | None, str]:
+def cpu_auto_quant(capability: str | None = None, fast_bf16: bool | None = None,
+                   native_missing: str | None | bool = False) -> tuple[str | None, str]:
     """`--quant auto` on a CPU: the fastest lossless target format measured for this kind of CPU, and why.
 
-    4-bit weight-only (q4) decodes fastest where torch's int4 kernel is vectorised (AVX2, AVX-512) and the
-    CPU computes bf16 natively: q4 is lossless only with bf16 activations (benchmarks/README.md, "CPU
-    formats"), and without native bf16 those made speculative decoding slower than packed fp32 (71 against
-    89 tok/s on math, AVX2 code paths). Elsewhere 16/32-bit weights, which oneDNN packs."""
+    With native bf16 (AVX512-BF16, AMX), 4-bit weight-only q4 on torch's int4 kernel: lossless with bf16
+    activations and the fastest format measured there. Without it (most laptops and desktops: AVX2 only),
+    q4a8 on the project's own AVX2 kernels (engine/int8act.py: 8-bit activations, fp32 around them, whole
+    layers in one C call), 2.5-6x packed fp32 and torch's q4 on such a CPU (benchmarks/README.md, "CPU
+    formats"); where they cannot be built (no C compiler), packed fp32, as before. `native_missing`: why
+    the kernels cannot be had (None: they can; default: asked of engine/native.py, without compiling)."""
     capability = capability or cpu_capability()
     fast_bf16 = cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16
     if capability in ("AVX2", "AVX512") and fast_bf16:
         return "q4", f"{capability} CPU with native bf16: 4-bit weight-only linears decode fastest"
     if capability in ("AVX2", "AVX512"):
-        return None, (f"{capability} CPU without native bf16: packed fp32 (q4 is exact only with bf16 "
-                      "activations, slow here; --quant q4 --dtype float32 is faster but not exact)")
+        if native_missing is False:
+            from dflash_cli.engine.native import available_without_building
+
+            native_missing = available_without_building()
+        if native_missing is None:
+            return "q4a8", (f"{capability} CPU without native bf16: 4-bit weights times 8-bit activations on "
+                            "this project's AVX2 kernels decode fastest")
+        return None, (f"{capability} CPU without native bf16: packed fp32 (the q4a8 kernels are not available: "
+                      f"{native_missing})")
     return None, f"{capability} CPU: no vectorised 4-bit kernel here, so 16/32-bit packed weights"
 
 

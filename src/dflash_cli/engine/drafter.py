@@ -15,8 +15,8 @@ from torch import nn
 
 from dflash_cli.engine.config import DrafterConfig
 from dflash_cli.engine.packed import PackedLinear, dense_weight
-from dflash_cli.engine.weightonly import quantize_linears
 from dflash_cli.engine.sampling import Sampler
+from dflash_cli.engine.weightonly import quantize_linears
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

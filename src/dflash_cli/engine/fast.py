@@ -409,7 +409,8 @@ class StaticForward(nn.Module):
         self.row_exact = row_exact  # short calls attend through row_exact_attention
         # q4a8/q8a8 (fp32 activations): short calls attend through the project's C kernel instead, row-exact
         # in fp32 where torch's matmuls are not (engine/native.py)
-        self.native = native.library().lib if native_attention and native.library() is not None else None
+        built = native.library() if native_attention else None
+        self.native = built.lib if built is not None else None
         decoder = model.get_decoder()
         config = decoder.config  # the text model's (a multimodal class nests it)
         self.embed = model.get_input_embeddings()

@@ -32,12 +32,12 @@ def _linear(layer: Any) -> native.Linear | None:
 def _norm(norm: nn.Module | None) -> tuple[int | None, float]:
     if norm is None or type(norm).__name__ not in PLAIN_RMS_NORMS:
         raise ValueError
-    weight = norm.weight  # type: ignore[union-attr]
+    weight = norm.weight
     assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.is_contiguous()
     return weight.data_ptr(), float(norm.variance_epsilon)  # type: ignore[arg-type]
 
 
-def layer_struct(layer: Any, proj: nn.ModuleDict, *, heads: int, kv: int, hd: int, scale: float) -> native.Layer | None:
+def layer_struct(layer: Any, proj: Any, *, heads: int, kv: int, hd: int, scale: float) -> native.Layer | None:
     """`layer` as native/layer.c's struct, or None where that C layer cannot run it (another norm, activation,
     or layout; a gated or partial-rotary attention; linears not in q4a8/q8a8)."""
     attn, mlp = getattr(layer, "self_attn", None), layer.mlp

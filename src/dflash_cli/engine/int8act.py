@@ -12,10 +12,12 @@ block of 32 (GGUF's Q8_0), also for q4a8's LM head.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dflash_cli.engine import native
-from dflash_cli.engine.weightonly import GROUP, Q4Codes, WeightOnlyLinear
+from dflash_cli.engine.quantized import GROUP, Q4Codes, WeightOnlyLinear
 
 INT8_ACT_QUANTS = ("q4a8", "q8a8")
 
@@ -101,6 +103,11 @@ class Int8ActLinear(WeightOnlyLinear):
     """Base of Q4A8Linear/Q8A8Linear: fp32 in, fp32 out (other dtypes are cast at the call). The kernels take
     outputs in groups of 8: other widths (a draft vocabulary's head) carry zero rows up to the next multiple
     (`padded`), cut off after the call."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    in_features: int
+    padded: int
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -190,22 +197,22 @@ def a8_fits(rows: int, cols: int, kind: str = "q4a8") -> bool:
     return cols % GROUP == 0 and rows > 0 and (kind == "q8a8" or rows % 8 == 0)
 
 
-def quantize_drafter(drafter: torch.nn.Module) -> int:
+def quantize_drafter(drafter: Any) -> int:
     """A drafter's linears (and its draft-vocabulary head, when it has one) as q8a8, in place, for a q4a8/q8a8
     target: its forwards run at the same few rows as the target's, where fp32 matmuls cost most of a draft.
     Drafts need not be exact (the target verifies them); 8-bit weights with per-block scales keep them close
     to fp32 ones. Returns how many linears were replaced."""
     from torch import nn
 
-    from dflash_cli.engine.weightonly import quantize_linears
-
     count = 0
     for parent in list(drafter.modules()):
         for name, child in list(parent.named_children()):
-            made = quantize_linears([child], "q8a8") if type(child) is nn.Linear else None
-            if made is not None:
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and a8_fits(
+                    child.out_features, child.in_features, "q8a8"):
+                bias = child.bias.detach() if child.bias is not None else None
+                made = Q8A8Linear(child.weight.detach(), [child.out_features], bias)
                 setattr(parent, name, made)
                 count += 1
     if hasattr(drafter, "head_quant"):
-        drafter.head_quant = "q8a8"
+        setattr(drafter, "head_quant", "q8a8")
     return count

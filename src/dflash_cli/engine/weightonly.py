@@ -14,42 +14,17 @@ engine/quant.py) stays the GPU choice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from dflash_cli.engine.int8act import Q4A8Linear, Q8A8Linear, a8_fits, quantize_q4_1
+from dflash_cli.engine.quantized import GROUP, Q4Codes, WeightOnlyLinear, sizes_and_bias
+
 WEIGHT_QUANTS = ("q4", "q8", "q4a8", "q8a8")  # q4a8/q8a8: 8-bit activations (engine/int8act.py)
-GROUP = 32  # GGUF Q4_1's block; Q4 needs in_features divisible by it
 # a target folder may carry its linears' 4-bit codes (the built-in model: the GGUF's own Q4_1 blocks), as
 # "<module name>.codes" (uint8 (out, in/2), two codes per byte, the low nibble first), ".d" and ".m"
 # (fp16 (out, in/32)) with w = d * code + m
 Q4_CODES_FILE = "q4_1-codes.safetensors"
-
-
-@dataclass
-class Q4Codes:
-    """A (out, in) weight in 4 bits: codes 0..15 (int32, (out, in)) and per-group scale and zero ((out, in/G),
-    any float dtype) with w = (codes - 8) * scale + zero; `mins`, where known exactly (a GGUF's Q4_1 m, or
-    quantize_q4_1's), is zero - 8 * scale unrounded, for the q4a8 kernels (engine/int8act.py)."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    group: int = GROUP
-    mins: torch.Tensor | None = None
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        out, cols = self.codes.shape
-        shape = (out, cols // self.group, self.group)
-        w = (self.codes.reshape(shape).float() - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]
-        return w.reshape(out, cols).to(dtype)
-
-    @classmethod
-    def from_q4_1(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Codes:
-        """GGUF Q4_1 (w = d*q + m) as scale/zero codes: the same 4-bit codes, nothing requantized."""
-        d32, m32 = d.float(), m.float()
-        return cls(q.to(torch.int32), d32, m32 + 8 * d32, mins=m32)
 
 
 def quantize_q4(weight: torch.Tensor, group: int = GROUP) -> Q4Codes:
@@ -65,47 +40,6 @@ def quantize_q4(weight: torch.Tensor, group: int = GROUP) -> Q4Codes:
     zero = (low + 8 * scale).to(torch.bfloat16).float()
     codes = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15).to(torch.int32)
     return Q4Codes(codes.reshape(out, cols), scale, zero, group)
-
-
-def _sizes_and_bias(linears: list[nn.Linear]) -> tuple[list[int], torch.Tensor | None]:
-    with_bias = [m.bias is not None for m in linears]
-    bias = torch.cat([m.bias.detach().float() for m in linears]) if all(with_bias) else None
-    return [m.out_features for m in linears], bias
-
-
-class WeightOnlyLinear(nn.Module):
-    """Base of Q4Linear/Q8Linear: one or more linears sharing an input, fused into one quantized weight.
-    Returns a tensor, or a tuple (one per linear) when several were fused; `source` keeps a single linear's
-    dense weight when asked (the LM head's rows for a draft vocabulary)."""
-
-    def __init__(self, sizes: list[int], bias: torch.Tensor | None):
-        super().__init__()
-        self.sizes = sizes
-        self.out_features = sum(sizes)
-        self.bias = bias
-        self.source: torch.Tensor | None = None
-
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def whole(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused output (..., out_features), not split per linear."""
-        # bf16 in, bf16 out is the common case: no cast calls then (each costs a dispatch on a 1-token decode)
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.dtype != torch.bfloat16:
-            rows = rows.to(torch.bfloat16)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        y = self.matmul(rows)
-        if x.dtype != torch.bfloat16:
-            y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def forward(self, x: torch.Tensor):
-        y = self.whole(x)
-        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
 
 
 class Q4Linear(WeightOnlyLinear):
@@ -165,7 +99,6 @@ def quantize_weight(weight: torch.Tensor, kind: str, sizes: list[int] | None = N
 
 def _quantize_a8(weight: torch.Tensor, kind: str, sizes: list[int], bias: torch.Tensor | None,
                  codes: list[Q4Codes | None] | None) -> WeightOnlyLinear | None:
-    from dflash_cli.engine.int8act import Q4A8Linear, Q8A8Linear, a8_fits, quantize_q4_1
 
     if not a8_fits(int(weight.shape[0]), int(weight.shape[1]), kind):
         return None
@@ -192,7 +125,7 @@ def quantize_linears(linears: list[nn.Module], kind: str, *, codes: list[Q4Codes
     with_bias = [m.bias is not None for m in plain]
     if any(with_bias) and not all(with_bias):
         return None
-    sizes, bias = _sizes_and_bias(plain)
+    sizes, bias = sizes_and_bias(plain)
     weight = torch.cat([m.weight.detach() for m in plain]) if len(plain) > 1 else plain[0].weight.detach()
     layer = quantize_weight(weight, kind, sizes, bias, codes=codes)
     if layer is not None and keep_source and len(plain) == 1:

@@ -50,13 +50,15 @@ model_options = apply_all([
                  help="DFlash drafter for the target: a Hub repo id or a local folder [default: the registry's "
                       "drafter for a known target]. Without one, decoding is plain (speculation off)."),
     click.option("--no-draft", is_flag=True, help="Plain decoding: do not load or use a drafter."),
-    click.option("--quant", type=click.Choice(["none", "int8", "nf4", "q4", "q8", "q4a8", "q8a8", "auto"]), default=S.DEFAULT_QUANT,
+    click.option("--quant", type=click.Choice(["none", "int8", "nf4", "q4", "q8", "q4a8", "q8a8", "auto"]),
+                 default=S.DEFAULT_QUANT,
                  envvar=S.ENV["quant"], show_envvar=True, show_default="none; auto for the built-in models",
                  help="Quantize the target: q4/q8 with PyTorch's weight-only CPU kernels (bf16 activations), "
                       "q4a8/q8a8 with this project's AVX2 kernels (8-bit activations, as llama.cpp), nf4/int8 with "
                       "bitsandbytes (GPU; nf4 is the recommended one there, int8 is the slow choice: LLM.int8() "
                       "waits on the GPU once or twice in every linear); auto = on a CPU the fastest format "
-                      "measured for it (q4 with native bf16, else q4a8; doctor says which), on a GPU the best quality that fits in memory."),
+                      "measured for it (q4 with native bf16, else q4a8; doctor says which), on a GPU the best "
+                      "quality that fits in memory."),
     click.option("--max-context", type=click.IntRange(min=16), default=S.DEFAULT_MAX_CONTEXT,
                  envvar=S.ENV["max_context"], show_envvar=True, show_default=True,
                  help="Most tokens (prompt + replies) to hold; sizes the memory check before loading."),
