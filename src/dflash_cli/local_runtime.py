@@ -254,6 +254,7 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     powers of two) is compiled here, before the first reply, so no reply pauses to compile.
     """
     from dflash_cli.engine.compile import compiler_for, resolve_compile, use_compile_cache
+    from dflash_cli.engine.fused import fuse_drafter
     from dflash_cli.engine.int8act import INT8_ACT_QUANTS, quantize_drafter
     from dflash_cli.engine.kernels import cuda_graphs
     from dflash_cli.engine.packed import pack_linears, room_to_pack
@@ -298,6 +299,7 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     if not compiled:
         if drafter is not None and target.fast.weights in INT8_ACT_QUANTS:
             quantize_drafter(drafter)  # the same few rows as the target's, on the same kernels
+            fuse_drafter(drafter)
         if target.fast.packed and drafter is not None and room_to_pack(drafter):
             pack_linears(drafter)  # its layers run at the same few rows as the target's
         return f"static cache, eager{form} ({why}){attention}"

@@ -83,19 +83,25 @@ class DraftCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
+        buf_k, buf_v = self.reserve(layer, end, k)
+        buf_k[:, :, self.length : end] = k
+        buf_v[:, :, self.length : end] = v
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def reserve(self, layer: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s whole K and V buffers, grown (committed rows kept) to hold `end` rows; `like`:
+        a (N, kv, rows, hd) tensor of the shape and dtype to hold."""
         buf_k, buf_v = self._k[layer], self._v[layer]
         if buf_k is None or buf_v is None or buf_k.shape[2] < end:  # (the two are allocated together)
             capacity = max(end, self.capacity, 2 * (buf_k.shape[2] if buf_k is not None else 0))
-            shape = (k.shape[0], k.shape[1], capacity, k.shape[3])
+            shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
             # zeroed: rows past the sequence are read, masked, by drafter.draft_graph's fixed window
-            new_k, new_v = k.new_zeros(shape), v.new_zeros(shape)
+            new_k, new_v = like.new_zeros(shape), like.new_zeros(shape)
             if buf_k is not None and buf_v is not None:
                 new_k[:, :, : self.length] = buf_k[:, :, : self.length]
                 new_v[:, :, : self.length] = buf_v[:, :, : self.length]
             self._k[layer], self._v[layer] = buf_k, buf_v = new_k, new_v
-        buf_k[:, :, self.length : end] = k
-        buf_v[:, :, self.length : end] = v
-        return buf_k[:, :, :end], buf_v[:, :, :end]
+        return buf_k, buf_v
 
     def buffers(self, kv_heads: int, head_dim: int, *, dtype: torch.dtype,
                 device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -244,6 +250,8 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_vocab", None)
         self._draft_head: tuple[Any, torch.Tensor, tuple, nn.Module] | None = None  # see draft_head()
         self.head_quant: str | None = None  # "q8a8": the draft head's rows 8-bit (engine/int8act.py)
+        # engine/fused.fuse_drafter: (the C library, each layer's struct) when every layer runs in one C call
+        self.native_layers: tuple[Any, list[Any]] | None = None
         # engine/draft_graph.StaticDraft once the loop drafts at fixed shapes (compiled targets), else None
         self.static_draft: Any = None
         # the target's embedding scale (Gemma: sqrt(hidden), in the embedding's dtype), set when the pair is
@@ -301,6 +309,26 @@ class DFlashDrafter(nn.Module):
         cache.advance(n_ctx)
         return h
 
+    def _run_native_layers(self, h: torch.Tensor, ctx: torch.Tensor | None, positions: torch.Tensor,
+                           cache: DraftCache) -> torch.Tensor:
+        """run_layers with each layer one C call (engine/fused.py, q8a8 linears), for one block."""
+        from dflash_cli.engine.fused import run_draft_layer
+
+        assert self.native_layers is not None and self.rotary is not None
+        lib, layers = self.native_layers
+        cos, sin = self.rotary(h, positions)  # (1, P+B, hd)
+        half = cos.shape[-1] // 2
+        cos, signed = cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        h = h.contiguous().clone()  # updated in place
+        ctx = ctx.contiguous() if ctx is not None else None
+        end = positions.shape[-1] + cache.length
+        cfg = self.config
+        like = h.new_empty(1, cfg.num_key_value_heads, 0, cfg.head_dim)
+        for i, layer in enumerate(layers):
+            keys, values = cache.reserve(i, end, like)
+            run_draft_layer(lib, layer, h, ctx, cache.length, cos, signed, keys, values)
+        return self.norm(h)
+
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(.)) of tapped target states (N, P, n_taps*H): the context rows, (N, P, H)."""
         dtype = self.hidden_norm.weight.dtype  # (fc may be a packed linear without a .weight)
@@ -313,6 +341,8 @@ class DFlashDrafter(nn.Module):
         rows first), attending to `ctx` (N, P, H); `mask_for(causal, window)` gives each kind of layer's
         attention mask. Decoding passes one block and its cache; training many blocks and no cache."""
         assert self.rotary is not None, "init_rotary() first"
+        if self.native_layers is not None and cache is not None and h.shape[0] == 1 and h.dtype == torch.float32:
+            return self._run_native_layers(h, ctx, positions, cache)
         cos, sin = self.rotary(h, positions)
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         for layer in cast("Iterable[DraftLayer]", self.layers):  # layer_class instances

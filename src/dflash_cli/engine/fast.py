@@ -790,14 +790,17 @@ class FastPath:
         if self.weights:
             own = f" ({self.codes_used} linears with the checkpoint's own 4-bit codes)" if self.codes_used else ""
             experts = f", {self.quantized_experts} layers of {self.weights} experts" if self.quantized_experts else ""
-            return f"{self.weights} weights{own}{experts}"
+            layers = ", each decoder layer one C call" if self._module(False, True).fused is not None else ""
+            return f"{self.weights} weights{own}{experts}{layers}"
         return "packed weights" if self.packed else ""
 
     @property
     def attention_kernel(self) -> str:
         """The attention kernel the short calls get here, in words (engine/kernels.py)."""
-        from dflash_cli.engine.kernels import attention_kernel
+        from dflash_cli.engine.kernels import NATIVE_ATTENTION, attention_kernel
 
+        if self.weights in INT8_ACT_QUANTS and self._module(False, True).native is not None:
+            return NATIVE_ATTENTION
         heads = int(self.model.config.num_attention_heads)
         return attention_kernel(self.device, self.dtype, heads=heads, kv_heads=self.kv_heads,
                                 head_dim=self.head_dim, row_exact=self.row_exact)

@@ -71,3 +71,55 @@ def run_layer(lib: ctypes.CDLL, layer: native.Layer, h: torch.Tensor, positions:
     hd), row r holding position r."""
     lib.dfq_layer_forward(ctypes.byref(layer), h.data_ptr(), h.shape[1], positions.data_ptr(), cos.data_ptr(),
                           signed_sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2])
+
+
+def _weight(norm: Any) -> tuple[int, float]:
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError
+    return weight.data_ptr(), float(norm.eps)
+
+
+def draft_layer_struct(layer: Any) -> native.DraftLayer | None:
+    """A DFlash drafter layer (engine/drafter.DraftLayer) with q8a8/q4a8 linears as native/layer.c's draft
+    struct, or None where that C layer cannot run it (a causal or sliding layer, another activation)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if layer.causal or layer.window is not None or type(getattr(mlp, "act", None)).__name__ not in SILU:
+        return None
+    parts = [_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                  mlp.down_proj)]
+    if any(p is None for p in parts) or attn.head_dim % 8 or attn.head_dim > 1024 or parts[3].n % 32:  # type: ignore[union-attr]
+        return None
+    try:
+        (norm1, eps1), (norm2, eps2) = _weight(layer.input_layernorm), _weight(layer.post_attention_layernorm)
+        (q_norm, qk_eps), (k_norm, _) = _weight(attn.q_norm), _weight(attn.k_norm)
+    except ValueError:
+        return None
+    return native.DraftLayer(parts[3].n, attn.num_heads, attn.num_kv_heads, attn.head_dim,  # type: ignore[union-attr]
+                             parts[4].n, norm1, norm2, q_norm, k_norm, eps1, eps2, qk_eps,  # type: ignore[union-attr]
+                             attn.head_dim**-0.5, *parts)
+
+
+def run_draft_layer(lib: ctypes.CDLL, layer: native.DraftLayer, h: torch.Tensor, ctx: torch.Tensor | None,
+                    committed: int, cos: torch.Tensor, signed_sin: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor) -> None:
+    """Runs one drafter layer on the block h (1, B, hidden) in place, with new context rows ctx (1, P, hidden)
+    or None, writing K/V at cache rows committed.. (keys/values (1, kv, capacity, hd))."""
+    lib.dfq_draft_layer_forward(ctypes.byref(layer), h.data_ptr(), h.shape[1],
+                                ctx.data_ptr() if ctx is not None else None, ctx.shape[1] if ctx is not None else 0,
+                                committed, cos.data_ptr(), signed_sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                keys.shape[2])
+
+
+def fuse_drafter(drafter: Any) -> bool:
+    """Runs each of a q8a8 drafter's layers (engine/int8act.quantize_drafter) as one C call from now on,
+    when every layer can be; whether it does."""
+    built = native.library()
+    layers = getattr(drafter, "layers", None)
+    if built is None or layers is None or not hasattr(drafter, "native_layers"):
+        return False
+    made = [draft_layer_struct(layer) for layer in layers]
+    if any(m is None for m in made):
+        return False
+    drafter.native_layers = (built.lib, made)
+    return True

@@ -25,7 +25,10 @@ from pathlib import Path
 import torch
 
 SOURCES = ("int8_matmul.c", "attention.c", "layer.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
+# -ffp-contract=off keeps every row's float operations the same in any tile shape (row-exact); the
+# scheduling flags keep the kernels' accumulators in registers (gcc otherwise spills them)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-tree-reassoc",
+         "-fschedule-insns", "-fsched-pressure", "-fPIC", "-shared")
 ABI_VERSION = 1
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 COMPILE_TIMEOUT_S = 300
@@ -37,6 +40,7 @@ SIGNATURES = {
     "dfq_q8_matmul": [P, LONG, LONG, P, P, LONG, P, P],
     "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P],
     "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG],
+    "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],
 }
 
 
@@ -51,6 +55,15 @@ class Layer(ctypes.Structure):
                 ("norm1", P), ("norm2", P), ("q_norm", P), ("k_norm", P),
                 ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("qk_eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear)]
+
+
+class DraftLayer(ctypes.Structure):
+    """native/layer.c's struct dfq_draft_layer."""
+    _fields_ = [("hidden", LONG), ("heads", LONG), ("kv", LONG), ("hd", LONG), ("inter", LONG),
+                ("norm1", P), ("norm2", P), ("q_norm", P), ("k_norm", P),
+                ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("qk_eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("q", Linear), ("k", Linear), ("v", Linear), ("o", Linear),
+                ("gate", Linear), ("up", Linear), ("down", Linear)]
 
 
 @dataclass

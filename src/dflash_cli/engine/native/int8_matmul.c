@@ -2,9 +2,9 @@
  * dot products compute), built once per CPU by engine/native.py and called through ctypes.
  *
  * Activations: each row is quantized on its own in blocks of 32 (a scale d = max|x| / 127, codes
- * round(x / d), and s = d * sum(codes)). Weights: q4 blocks of 32 with w = d * code + m, codes 0..15 in 16
- * bytes (byte j: code j in the low nibble, code j + 16 in the high one); q8 rows of int8 codes with one scale
- * per block of 32. Integer dot products per block (maddubs), fp32 accumulation.
+ * round(x / d), and s = d * sum(codes)). Weights: q4 blocks of 32 with w = d * code + m (codes 0..15), q8
+ * blocks of 32 with w = d * code (codes -127..127), d and m fp16, laid out 8 output columns at a time
+ * (below). Integer dot products per block (maddubs), fp32 accumulation.
  *
  * Row-exact: output (r, o) is computed from activation row r and weight row o alone, by the same sequence
  * of operations whatever the number of rows or threads (threads split the outputs, never a sum), so a
@@ -97,14 +97,18 @@ static inline __attribute__((always_inline)) void q4_group(const int R, const in
     const long nb = k / QK;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
     __m256 acc[4];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *cb = codes + b * 128;
         __m256i s16[4];
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(cb + 32 * t));
             const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const int8_t *a = aq + r * k + b * QK;
                 /* |sum| <= 8 * 2 * 15 * 127 = 30480: int16 holds the block's 8 maddubs terms */
@@ -114,12 +118,14 @@ static inline __attribute__((always_inline)) void q4_group(const int R, const in
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 8)));
         const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * 8)));
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
             acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dw, _mm256_set1_ps(ad[r * nb + b])), acc[r]);
             acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[r * nb + b]), acc[r]);
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         __m256 y = acc[r];
         if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
@@ -135,24 +141,30 @@ static inline __attribute__((always_inline)) void q8_group(const int R, const in
     const long nb = k / QK;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const int8_t *cb = codes + b * 256;
         __m256i s32[4];
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
         for (int t = 0; t < 8; t++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(cb + 32 * t));
             const __m256i wabs = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const __m256i a = _mm256_sign_epi8(bcast4(aq + r * k + b * QK + 4 * t), w);
                 s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, a), ones));
             }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 8)));
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_set1_ps(ad[r * nb + b])),
                                      acc[r]);
     }
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         __m256 y = acc[r];
         if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));

@@ -151,3 +151,90 @@ void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_
     free(ad);
     free(as);
 }
+
+/* One DFlash drafter layer (full attention, bidirectional inside the block) on the block's rows h (B,
+ * hidden), in place, with the new context rows ctx (P, hidden, or NULL when P = 0): the block's queries and
+ * the context's and block's keys and values, written to the cache rows committed..committed+P+B-1 (row ==
+ * position), every query seeing all of them. cos and signed_sin: (P + B, hd) for positions committed.. */
+struct dfq_draft_layer {
+    long hidden, heads, kv, hd, inter;
+    const float *norm1, *norm2, *q_norm, *k_norm;
+    float eps1, eps2, qk_eps, scale;
+    struct dfq_linear q, k, v, o, gate, up, down;
+};
+
+void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, const float *ctx, long P,
+                             long committed, const float *cos, const float *signed_sin, float *keys,
+                             float *values, long capacity) {
+    const long H = L->hidden, heads = L->heads, kv = L->kv, hd = L->hd, I = L->inter, N = P + B;
+    const long A = heads * hd, widest = I > H ? (I > A ? I : A) : (H > A ? H : A);
+    float *xn = malloc(sizeof(float) * (size_t)(B * widest));
+    float *q = malloc(sizeof(float) * (size_t)(B * A)), *k = malloc(sizeof(float) * (size_t)(N * kv * hd));
+    float *v = malloc(sizeof(float) * (size_t)(N * kv * hd));
+    float *g = malloc(sizeof(float) * (size_t)(B * I)), *u = malloc(sizeof(float) * (size_t)(B * I));
+    int8_t *aq = malloc((size_t)(N * widest));
+    float *ad = malloc(sizeof(float) * (size_t)(N * widest / QK)), *as = malloc(sizeof(float) * (size_t)(N * widest / QK));
+    const long group = heads / kv, nb = H / QK, end = committed + N;
+#pragma omp parallel
+    {
+        /* rows 0..P-1 the context (already normed by the drafter's hidden_norm), P.. the normed block */
+#pragma omp for schedule(static)
+        for (long r = 0; r < N; r++) {
+            const float *x = r < P ? ctx + r * H : xn + (r - P) * H;
+            if (r >= P) rms_norm(h + (r - P) * H, L->norm1, H, L->eps1, xn + (r - P) * H);
+            dfq_quantize_row(x, H, aq + r * H, ad + r * nb, as + r * nb);
+        }
+        dfq_matmul_rows(&L->q, aq + P * H, ad + P * nb, as + P * nb, B, q, A, 0);
+        dfq_matmul_rows(&L->k, aq, ad, as, N, k, kv * hd, 0);
+        dfq_matmul_rows(&L->v, aq, ad, as, N, v, kv * hd, 0);
+#pragma omp for schedule(static)
+        for (long task = 0; task < B * heads + N * kv; task++) {
+            if (task < B * heads) {
+                const long r = task / heads, j = task % heads;
+                float *x = q + r * A + j * hd;
+                if (L->q_norm) rms_norm(x, L->q_norm, hd, L->qk_eps, x);
+                rope(x, cos + (P + r) * hd, signed_sin + (P + r) * hd, hd, L->scale);
+            } else {
+                const long r = (task - B * heads) / kv, gi = (task - B * heads) % kv;
+                float *x = k + (r * kv + gi) * hd;
+                if (L->k_norm) rms_norm(x, L->k_norm, hd, L->qk_eps, x);
+                rope(x, cos + r * hd, signed_sin + r * hd, hd, 1.0f);
+                float *krow = keys + (gi * capacity + committed + r) * hd;
+                float *vrow = values + (gi * capacity + committed + r) * hd;
+                const float *vv = v + (r * kv + gi) * hd;
+                for (long i = 0; i < hd; i++) { krow[i] = x[i]; vrow[i] = vv[i]; }
+            }
+        }
+#pragma omp for schedule(static)
+        for (long task = 0; task < B * heads; task++) {
+            const long r = task / heads, hh = task % heads, gi = hh / group;
+            dfq_attend_one(q + r * A + hh * hd, hd, keys + gi * capacity * hd, values + gi * capacity * hd, 0, end,
+                           1.0f, xn + r * A + hh * hd);
+        }
+#pragma omp for schedule(static)
+        for (long r = 0; r < B; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
+        dfq_matmul_rows(&L->o, aq, ad, as, B, h, H, 1);
+#pragma omp for schedule(static)
+        for (long r = 0; r < B; r++) {
+            rms_norm(h + r * H, L->norm2, H, L->eps2, xn + r * H);
+            dfq_quantize_row(xn + r * H, H, aq + r * H, ad + r * nb, as + r * nb);
+        }
+        dfq_matmul_rows(&L->gate, aq, ad, as, B, g, I, 0);
+        dfq_matmul_rows(&L->up, aq, ad, as, B, u, I, 0);
+#pragma omp for schedule(static)
+        for (long r = 0; r < B; r++) {
+            silu_mul(g + r * I, u + r * I, I, g + r * I);
+            dfq_quantize_row(g + r * I, I, aq + r * I, ad + r * (I / QK), as + r * (I / QK));
+        }
+        dfq_matmul_rows(&L->down, aq, ad, as, B, h, H, 1);
+    }
+    free(xn);
+    free(q);
+    free(k);
+    free(v);
+    free(g);
+    free(u);
+    free(aq);
+    free(ad);
+    free(as);
+}

@@ -1,0 +1,222 @@
+"""q4a8/q8a8: the project's AVX2 kernels (engine/native/*.c) against dequantized references, bit-exact rows in
+any company, the fused C decoder layer against the op-by-op forward, lossless greedy speculative decoding on
+tiny Qwen3 and Llama targets, the per-CPU choice, and what happens when the kernels cannot be built."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_speculative import random_prompts
+from test_weightonly import assert_speculative_equals_plain, linear, q4_1_bytes
+
+from dflash_cli.engine import native
+from dflash_cli.engine.errors import InvalidSettingError
+from dflash_cli.engine.fused import fuse_drafter
+from dflash_cli.engine.int8act import (
+    Q4A8Linear,
+    Q8A8Linear,
+    pack_q4,
+    pack_q8,
+    quantize_act_rows,
+    quantize_drafter,
+    unpack_q4,
+    unpack_q8,
+)
+from dflash_cli.engine.load import load_pair
+from dflash_cli.engine.weightonly import Q4Codes, quantize_linears
+from dflash_cli.models.smollm2 import read_q4_1_blocks
+
+pytestmark = pytest.mark.skipif(native.available_without_building() is not None,
+                                reason=f"no AVX2 kernels here: {native.available_without_building()}")
+
+
+@pytest.mark.parametrize("kind", ["q4a8", "q8a8"])
+@pytest.mark.parametrize("out_features, bias", [(96, False), (64, True), (40, False)])
+def test_the_kernels_equal_the_matmul_of_their_dequantized_weights(kind, out_features, bias):
+    lin = linear(out_features, 128, seed=out_features, bias=bias)
+    layer = quantize_linears([lin], kind)
+    assert layer is not None
+    x = torch.randn(11, 128)
+    # what the integer dot products multiply: each row's 8-bit codes times its block scales
+    reference = quantize_act_rows(x) @ layer.dequantize().T + (lin.bias if bias else 0)
+    torch.testing.assert_close(layer(x), reference, rtol=1e-5, atol=1e-5)
+    # and close to the fp32 layer (4 bits cost more than 8)
+    with torch.no_grad():
+        error = float((layer(x) - lin(x)).norm() / lin(x).norm())
+    assert error < (0.15 if kind == "q4a8" else 0.02)
+
+
+@pytest.mark.parametrize("kind", ["q4a8", "q8a8"])
+def test_a_row_alone_equals_the_same_row_among_sixteen_bit_for_bit(kind):
+    layer = quantize_linears([linear(3 * 64, 96, seed=3)], kind)
+    assert layer is not None
+    x = torch.randn(16, 96) * 3
+    together = layer(x)
+    for n in range(1, 17):
+        assert torch.equal(layer(x[:n].contiguous()), together[:n])
+    for r in range(16):
+        assert torch.equal(layer(x[r:r + 1].contiguous())[0], together[r])
+
+
+def test_the_kernel_layouts_round_trip():
+    codes = torch.randint(0, 16, (24, 96), dtype=torch.int32)
+    assert torch.equal(unpack_q4(pack_q4(codes)).to(torch.int32), codes)
+    signed = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    assert torch.equal(unpack_q8(pack_q8(signed)), signed)
+
+
+def test_gguf_q4_1_blocks_keep_their_codes_d_and_m_exactly():
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, size=(16, 64))
+    d = rng.uniform(0.001, 0.01, size=(16, 2)).astype(np.float16)
+    m = rng.uniform(-0.1, 0.0, size=(16, 2)).astype(np.float16)
+    q, dd, mm = read_q4_1_blocks(q4_1_bytes(codes, d, m))
+    layer = Q4A8Linear(Q4Codes.from_q4_1(q, dd, mm), [16], None)
+    expected = (torch.from_numpy(codes).float().reshape(16, 2, 32) * torch.from_numpy(d.astype(np.float32))[..., None]
+                + torch.from_numpy(m.astype(np.float32))[..., None]).reshape(16, 64)
+    assert torch.equal(layer.dequantize(), expected)
+
+
+def test_attention_in_c_is_softmax_attention_with_exact_rows():
+    torch.manual_seed(0)
+    kv, heads, hd, capacity = 2, 6, 32, 300
+    keys, values = torch.randn(2, 1, kv, capacity, hd)
+    lib = native.library().lib
+
+    def reference(q, positions):
+        rows = []
+        for t, p in enumerate(positions.tolist()):
+            qq = q[0, t].reshape(kv, heads // kv, hd)
+            scores = qq @ keys[0, :, :p + 1].transpose(-1, -2) * hd**-0.5
+            rows.append((torch.softmax(scores, -1) @ values[0, :, :p + 1]).reshape(-1))
+        return torch.stack(rows)[None]
+
+    for n, end in ((1, 1), (5, 40), (16, 299)):
+        positions = torch.arange(end - n, end)
+        q = torch.randn(1, n, heads + kv, hd)[:, :, :heads]  # a strided view, as the projection gives
+        got = native.attention(lib, q, keys, values, positions, None, hd**-0.5)
+        torch.testing.assert_close(got, reference(q, positions), rtol=1e-5, atol=1e-5)
+        for t in range(n):
+            alone = native.attention(lib, q[:, t:t + 1], keys, values, positions[t:t + 1], None, hd**-0.5)
+            assert torch.equal(alone[0, 0], got[0, t])
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from conftest import drafter_config, save_random_drafter, save_target, target_config
+
+    root = tmp_path_factory.mktemp("int8act")
+    out = {}
+    for family in ("qwen3", "llama"):
+        cfg = target_config(family)
+        out[family] = (save_target(root / family, cfg, seed=1, scale=3.0),
+                       save_random_drafter(root / f"{family}-drafter", drafter_config(cfg), seed=2))
+    return out
+
+
+def a8_pair(pairs, family, kind):
+    pair = load_pair(*pairs[family], device="cpu", quant=kind)
+    assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
+    fast = pair.target.fast
+    assert fast.weights == kind and fast.dtype == torch.float32 and fast.row_exact
+    assert isinstance(fast.lm_head, Q8A8Linear)
+    assert all(isinstance(p["qkv"], Q4A8Linear if kind == "q4a8" else Q8A8Linear) for p in fast.projections)
+    assert quantize_drafter(pair.drafter) > 0  # as the runtime does: the drafter on the same kernels
+    assert fuse_drafter(pair.drafter)  # and its layers one C call each
+    return pair
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["q4a8", "q8a8"])
+def test_greedy_speculative_equals_greedy_plain_decoding_on_the_c_layers(pairs, family, kind):
+    pair = a8_pair(pairs, family, kind)
+    assert pair.target.fast._module(True, False).fused is not None  # every layer one C call
+    assert_speculative_equals_plain(pair, random_prompts, (2, 4, 8), max_new_tokens=30)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_c_layer_computes_what_the_op_by_op_forward_does(pairs, family):
+    pair = a8_pair(pairs, family, "q4a8")
+    fast = pair.target.fast
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 30, 31, 40]])
+    results = []
+    for fused in (True, False):
+        module = fast._module(True, False)
+        kept = module.fused
+        if not fused:
+            module.fused = None  # the same linears and C attention, the rest as torch ops
+        cache = fast.new_cache()
+        results.append(fast.forward(ids, cache, 0, taps=True, last_logit_only=False))
+        module.fused = kept
+    (logits, taps), (ref_logits, ref_taps) = results
+    # both quantize activations to 8 bits: a last-bit difference of a norm may move a code, no more
+    torch.testing.assert_close(taps, ref_taps, rtol=0.02, atol=0.02 * float(ref_taps.abs().max()))
+    torch.testing.assert_close(logits, ref_logits, rtol=0.02, atol=0.02 * float(ref_logits.abs().max()))
+
+
+def test_the_drafters_c_layers_compute_what_its_modules_do(pairs):
+    """Drafts need not be exact, but the C drafter layer must be the same function as the modules."""
+    pair = a8_pair(pairs, "qwen3", "q4a8")
+    drafter = pair.drafter
+    torch.manual_seed(0)
+    taps = torch.randn(1, 6, drafter.fc.in_features)
+    block = torch.randn(1, drafter.block_size, drafter.config.hidden_size)
+    results = []
+    for native_layers in (drafter.native_layers, None):
+        drafter.native_layers = native_layers
+        cache = drafter.new_cache(64)
+        first = drafter(taps[:, :4], block, 4, cache)  # a first block after 4 context rows
+        second = drafter(taps[:, 4:], block, 6, cache)  # then 2 more, over the committed ones
+        results.append((first, second))
+    assert not torch.equal(results[0][0], results[1][0])  # two implementations ran: not the same bits
+    for got, want in zip(results[0], results[1]):
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * float(want.abs().max()))
+
+
+def test_kernels_build_once_into_the_cache_and_a_damaged_library_is_built_again(tmp_path, monkeypatch):
+    heard: list[str] = []
+    try:
+        monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "first"))
+        native.reset_for_tests()
+        built = native.library(heard.append)
+        assert built is not None and built.seconds > 0 and built.path.is_relative_to(tmp_path / "first")
+        assert heard and "once" in heard[0]
+        native.reset_for_tests()
+        again = native.library(heard.append)
+        assert again is not None and again.seconds == 0 and len(heard) == 1  # loaded, not built
+        # a damaged file where the library belongs (a second cache, so that nothing has it loaded)
+        monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "second"))
+        damaged = tmp_path / "second" / built.path.relative_to(tmp_path / "first")
+        damaged.parent.mkdir(parents=True)
+        damaged.write_bytes(b"not a library")
+        native.reset_for_tests()
+        rebuilt = native.library()
+        assert rebuilt is not None and rebuilt.seconds > 0 and rebuilt.path == damaged
+        layer = quantize_linears([linear(16, 32, seed=0)], "q8a8")
+        assert layer is not None and layer(torch.randn(2, 32)).shape == (2, 16)
+    finally:
+        native.reset_for_tests()
+
+
+def test_without_a_compiler_auto_falls_back_and_an_explicit_choice_says_why(tmp_path, monkeypatch, tiny_target_dir):
+    from dflash_cli.engine.device import cpu_auto_quant
+    from dflash_cli.local_runtime import load_runtime
+
+    target = tiny_target_dir
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
+    monkeypatch.delenv("CC", raising=False)
+    try:
+        native.reset_for_tests()
+        assert "no C compiler" in native.available_without_building()
+        chosen, why = cpu_auto_quant("AVX2", False)
+        assert chosen is None and "no C compiler" in why
+        notices: list[str] = []
+        runtime = load_runtime(target, None, quant="q4a8", device="cpu", quant_auto=True, on_notice=notices.append)
+        assert runtime.quant is None and any("q4a8 is not available" in n for n in notices)
+        with pytest.raises(InvalidSettingError, match="needs this project's AVX2 kernels: no C compiler"):
+            load_runtime(target, None, quant="q4a8", device="cpu")
+    finally:
+        native.reset_for_tests()
+
