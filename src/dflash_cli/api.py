@@ -24,7 +24,8 @@ def load(model: str, draft: str | None = None, *, no_draft: bool = False, quant:
     (the registry's for a known target, `draft`, or none with `no_draft`) and its tokenizer, as the command
     line opens them: the pair and its memory are checked from config files before any download.
 
-    quant: None (auto for the built-in models, else none), "auto", "q4" or "q8" (weight-only, CPU) or
+    quant: None (auto for the built-in models, else none), "auto", "q4"/"q8" (weight-only, CPU), "q4a8"/"q8a8"
+    (8-bit activations, AVX2 CPUs) or
     "int8"/"nf4" (bitsandbytes, CUDA); dtype: "float32", "bfloat16" or "float16" (default: auto);
     device: "cpu", "cuda", ... (default: the best available); compile: "auto", "on" or "off";
     max_context: positions of the static cache (default: the model's, at most settings.DEFAULT_MAX_CONTEXT);

@@ -255,7 +255,8 @@ def _memory_lines(plan: Any, mem_what: str, mxfp4_why: str | None) -> list[str]:
               help="Context length (tokens) for the memory plan [default: max_context of the config file, "
                    f"else {S.DEFAULT_MAX_CONTEXT}, as generate].")
 @click.option("--quant", default=None, envvar=S.ENV["quant"], show_envvar=True,
-              type=click.Choice(["auto", "bf16", "fp16", "int8", "nf4", "q4", "q8", "none"], case_sensitive=False),
+              type=click.Choice(["auto", "bf16", "fp16", "int8", "nf4", "q4", "q8", "q4a8", "q8a8", "none"],
+                                case_sensitive=False),
               help="Target quantization for the memory plan [default: config file, else bf16].")
 @click.option("--device", default=None, envvar=S.ENV["device"], show_envvar=True,
               help=f"Device whose free memory the plan is against [default: config file, else {S.DEFAULT_DEVICE}, "

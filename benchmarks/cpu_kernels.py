@@ -1,0 +1,90 @@
+"""The CPU linear formats side by side on one model's shapes: ms per call of its whole linear stack (every
+decoder layer's q|k|v, o, gate|up and down, and the LM head) at 1..16 rows, each format in the same run.
+
+Random weights of the real shapes (SmolLM2-135M's by default: 30 layers, hidden 576, 9/3 heads of 64,
+intermediate 1536, vocabulary 49152); timings are medians over `--repeats` calls of each linear.
+
+    .venv/bin/python benchmarks/cpu_kernels.py                 # about 1 minute on 2 cores
+    .venv/bin/python benchmarks/cpu_kernels.py --rows 1 8 16 --formats fp32 q4 q4a8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+FORMATS = ("fp32", "bf16", "q4", "q8", "q4a8", "q8a8")
+
+
+def make(fmt: str, weight: torch.Tensor, head: bool) -> nn.Module | None:
+    from dflash_cli.engine.packed import PackedLinear
+    from dflash_cli.engine.weightonly import quantize_linears
+
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+    if fmt in ("fp32", "bf16"):
+        return PackedLinear.pack(lin.to(torch.float32 if fmt == "fp32" else torch.bfloat16))
+    # as the fast path does: the LM head stays 8-bit under the 4-bit formats
+    kind = {"q4": "q8", "q4a8": "q8a8"}.get(fmt, fmt) if head else fmt
+    return quantize_linears([lin], kind)
+
+
+def per_call(layer: nn.Module, x: torch.Tensor, repeats: int) -> float:
+    for _ in range(3):
+        layer(x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        layer(x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--qkv", type=int, default=960, help="q|k|v outputs (heads + 2 kv heads) x head dim")
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from cpu_formats import cpu_line
+
+    torch.manual_seed(0)
+    h = args.hidden
+    shapes = [(args.qkv, h), (h, h), (2 * args.intermediate, h), (h, args.intermediate)]
+    print(f"CPU: {cpu_line()}", flush=True)
+    print(f"{args.layers} layers of {shapes} + LM head ({args.vocab}, {h}); ms per call of the whole stack",
+          flush=True)
+    print()
+    print("| format | " + " | ".join(f"{r} rows" for r in args.rows) + " | LM head, 1 row | LM head, 8 rows |")
+    print("|---|" + "---:|" * (len(args.rows) + 2))
+    for fmt in args.formats:
+        layers = [make(fmt, torch.randn(*s) * 0.02, False) for s in shapes]
+        head = make(fmt, torch.randn(args.vocab, h) * 0.02, True)
+        if any(m is None for m in layers) or head is None:
+            print(f"| {fmt} | not available here |")
+            continue
+        dtype = torch.bfloat16 if fmt in ("bf16", "q4", "q8") else torch.float32
+        cells = []
+        for rows in args.rows:
+            stack = sum(per_call(m, torch.randn(rows, m_in).to(dtype), args.repeats)
+                        for m, (_, m_in) in zip(layers, shapes)) * args.layers
+            cells.append(stack + per_call(head, torch.randn(rows, h).to(dtype), args.repeats))
+        heads = [per_call(head, torch.randn(r, h).to(dtype), args.repeats) for r in (1, 8)]
+        print(f"| {fmt} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {heads[0]:.2f} | {heads[1]:.2f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
