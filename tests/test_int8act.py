@@ -220,3 +220,15 @@ def test_without_a_compiler_auto_falls_back_and_an_explicit_choice_says_why(tmp_
     finally:
         native.reset_for_tests()
 
+
+
+def test_the_cli_runs_q4a8_and_says_what_ran(tiny_target_dir):
+    from click.testing import CliRunner
+
+    from dflash_cli.ui.cli import cli
+
+    ok = CliRunner().invoke(cli, ["generate", "-m", str(tiny_target_dir), "--quant", "q4a8", "-v", "-n", "6",
+                                  "--no-chat-template", "hello"])
+    assert ok.exit_code == 0, ok.stderr
+    assert "q4a8 weights" in ok.stderr and "each decoder layer one C call" in ok.stderr
+    assert " q4a8 ·" in ok.stderr and "float32" in ok.stderr  # the load line: fp32 around the kernels

@@ -407,10 +407,6 @@ class StaticForward(nn.Module):
                  row_exact: bool = False, ring: tuple[int, int] | None = None, native_attention: bool = False):
         super().__init__()
         self.row_exact = row_exact  # short calls attend through row_exact_attention
-        # q4a8/q8a8 (fp32 activations): short calls attend through the project's C kernel instead, row-exact
-        # in fp32 where torch's matmuls are not (engine/native.py)
-        built = native.library() if native_attention else None
-        self.native = built.lib if built is not None else None
         decoder = model.get_decoder()
         config = decoder.config  # the text model's (a multimodal class nests it)
         self.embed = model.get_input_embeddings()
@@ -474,6 +470,10 @@ class StaticForward(nn.Module):
         # under a device map each layer runs where its weights are; the rest (embeddings, norm, LM head) on
         # the hot device, where the caller's ids and the drafter are
         self.devices = list(devices) if devices is not None else None
+        # q4a8/q8a8 (fp32 activations): short calls attend through the project's C kernel instead, row-exact
+        # in fp32 where torch's matmuls are not (engine/native.py; head dims in multiples of 8)
+        built = native.library() if native_attention else None
+        self.native = built.lib if built is not None and all(hd % 8 == 0 for _, hd in self.shapes) else None
         # q4a8/q8a8 Llama-style layers: each one C call (engine/fused.py), when every layer can be
         self.fused: list[Any] | None = None
         if self.native is not None and devices is None:
