@@ -215,6 +215,7 @@ def test_without_a_compiler_auto_falls_back_and_an_explicit_choice_says_why(tmp_
         notices: list[str] = []
         runtime = load_runtime(target, None, quant="q4a8", device="cpu", quant_auto=True, on_notice=notices.append)
         assert runtime.quant is None and any("q4a8 is not available" in n for n in notices)
+        assert "q4a8" not in runtime.forward
         with pytest.raises(InvalidSettingError, match="needs this project's AVX2 kernels: no C compiler"):
             load_runtime(target, None, quant="q4a8", device="cpu")
     finally:

@@ -174,8 +174,9 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         placement = resolve_placement(device, device_map, max_memory)
     dev, split = placement.device, placement.split
     quant = None if quant in (None, "none") else quant
+    built_note = ""
     if quant in ("q4a8", "q8a8") and dev.type == "cpu":
-        quant = _native_kernels(quant, quant_auto, on_status, on_notice)
+        quant, built_note = _native_kernels(quant, quant_auto, on_status, on_notice)
     dt = pick_dtype(dtype, dev, quant)
     layer_devices = plan_layers(target_dir, drafter_dir, split, quant or plan_dtype(dt), max_context) \
         if split else None
@@ -187,6 +188,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     forward = enable_fast_path(pair.target, pair.drafter, compile, max_context,
                                bnb_quant=quant if quant in ("int8", "nf4") else None,
                                on_status=on_status, on_notice=on_notice, weights_optional=quant_auto)
+    forward += built_note
     if quant in ("q4", "q8", "q4a8", "q8a8") and pair.target.weight_quant is None:  # --quant auto fell back
         quant = None
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed
@@ -227,20 +229,21 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
 
 
 def _native_kernels(quant: str, quant_auto: bool, on_status: Status | None,
-                    on_notice: Status | None) -> str | None:
-    """Builds (once per CPU) or loads the q4a8/q8a8 kernels; `quant`, or None when --quant auto's choice
-    cannot be had here (a notice says why); an explicit choice that cannot is an error."""
+                    on_notice: Status | None) -> tuple[str | None, str]:
+    """Builds (once per CPU) or loads the q4a8/q8a8 kernels: (`quant`, what the build cost, in words, for
+    --verbose's forward line), or (None, "") when --quant auto's choice cannot be had here (a notice says
+    why); an explicit choice that cannot is an error."""
     from dflash_cli.engine import native
 
     built = native.library(on_status)
     if built is not None:
-        if built.seconds and on_notice is not None:
-            on_notice(f"built the {quant} kernels for this CPU in {built.seconds:.1f}s (kept in {built.path.parent})")
-        return quant
+        note = f"; kernels built for this CPU in {built.seconds:.1f}s, kept in {built.path.parent}" \
+            if built.seconds else ""
+        return quant, note
     if quant_auto:
         if on_notice is not None:
             on_notice(f"--quant auto: {quant} is not available ({native.unavailable()}); running unquantized")
-        return None
+        return None, ""
     raise InvalidSettingError(f"--quant {quant} needs this project's AVX2 kernels: {native.unavailable()}",
                               hint="install a C compiler (gcc), or use --quant q4, q8 or none")
 
