@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from test_speculative import random_prompts
-from test_weightonly import assert_speculative_equals_plain, linear, q4_1_bytes
+from test_weightonly import assert_speculative_equals_plain, linear, pairs, q4_1_bytes  # noqa: F401 (pairs: a fixture)
 
 from dflash_cli.engine import native
 from dflash_cli.engine.errors import InvalidSettingError
@@ -100,19 +100,6 @@ def test_attention_in_c_is_softmax_attention_with_exact_rows():
         for t in range(n):
             alone = native.attention(lib, q[:, t:t + 1], keys, values, positions[t:t + 1], None, hd**-0.5)
             assert torch.equal(alone[0, 0], got[0, t])
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    from conftest import drafter_config, save_random_drafter, save_target, target_config
-
-    root = tmp_path_factory.mktemp("int8act")
-    out = {}
-    for family in ("qwen3", "llama"):
-        cfg = target_config(family)
-        out[family] = (save_target(root / family, cfg, seed=1, scale=3.0),
-                       save_random_drafter(root / f"{family}-drafter", drafter_config(cfg), seed=2))
-    return out
 
 
 def a8_pair(pairs, family, kind):

@@ -11,34 +11,6 @@
 
 #include "dfq.h"
 
-/* exp(x) for 8 floats (Cephes' polynomial, as the common AVX "mathfun" ports: ~1 ulp over the range
- * softmax needs; below -87 it flushes to 0) */
-static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
-    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_movehdup_ps(a));
-    return _mm_cvtss_f32(a);
-}
-
 static inline float dot(const float *a, const float *b, long hd) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     long d = 0;
@@ -47,7 +19,7 @@ static inline float dot(const float *a, const float *b, long hd) {
         s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
     }
     for (; d < hd; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-    return hsum8(_mm256_add_ps(s0, s1));
+    return dfq_sum8(_mm256_add_ps(s0, s1));
 }
 
 void dfq_attend_one(const float *q, long hd, const float *keys, const float *values, long lo, long count,
@@ -63,14 +35,14 @@ void dfq_attend_one(const float *q, long hd, const float *keys, const float *val
     __m256 vsum = _mm256_setzero_ps();
     long j = 0;
     for (; j + 8 <= count; j += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmax));
+        __m256 e = dfq_exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmax));
         _mm256_storeu_ps(p + j, e);
         vsum = _mm256_add_ps(vsum, e);
     }
     if (j < count) { /* the tail through the same vector exp, padded lanes left out of the sum */
         float tail[8] = {0};
         for (long i = j; i < count; i++) tail[i - j] = p[i] - max;
-        __m256 e = exp8(_mm256_loadu_ps(tail));
+        __m256 e = dfq_exp8(_mm256_loadu_ps(tail));
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count - j)), lane);
         e = _mm256_and_ps(e, _mm256_castsi256_ps(live));
@@ -78,7 +50,7 @@ void dfq_attend_one(const float *q, long hd, const float *keys, const float *val
         for (long i = j; i < count; i++) p[i] = tail[i - j];
         vsum = _mm256_add_ps(vsum, e);
     }
-    const float inv = 1.0f / hsum8(vsum);
+    const float inv = 1.0f / dfq_sum8(vsum);
     for (long d = 0; d < hd; d += 32) {
         const long width = hd - d < 32 ? hd - d : 32;
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};

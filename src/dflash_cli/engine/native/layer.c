@@ -21,13 +21,6 @@ struct dfq_layer {
     struct dfq_linear qkv, o, gate_up, down;
 };
 
-static inline float sum8(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_movehdup_ps(a));
-    return _mm_cvtss_f32(a);
-}
-
 /* out = x / sqrt(mean(x^2) + eps) * w, k a multiple of 8 */
 static void rms_norm(const float *x, const float *w, long k, float eps, float *out) {
     __m256 ss = _mm256_setzero_ps();
@@ -35,7 +28,7 @@ static void rms_norm(const float *x, const float *w, long k, float eps, float *o
         __m256 v = _mm256_loadu_ps(x + i);
         ss = _mm256_fmadd_ps(v, v, ss);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(sum8(ss) / (float)k + eps));
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(dfq_sum8(ss) / (float)k + eps));
     for (long i = 0; i < k; i += 8)
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _mm256_loadu_ps(w + i)));
 }
@@ -51,29 +44,12 @@ static void rope(float *x, const float *cos, const float *signed_sin, long hd, f
     }
 }
 
-static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 /* out = silu(gate) * up = gate / (1 + exp(-gate)) * up, k a multiple of 8 */
 static void silu_mul(const float *gate, const float *up, long k, float *out) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (long i = 0; i < k; i += 8) {
         __m256 g = _mm256_loadu_ps(gate + i);
-        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, dfq_exp8(_mm256_xor_ps(g, sign))));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
     }
 }
