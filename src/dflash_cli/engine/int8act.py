@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from dflash_cli.engine import native
 from dflash_cli.engine.quantized import GROUP, Q4Codes, WeightOnlyLinear
@@ -202,8 +203,6 @@ def quantize_drafter(drafter: Any) -> int:
     target: its forwards run at the same few rows as the target's, where fp32 matmuls cost most of a draft.
     Drafts need not be exact (the target verifies them); 8-bit weights with per-block scales keep them close
     to fp32 ones. Returns how many linears were replaced."""
-    from torch import nn
-
     count = 0
     for parent in list(drafter.modules()):
         for name, child in list(parent.named_children()):

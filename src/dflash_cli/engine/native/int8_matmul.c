@@ -76,6 +76,13 @@ void dfq_quantize_rows(const float *x, long rows, long k, int8_t *q, float *d, f
  * 4t + i, then the 8 d as fp16. A row's 4 activation codes are broadcast to the 8 lanes, and maddubs
  * multiplies them with each column's 4 codes: no horizontal sums, one scale multiply for 8 outputs. */
 
+/* the 8 outputs of a group: + bias, then = or += */
+static inline void store8(float *out, __m256 y, const float *bias, int accumulate) {
+    if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
+    if (accumulate) y = _mm256_add_ps(_mm256_loadu_ps(out), y);
+    _mm256_storeu_ps(out, y);
+}
+
 static inline __m256i bcast4(const int8_t *a) {
     int32_t v;
     memcpy(&v, a, 4);
@@ -118,12 +125,7 @@ static inline __attribute__((always_inline)) void q4_group(const int R, const in
         }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        __m256 y = acc[r];
-        if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
-        if (accumulate) y = _mm256_add_ps(_mm256_loadu_ps(out + r * ldo), y);
-        _mm256_storeu_ps(out + r * ldo, y);
-    }
+    for (int r = 0; r < R; r++) store8(out + r * ldo, acc[r], bias, accumulate);
 }
 
 static inline __attribute__((always_inline)) void q8_group(const int R, const int8_t *aq, const float *ad,
@@ -157,12 +159,7 @@ static inline __attribute__((always_inline)) void q8_group(const int R, const in
                                      acc[r]);
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        __m256 y = acc[r];
-        if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
-        if (accumulate) y = _mm256_add_ps(_mm256_loadu_ps(out + r * ldo), y);
-        _mm256_storeu_ps(out + r * ldo, y);
-    }
+    for (int r = 0; r < R; r++) store8(out + r * ldo, acc[r], bias, accumulate);
 }
 
 static void group_rows(const struct dfq_linear *w, long g, const int8_t *aq, const float *ad, const float *as,
