@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -33,6 +33,9 @@ from dflash_cli.train.output import (
 from dflash_cli.train.shape import Shape, build_drafter, check_taps, drafter_raw, drafter_shape, read_init
 from dflash_cli.train.trainer import Evaluation, State, load_best_weights, make_head, sub_vocabulary, train_loop
 
+if TYPE_CHECKING:
+    from dflash_cli.train.prompt_sets import SelfPart
+
 OnProgress = Callable[[str, Any], None]
 
 # names the kind of held-out estimate: checkpoints whose estimates were of another kind don't compare with it
@@ -50,12 +53,15 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, config: TrainConf
             TrainConfig's fields too, for short calls (`train_drafter(t, o, steps=200)`), and replace
             those of `config` when both are given.
         prompts: prompt strings, or a `train --prompts` spec: a file (one per line or JSONL with "prompt"),
-            a built-in set name (`demo`, `demo:N`, `mix`, `mix:N`), or None for the small built-in set.
+            a built-in set name (`demo`, `demo:N`, `mix`, `mix:N`, `wide`, `wide:N`), `self:N` (N prompts
+            the target writes itself, train/self_prompts.py), several joined by `+`, or None for the small
+            built-in set.
         init: a drafter folder to start from instead of random weights (fine-tuning it on new data); its
             layers, taps and mask token are kept, its block size unless one is given. Ignored when out_dir
             holds a checkpoint.
         device, dtype: where and in what dtype the target runs (default: the best available).
-        on_progress: called with ("data", dict(done, total, tokens, seconds)) per generated batch,
+        on_progress: called with ("prompts", dict(sampled, upto, wanted, tokens, seconds)) while self prompts
+            are sampled, ("data", dict(done, total, tokens, seconds)) per generated batch,
             ("train", trainer.Progress) per step and ("note", text) for things the user should know.
     Re-running with the same out_dir resumes: stored prompts are not generated again and training
     continues from the checkpoint (pass a larger `steps` to train further). The drafter written is the
@@ -63,11 +69,11 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, config: TrainConf
     """
     config = replace(config, **options) if config is not None else TrainConfig(**options)
     target_dir, out_dir, started = Path(target_dir), Path(out_dir), time.perf_counter()
-    start_from = _check_before_loading(target_dir, out_dir, config, init)
-    prompt_set = _resolve_prompts(prompts)
+    start_from = _check_before_loading(target_dir, out_dir, config, init, prompts)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     target, tokenizer = _load_target(target_dir, dev, dt)
+    prompt_set = _resolve_prompts(prompts, _self_sampler(target, tokenizer, out_dir, config, on_progress))
     shape = drafter_shape(config, start_from, init, out_dir, target.num_layers)
     data = training_data(target, tokenizer, prompt_set, shape.taps, out_dir, config, on_progress)
     draft_vocab = data.vocab.to(dev) if config.draft_vocab and data.vocab is not None else None
@@ -84,9 +90,13 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, config: TrainConf
                          time.perf_counter() - started)
 
 
-def _check_before_loading(target_dir: Path, out_dir: Path, config: TrainConfig,
-                          init: str | Path | None) -> DFlashDrafter | None:
+def _check_before_loading(target_dir: Path, out_dir: Path, config: TrainConfig, init: str | Path | None,
+                          prompts: Sequence[str] | str | Path | None) -> DFlashDrafter | None:
     """Every refusal that needs no weights, before the target loads; returns --init's drafter, if any."""
+    if isinstance(prompts, (str, Path)):
+        from dflash_cli.train.prompt_sets import check_prompt_spec
+
+        check_prompt_spec(str(prompts))
     check_taps(target_dir, config.taps)
     check_output_folder(out_dir, target_dir)
     stored_topk(out_dir / "data", config.distill_topk)
@@ -126,11 +136,11 @@ class PromptSet(NamedTuple):
     part_sizes: list[int]  # the lengths of the parts of a joined spec (`mix:24000+wide:8000`), in order
 
 
-def _resolve_prompts(prompts: Sequence[str] | str | Path | None) -> PromptSet:
+def _resolve_prompts(prompts: Sequence[str] | str | Path | None, self_part: SelfPart | None = None) -> PromptSet:
     if prompts is None or isinstance(prompts, (str, Path)):
         from dflash_cli.train.prompt_sets import join_prompt_parts, resolve_prompt_parts
 
-        parts = resolve_prompt_parts(None if prompts is None else str(prompts))
+        parts = resolve_prompt_parts(None if prompts is None else str(prompts), self_part)
         texts, categories = join_prompt_parts(parts)
         prompt_set = PromptSet(texts, categories, "built-in" if prompts is None else str(prompts),
                                [len(part) for part, _ in parts])
@@ -139,6 +149,23 @@ def _resolve_prompts(prompts: Sequence[str] | str | Path | None) -> PromptSet:
     if not prompt_set.texts:
         raise InvalidSettingError("no prompts to train on")
     return prompt_set
+
+
+def _self_sampler(target: Any, tokenizer: Any, out_dir: Path, config: TrainConfig,
+                  on_progress: OnProgress | None) -> SelfPart:
+    """What samples a spec's `self:N` part: N prompts the target writes (train/self_prompts.py), kept in out_dir."""
+
+    def sample(n: int) -> tuple[list[str], list[str]]:
+        from dflash_cli.train.self_prompts import SelfPromptSettings, sample_self_prompts, summary_line
+
+        result = sample_self_prompts(target, tokenizer, n, out_dir, SelfPromptSettings(seed=config.seed),
+                                     stop_ids=default_stop_ids(target, tokenizer), width=config.gen_batch,
+                                     on_progress=(lambda info: on_progress("prompts", info)) if on_progress else None)
+        if on_progress:
+            on_progress("note", summary_line(result, out_dir))
+        return result.prompts, result.categories
+
+    return sample
 
 
 @dataclass

@@ -110,22 +110,27 @@ class _Row:
     done: bool = False
 
 
+# picks each row's next token: (the rows' keys, the positions the tokens go to (rows,), fp32 logits (rows, V))
+Choose = Callable[[list[Any], torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class BatchedGenerator:
     """Greedy answers with the tapped features of every fed token, up to `width` sequences at a time.
 
     context: the longest prompt plus max_new_tokens (the cache's positions per row).
+    choose: picks the tokens instead of greedy argmax (train/self_prompts.py samples prompts through it).
     """
 
     def __init__(self, target: Target, taps: Sequence[int], *, context: int, max_new_tokens: int,
                  stop_ids: Sequence[int] = (), topk: int = 0, width: int = DEFAULT_WIDTH,
-                 fmt: GenFormat | None = None):
+                 fmt: GenFormat | None = None, choose: Choose | None = None):
         from dflash_cli.engine.fast import FastPath
 
         self.fmt = fmt or choose_format(target)
         assert self.fmt.dtype == target.embed_weight.dtype, (self.fmt, target.embed_weight.dtype)
         self.fast = FastPath(target.model, context, weights=self.fmt.weights, q4_codes=_q4_codes(target, self.fmt))
         self.fast.set_taps(list(taps))
-        self.max_new, self.stops, self.topk = max_new_tokens, set(stop_ids), topk
+        self.max_new, self.stops, self.topk, self.choose = max_new_tokens, set(stop_ids), topk, choose
         self.device = target.device
         features = len(taps) * target.hidden_size
         self.width = _fitting_width(self.fast, width, context, features, self.device)
@@ -194,10 +199,13 @@ class BatchedGenerator:
         self._choose(rows, index, logits)
 
     def _choose(self, rows: list[_Row], index: torch.Tensor, logits: torch.Tensor) -> None:
-        """Appends each row's greedy token from its logits (one row each) and the top-k table's row."""
+        """Appends each row's next token (greedy, or `self.choose`'s) from its logits and the top-k table's row."""
         at = torch.tensor([row.length for row in rows], device=self.device)
         scores = logits.float()  # as generate scores; argmax over bf16 measured 4x slower than over fp32 on a CPU
-        tokens = scores.argmax(-1)  # the first of equal maxima, as generate's greedy choice
+        if self.choose is not None:
+            tokens = self.choose([row.key for row in rows], at, scores)
+        else:
+            tokens = scores.argmax(-1)  # the first of equal maxima, as generate's greedy choice
         self.ids[index, at] = tokens
         if self.top is not None:
             top = torch.log_softmax(scores, dim=-1).topk(self.topk, dim=-1)
@@ -268,7 +276,7 @@ def _fitting_width(fast: Any, width: int, context: int, features: int, device: t
 
 def batched_generator(target: Target, taps: Sequence[int], prompts: Sequence[list[int]], *, max_new_tokens: int,
                       stop_ids: Sequence[int] = (), topk: int = 0, width: int = DEFAULT_WIDTH,
-                      fmt: GenFormat | None = None) -> BatchedGenerator | None:
+                      fmt: GenFormat | None = None, choose: Choose | None = None) -> BatchedGenerator | None:
     """A generator sized for these prompts, or None (said in the log) where only transformers' generate runs."""
     reason = unsupported(target)
     if reason is not None:
@@ -276,7 +284,7 @@ def batched_generator(target: Target, taps: Sequence[int], prompts: Sequence[lis
         return None
     context = max(map(len, prompts), default=1) + max_new_tokens
     return BatchedGenerator(target, taps, context=context, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                            topk=topk, width=width, fmt=fmt)
+                            topk=topk, width=width, fmt=fmt, choose=choose)
 
 
 def generate_batched(target: Target, prompts_ids: list[list[int]], taps: Sequence[int], *, max_new_tokens: int,

@@ -588,33 +588,66 @@ CATEGORIZED_SETS = {"demo": demo_prompts_with_categories, "mix": mix_prompts_wit
                     "wide": wide_prompts_with_categories}
 
 
-def resolve_prompt_parts(spec: str | None) -> list[tuple[list[str], list[str] | None]]:
+# `self:N` parts are written by the target (train/self_prompts.py): the caller that has it loaded samples them
+SELF = "self"
+SELF_DEFAULT = 4000
+SelfPart = Callable[[int], tuple[list[str], list[str]]]
+
+
+def resolve_prompt_parts(spec: str | None, self_part: SelfPart | None = None
+                         ) -> list[tuple[list[str], list[str] | None]]:
     """The parts of a `train --prompts` spec, each as (prompts, their categories or None): `A+B` joins several
     files and sets into one list, in order, so a folder's stored answers keep their place when a later run adds a
-    set after them (`mix:24000+wide:8000`). A file whose own name has a `+` is read as that file."""
+    set after them (`mix:24000+wide:8000`). A file whose own name has a `+` is read as that file. A `self:N`
+    part (at most one) is `self_part(N)`: prompts the target writes, which only `train` can sample."""
     from pathlib import Path
 
     from dflash_cli.engine.errors import InvalidSettingError
 
     if spec is None or Path(spec).is_file() or "+" not in spec:
-        return [_resolve_one(spec)]
+        return [_resolve_one(spec, self_part)]
     parts = [part.strip() for part in spec.split("+")]
     if not all(parts):
         raise InvalidSettingError(f"an empty part in the prompt spec {spec!r}", hint="join sets and files as A+B")
+    if sum(_self_count(part) is not None for part in parts) > 1:
+        raise InvalidSettingError(f"more than one self part in {spec!r}", hint="ask for them together: self:N")
     try:
-        return [_resolve_one(part) for part in parts]
+        return [_resolve_one(part, self_part) for part in parts]
     except InvalidSettingError as e:
         raise InvalidSettingError(f"{e} (in {spec!r})", hint=e.hint) from None
 
 
-def _resolve_one(spec: str | None) -> tuple[list[str], list[str] | None]:
+def check_prompt_spec(spec: str | None) -> None:
+    """Raises what `resolve_prompt_parts` would for `spec`, before any target is loaded (self parts unsampled)."""
+    resolve_prompt_parts(spec, self_part=lambda n: ([], []))
+
+
+def _self_count(part: str) -> int | None:
+    """N of a `self` / `self:N` part (not a file of that name), else None."""
     from pathlib import Path
+
+    name, _, count = part.partition(":")
+    if name != SELF or Path(part).is_file() or count and not (count.isdecimal() and int(count) > 0):
+        return None
+    return int(count) if count else SELF_DEFAULT
+
+
+def _resolve_one(spec: str | None, self_part: SelfPart | None = None) -> tuple[list[str], list[str] | None]:
+    from pathlib import Path
+
+    from dflash_cli.engine.errors import InvalidSettingError
 
     name, _, count = (spec or "").partition(":")
     if (spec is not None and not Path(spec).is_file() and name in CATEGORIZED_SETS
             and (not count or count.isdecimal() and int(count) > 0)):
         pairs = CATEGORIZED_SETS[name](int(count)) if count else CATEGORIZED_SETS[name]()
         return [p for _, p in pairs], [cat for cat, _ in pairs]
+    wanted = _self_count(spec) if spec is not None else None
+    if wanted is not None:
+        if self_part is None:
+            raise InvalidSettingError(f"{spec} prompts are written by the target, and only train samples them",
+                                      hint="use train --prompts self:N")
+        return self_part(wanted)
     return _resolve_uncategorized(spec), None
 
 
@@ -654,5 +687,6 @@ def _resolve_uncategorized(spec: str | None) -> list[str]:
         return read_prompts(spec)
     raise InvalidSettingError(f"no prompt file or built-in prompt set named {spec!r}",
                               hint=f"give a file (one prompt per line, or JSONL with a \"prompt\" field) or "
-                                   f"one of: {', '.join(CATEGORIZED_SETS)}, or NAME:COUNT such as mix:30000; "
+                                   f"one of: {', '.join([*CATEGORIZED_SETS, SELF])}, or NAME:COUNT such as "
+                                   "mix:30000; "
                                    "join several with + (a file whose name has a + only alone)")

@@ -45,9 +45,10 @@ def _parse_taps(_ctx, _param, value):
 @click.option("--prompts", default=None, metavar="FILE|SET",
               help="Prompts: a file (one per line, or JSONL with a \"prompt\" field) or a built-in set: "
                    "demo (6000 math, code and chat prompts), demo:N (N of them), mix / mix:N (12000 or N, a steady "
-                   "40/30/30% math/code/chat), wide / wide:N (12000 or N, the same mix of longer, freer requests); "
-                   "join several with +, adding new ones at the end (mix:24000+wide:8000) [default: 48 built-in "
-                   "prompts].")
+                   "40/30/30% math/code/chat), wide / wide:N (12000 or N, the same mix of longer, freer requests), "
+                   "self / self:N (4000 or N requests the target writes itself from its chat template's user turn, "
+                   "kept in the output folder; SmolLM2-135M on 2 CPU cores: about 6 minutes per 1000); join "
+                   "several with +, adding new ones at the end (self:4000+wide:2000) [default: 48 built-in prompts].")
 @click.option("--layers", type=_ints("layers"), default=None, help=f"Drafter layers [default: {DEFAULT_LAYERS}].")
 @click.option("--block-size", type=_ints("block_size"), default=None,
               help=f"Block length B, anchor included [default: {DEFAULT_BLOCK_SIZE}].")
@@ -97,15 +98,16 @@ def train(target, out_dir, prompts, init, device, dtype, debug, **options):
       dflash-cli train -m ./SmolLM2-135M-Instruct -o ./smollm2-dflash --time-budget 60
       dflash-cli train -m ./target -o ./drafter --prompts prompts.jsonl --steps 2000 --taps 1,7,14,20,27
       dflash-cli train -m smollm2-135m -o ./demo-drafter --prompts demo --gen-budget 50 --time-budget 60
+      dflash-cli train -m ./Qwen3-0.6B -o ./qwen-drafter --prompts self:3000+wide:2000 --time-budget 90
     """
     from dflash_cli.ui.render import Output
 
     if prompts is not None:
         from dflash_cli.engine.errors import DFlashError
-        from dflash_cli.train.prompt_sets import resolve_prompts
+        from dflash_cli.train.prompt_sets import check_prompt_spec
 
         try:  # before the target is resolved (which may download or convert it)
-            resolve_prompts(prompts)
+            check_prompt_spec(prompts)
         except DFlashError as e:
             raise click.BadParameter(f"{e}; {e.hint}" if e.hint else str(e), param_hint="--prompts") from None
     for name in ("time_budget", "gen_time_budget"):  # minutes here, seconds in TrainConfig
@@ -159,6 +161,8 @@ class _ProgressView:
             self.bar.console.print(info)
         elif kind == "data":
             self._data(info)
+        elif kind == "prompts":
+            self._prompts(info)
         else:
             self._train(info)
 
@@ -172,6 +176,15 @@ class _ProgressView:
         if "data" not in self.tasks:
             self.tasks["data"] = self.bar.add_task("generating", total=info["total"], info="")
         self.bar.update(self.tasks["data"], completed=info["done"], info=f"{self.gen_tokens} tokens, {rate}")
+
+    def _prompts(self, info: dict) -> None:
+        rate = f"{info['tokens'] / max(info['seconds'], 1e-9):.0f} tok/s"
+        if self.log:
+            self.log.print(f"sampled {info['sampled']}/{info['upto']} candidate prompts for self:{info['wanted']}, "
+                           f"{rate}", highlight=False)
+        if "prompts" not in self.tasks:
+            self.tasks["prompts"] = self.bar.add_task("writing prompts", total=info["upto"], info="")
+        self.bar.update(self.tasks["prompts"], total=info["upto"], completed=info["sampled"], info=rate)
 
     def _train(self, info: Any) -> None:
         if "train" not in self.tasks:
