@@ -6,6 +6,9 @@ length, distinct bigrams, distinct openings, near-duplicates, the target's own m
 them (untempered: lower reads more like what the model considers a normal request) and the sampling speed.
 
     .venv/bin/python benchmarks/self_prompts.py --candidates 256 --settings 1.0/1.0 1.0/0.95 0.8/0.95
+
+With --compare N it instead samples `self:N` at the chosen settings and tabulates it beside the built-in sets
+(mix:N, wide:N) and bench's prompts: the table docs/training.md gives.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def main() -> None:
                         help="TEMPERATURE/TOP_P pairs")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compare", type=int, default=None, metavar="N",
+                        help="tabulate self:N (the chosen settings) beside mix:N, wide:N and bench's prompts")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -58,6 +63,9 @@ def main() -> None:
     stops = default_stop_ids(target, tokenizer)
     turn = sp.user_turn(tokenizer, stops)
     print(f"CPU: {cpu_line()}")
+    if args.compare:
+        compare(target, tokenizer, stops, args.compare)
+        return
     print(f"SmolLM2-135M-Instruct (fp32), {args.candidates} candidates per setting, "
           f"{torch.get_num_threads()} threads\n")
     print("| temperature | top-p | kept | unfinished | other rejects | near-dup | math/code/chat/other % | "
@@ -85,6 +93,34 @@ def main() -> None:
               f"{chosen.rejected.get('duplicate', 0)} | {cats} | {stats.words_p10:.0f}/{stats.words_median:.0f}/"
               f"{stats.words_p90:.0f} | {stats.distinct_2:.3f} | {stats.first_words:.2f} | {nll:.2f} | "
               f"{tokens / seconds:.0f} |", flush=True)
+
+
+def compare(target, tokenizer, stops: list[int], n: int) -> None:
+    from dflash_cli.bench import BUILTIN_SETS, load_prompt_set
+    from dflash_cli.train import self_prompts as sp
+    from dflash_cli.train.prompt_quality import prompt_stats
+    from dflash_cli.train.prompt_sets import mix_prompts
+    from dflash_cli.train.wide_prompts import wide_prompts_with_categories
+
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        own = sp.sample_self_prompts(target, tokenizer, n, Path(tmp), sp.SelfPromptSettings(), stop_ids=stops)
+        seconds = time.perf_counter() - started
+    tried = n + sum(own.stats.rejected.values())
+    print(f"self:{n}: T={sp.TEMPERATURE}, top-p {sp.TOP_P}, {tried} samples in {seconds / 60:.1f} min "
+          f"(rejected: {own.stats.rejected})\n")
+    bench = [p.prompt for name in BUILTIN_SETS for p in load_prompt_set(name)]
+    sets = {f"self:{n}": own.prompts, f"mix:{n}": mix_prompts(n),
+            f"wide:{n}": [p for _, p in wide_prompts_with_categories(n)], f"bench ({len(bench)})": bench}
+    print("| set | math/code/chat/other % | words p10/med/p90 | distinct-1 | distinct-2 | distinct openings | "
+          "near-duplicates |")
+    print("|---|---|---|---|---|---|---|")
+    for name, prompts in sets.items():
+        stats = prompt_stats(prompts)
+        cats = "/".join(f"{100 * stats.categories[c]:.0f}" for c in ("math", "code", "chat", "other"))
+        print(f"| {name} | {cats} | {stats.words_p10:.0f}/{stats.words_median:.0f}/{stats.words_p90:.0f} | "
+              f"{stats.distinct_1:.3f} | {stats.distinct_2:.3f} | {stats.first_words:.2f} | "
+              f"{100 * stats.near_duplicates:.1f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ distinct first-three-word openings and the chat prompts with 257. `demo` and its
 `wide` (train/wide_prompts.py) draws the same mix from longer, freer requests. Specs join with `+`
 (`mix:24000+wide:8000`, `resolve_prompt_parts`): one list, the parts in order, so a folder's stored answers keep
 their index when a later run lists another set after them (answers are found by their place in the list).
+`self:N` is not a template set: the target writes those prompts (train/self_prompts.py), so only `train`,
+with the target loaded, resolves it (`resolve_prompt_parts(spec, self_part)`).
 """
 
 from __future__ import annotations
@@ -669,7 +671,7 @@ def resolve_prompts(spec: str | None) -> list[str]:
     """Prompts for `train --prompts SPEC`: a file (one per line, or JSONL with "prompt"), a built-in set
     (`demo` = 6000 prompts, `demo:N` = N of them; `mix` = 12000 prompts at a steady 40/30/30% math/code/chat,
     `mix:N` = N of them; `wide`/`wide:N` the same for longer, freer requests), several joined by `+`, or
-    None for the small built-in set."""
+    None for the small built-in set. A `self:N` part is an error here: only `train` samples it."""
     return resolve_prompts_with_categories(spec)[0]
 
 

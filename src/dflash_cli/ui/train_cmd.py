@@ -47,7 +47,7 @@ def _parse_taps(_ctx, _param, value):
                    "demo (6000 math, code and chat prompts), demo:N (N of them), mix / mix:N (12000 or N, a steady "
                    "40/30/30% math/code/chat), wide / wide:N (12000 or N, the same mix of longer, freer requests), "
                    "self / self:N (4000 or N requests the target writes itself from its chat template's user turn, "
-                   "kept in the output folder; SmolLM2-135M on 2 CPU cores: about 6 minutes per 1000); join "
+                   "kept in the output folder; SmolLM2-135M on 2 AVX2 cores: about 8 minutes per 1000); join "
                    "several with +, adding new ones at the end (self:4000+wide:2000) [default: 48 built-in prompts].")
 @click.option("--layers", type=_ints("layers"), default=None, help=f"Drafter layers [default: {DEFAULT_LAYERS}].")
 @click.option("--block-size", type=_ints("block_size"), default=None,
