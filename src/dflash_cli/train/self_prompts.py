@@ -314,13 +314,14 @@ def sample_self_prompts(target: Target, tokenizer: Any, n: int, folder: Path, se
         rate = len(chosen.prompts) / chosen.scanned if chosen.scanned >= 32 else 0.8
         upto = min(limit, chosen.scanned + math.ceil((n - len(chosen.prompts)) / max(rate, 0.05) * 1.05) + 8)
         todo = [i for i in range(chosen.scanned, upto) if i not in store.candidates]
-        started, tokens = time.perf_counter(), 0
+        started, tokens, this_round = time.perf_counter(), 0, 0
         for i, ids, ended in write_candidates(target, turn, todo, settings, width=width):
             store.add(i, candidate(tokenizer, turn, ids, ended))
-            sampled, tokens = sampled + 1, tokens + len(ids)
-            if on_progress and (sampled % 64 == 0 or sampled == len(todo)):
+            this_round, tokens = this_round + 1, tokens + len(ids)
+            if on_progress and (this_round % 64 == 0 or this_round == len(todo)):
                 on_progress(dict(sampled=len(store.candidates), upto=upto, wanted=n, tokens=tokens,
                                  seconds=time.perf_counter() - started))
+        sampled += this_round
     stats = prompt_stats(chosen.prompts, dict(chosen.rejected))
     store.write_summary(stats)
     return SelfPrompts(chosen.prompts, [category(p) for p in chosen.prompts], stats, sampled)
