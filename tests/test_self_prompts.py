@@ -206,6 +206,25 @@ def test_self_joins_other_sets_holds_out_its_share_and_is_refused_where_no_targe
         assert "self" in e.value.hint
 
 
+def test_checking_a_spec_draws_no_set_but_reads_files_and_refuses_bad_parts(tmp_path, monkeypatch):
+    from dflash_cli.train import prompt_sets
+
+    def no_drawing(n=None):
+        raise AssertionError("check_prompt_spec drew a set")
+
+    monkeypatch.setitem(prompt_sets.CATEGORIZED_SETS, "mix", no_drawing)
+    monkeypatch.setitem(prompt_sets.CATEGORIZED_SETS, "wide", no_drawing)
+    mine = tmp_path / "mine.txt"
+    mine.write_text("first prompt\nsecond prompt\n")
+    prompt_sets.check_prompt_spec(f"mix:24000+wide+self:9+{mine}")
+    with pytest.raises(InvalidSettingError, match="mix:0.*in 'wide:5\\+mix:0'"):
+        prompt_sets.check_prompt_spec("wide:5+mix:0")
+    with pytest.raises(InvalidSettingError, match="no prompt file"):
+        prompt_sets.check_prompt_spec(f"mix+{tmp_path / 'missing.txt'}")
+    with pytest.raises(AssertionError, match="drew a set"):  # resolving still draws
+        prompt_sets.resolve_prompt_parts("mix:3")
+
+
 def test_train_on_self_prompts_end_to_end_writes_a_lossless_drafter(tmp_path):
     from click.testing import CliRunner
 

@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import TypeVar
 
 from dflash_cli.train.prompt_draw import NAMES, draw_distinct
 from dflash_cli.train.wide_prompts import wide_prompts_with_categories
+
+T = TypeVar("T")
 
 ITEMS = ["apples", "oranges", "stickers", "marbles", "books", "pencils", "cookies", "cupcakes", "toy cars",
          "seashells", "stamps", "balloons", "candles", "eggs", "flowers", "postcards", "buttons", "crayons",
@@ -602,50 +605,69 @@ def resolve_prompt_parts(spec: str | None, self_part: SelfPart | None = None
     files and sets into one list, in order, so a folder's stored answers keep their place when a later run adds a
     set after them (`mix:24000+wide:8000`). A file whose own name has a `+` is read as that file. A `self:N`
     part (at most one) is `self_part(N)`: prompts the target writes, which only `train` can sample."""
+    return _each_part(spec, lambda part: _resolve_one(part, self_part))
+
+
+def check_prompt_spec(spec: str | None) -> None:
+    """Raises what `resolve_prompt_parts` would for `spec`, before any target is loaded, without drawing the
+    built-in sets or sampling self parts (files are read)."""
+    def check(part: str | None) -> None:
+        if _categorized(part) is None and _self_count(part) is None:
+            _resolve_uncategorized(part)
+
+    _each_part(spec, check)
+
+
+def _each_part(spec: str | None, resolve: Callable[[str | None], T]) -> list[T]:
     from pathlib import Path
 
     from dflash_cli.engine.errors import InvalidSettingError
 
     if spec is None or Path(spec).is_file() or "+" not in spec:
-        return [_resolve_one(spec, self_part)]
+        return [resolve(spec)]
     parts = [part.strip() for part in spec.split("+")]
     if not all(parts):
         raise InvalidSettingError(f"an empty part in the prompt spec {spec!r}", hint="join sets and files as A+B")
     if sum(_self_count(part) is not None for part in parts) > 1:
         raise InvalidSettingError(f"more than one self part in {spec!r}", hint="ask for them together: self:N")
     try:
-        return [_resolve_one(part, self_part) for part in parts]
+        return [resolve(part) for part in parts]
     except InvalidSettingError as e:
         raise InvalidSettingError(f"{e} (in {spec!r})", hint=e.hint) from None
 
 
-def check_prompt_spec(spec: str | None) -> None:
-    """Raises what `resolve_prompt_parts` would for `spec`, before any target is loaded (self parts unsampled)."""
-    resolve_prompt_parts(spec, self_part=lambda n: ([], []))
-
-
-def _self_count(part: str) -> int | None:
+def _self_count(part: str | None) -> int | None:
     """N of a `self` / `self:N` part (not a file of that name), else None."""
     from pathlib import Path
 
+    if part is None:
+        return None
     name, _, count = part.partition(":")
     if name != SELF or Path(part).is_file() or count and not (count.isdecimal() and int(count) > 0):
         return None
     return int(count) if count else SELF_DEFAULT
 
 
-def _resolve_one(spec: str | None, self_part: SelfPart | None = None) -> tuple[list[str], list[str] | None]:
+def _categorized(part: str | None) -> tuple[str, int | None] | None:
+    """(set name, count or None for its default) of a `demo`/`mix`/`wide` part (not a file), else None."""
     from pathlib import Path
 
+    if part is None or Path(part).is_file():
+        return None
+    name, _, count = part.partition(":")
+    if name not in CATEGORIZED_SETS or count and not (count.isdecimal() and int(count) > 0):
+        return None
+    return name, int(count) if count else None
+
+
+def _resolve_one(spec: str | None, self_part: SelfPart | None = None) -> tuple[list[str], list[str] | None]:
     from dflash_cli.engine.errors import InvalidSettingError
 
-    name, _, count = (spec or "").partition(":")
-    if (spec is not None and not Path(spec).is_file() and name in CATEGORIZED_SETS
-            and (not count or count.isdecimal() and int(count) > 0)):
-        pairs = CATEGORIZED_SETS[name](int(count)) if count else CATEGORIZED_SETS[name]()
+    if (categorized := _categorized(spec)) is not None:
+        name, count = categorized
+        pairs = CATEGORIZED_SETS[name](count) if count else CATEGORIZED_SETS[name]()
         return [p for _, p in pairs], [cat for cat, _ in pairs]
-    wanted = _self_count(spec) if spec is not None else None
-    if wanted is not None:
+    if (wanted := _self_count(spec)) is not None:
         if self_part is None:
             raise InvalidSettingError(f"{spec} prompts are written by the target, and only train samples them",
                                       hint="use train --prompts self:N")

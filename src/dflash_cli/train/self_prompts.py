@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -139,12 +140,9 @@ def write_candidates(target: Target, turn: UserTurn, indices: Sequence[int], set
     """(index, the turn's tokens, whether a stop id ended it) for each candidate index, as they finish."""
     from dflash_cli.train.batched import DEFAULT_WIDTH, batched_generator
 
-    def choose(keys: list[Any], positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return draw_tokens(settings, keys, positions, scores)
-
     stops = set(turn.stop_ids)
     gen = batched_generator(target, [0], [turn.header], max_new_tokens=settings.max_tokens, stop_ids=turn.stop_ids,
-                            width=width or DEFAULT_WIDTH, choose=choose) if indices else None
+                            width=width or DEFAULT_WIDTH, choose=partial(draw_tokens, settings)) if indices else None
     if gen is not None:
         for i, example in gen.answers((i, turn.header) for i in indices):
             tokens = example.ids[example.prompt_len :].tolist()
