@@ -638,24 +638,26 @@ def _each_part(spec: str | None, resolve: Callable[[str | None], T]) -> list[T]:
 
 def _self_count(part: str | None) -> int | None:
     """N of a `self` / `self:N` part (not a file of that name), else None."""
-    from pathlib import Path
-
-    if part is None:
+    named = _name_and_count(part)
+    if named is None or named[0] != SELF:
         return None
-    name, _, count = part.partition(":")
-    if name != SELF or Path(part).is_file() or count and not (count.isdecimal() and int(count) > 0):
-        return None
-    return int(count) if count else SELF_DEFAULT
+    return named[1] or SELF_DEFAULT
 
 
 def _categorized(part: str | None) -> tuple[str, int | None] | None:
     """(set name, count or None for its default) of a `demo`/`mix`/`wide` part (not a file), else None."""
+    named = _name_and_count(part)
+    return named if named is not None and named[0] in CATEGORIZED_SETS else None
+
+
+def _name_and_count(part: str | None) -> tuple[str, int | None] | None:
+    """(NAME, N or None) of a `NAME` / `NAME:N` part with N > 0 that is not a file, else None."""
     from pathlib import Path
 
     if part is None or Path(part).is_file():
         return None
     name, _, count = part.partition(":")
-    if name not in CATEGORIZED_SETS or count and not (count.isdecimal() and int(count) > 0):
+    if count and not (count.isdecimal() and int(count) > 0):
         return None
     return name, int(count) if count else None
 
