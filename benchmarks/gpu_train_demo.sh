@@ -18,6 +18,8 @@
 # only), 3 minutes of generation, 4 of training, the whole train command capped at 8.5 minutes: inside one
 # call's 10 minutes and one session's 15 device minutes with the machine's start. Copy the result into
 # src/dflash_cli/demo/smollm2-135m-dflash/ and record the command and numbers in the README.
+# Round 5 (issue 35) fine-tunes the shipped drafter on prompts the target writes:
+#   INIT=src/dflash_cli/demo/smollm2-135m-dflash BLOCK=8 bash benchmarks/gpu_train_demo.sh run self:6000+wide:4000 3 4
 # On a CPU, `run` works the same with smaller budgets (useful to check the script). RESUME=1 keeps the
 # work folder of an earlier `run` on the same warm machine (its data and checkpoint) instead of starting over.
 set -euo pipefail
@@ -68,9 +70,9 @@ case "${1:-}" in
     else
       gen_batch=32; batch=4; anchors=16; lr=6e-4
     fi
-    timeout "${TRAIN_TIMEOUT:-510}" python3 -m dflash_cli train -m smollm2-135m -o "$work" --prompts "$prompts" --layers 2 --block-size 16 \
+    timeout "${TRAIN_TIMEOUT:-510}" python3 -m dflash_cli train -m smollm2-135m -o "$work" --prompts "$prompts" --layers 2 --block-size "${BLOCK:-16}" \
       --gen-batch "$gen_batch" --gen-budget "$gen_min" --batch "$batch" --anchors "$anchors" --lr "$lr" \
-      --time-budget "$train_min" --distill "$distill" --distill-topk 32 --draft-vocab 2>&1 | tee "$out/train.log"
+      --time-budget "$train_min" --distill "$distill" --distill-topk 32 --draft-vocab ${INIT:+--init "$INIT"} 2>&1 | tee "$out/train.log"
     ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;

@@ -14,7 +14,7 @@ def _words(text: str) -> frozenset[str]:
 
 
 def test_heldout_prompts_share_under_half_their_words_with_any_training_or_bench_prompt():
-    held = [p.prompt for name in ("math", "code", "chat") for p in load_prompt_set(HELDOUT / f"{name}.jsonl")]
+    held = [p.prompt for name in ("math", "code", "chat") for p in load_prompt_set(HELDOUT / f"heldout-{name}.jsonl")]
     assert len(held) == 36
     others = {_words(p) for spec in ("mix:24000", "wide:12000", "demo:6000") for p in resolve_prompts(spec)}
     others |= {_words(p.prompt) for name in BUILTIN_SETS for p in load_prompt_set(name)}
