@@ -53,7 +53,7 @@ def cpu_line() -> str:
 
 
 def prompts_for(sets: list[str], limit: int, tokenizer) -> list[tuple[str, list[int]]]:
-    from dflash_cli.bench import load_prompt_set
+    from dflash_cli.bench.local import load_prompt_set
     from dflash_cli.engine.text import encode_prompt
 
     out = []

@@ -39,10 +39,10 @@ def main() -> int:
     from dflash_cli.engine.device import cpu_capability
     from dflash_cli.engine.generate import generate
     from dflash_cli.engine.text import encode_prompt
-    from dflash_cli.local_runtime import load_runtime
     from dflash_cli.models.resolve import resolve_pair
-    from dflash_cli.serving import EngineWorker
-    from dflash_cli.ui.openai_server import ServerState, make_app
+    from dflash_cli.runtime.local import load_runtime
+    from dflash_cli.server.app import ServerState, make_app
+    from dflash_cli.server.worker import EngineWorker
 
     pair = resolve_pair(args.model, None, no_draft=False, quant=None)
     runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir), quant=pair.quant, quant_auto=pair.quant_auto)

@@ -1,4 +1,4 @@
-"""`dflash-cli bench` and dflash_cli.bench: prompt sets, the interleaved loop, the report and the table."""
+"""`dflash-cli bench` and dflash_cli.bench.local: prompt sets, the interleaved loop, the report and the table."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import pytest
 from click.testing import CliRunner
 from conftest import save_target, save_tiny_pair, target_config
 
-from dflash_cli.bench import BUILTIN_SETS, BenchReport, Prompt, PromptSetError, format_table, load_prompt_set, run_bench
+from dflash_cli.bench.local import (
+    BUILTIN_SETS,
+    BenchReport,
+    Prompt,
+    PromptSetError,
+    format_table,
+    load_prompt_set,
+    run_bench,
+)
 from dflash_cli.ui.cli import cli
 
 SET_KEYS = {"name", "prompts", "generated_tokens_plain", "generated_tokens_dflash", "tau_macro", "tau_pooled",

@@ -17,8 +17,8 @@ from prompt_toolkit.history import InMemoryHistory
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from dflash_cli.local_runtime import load_runtime
-from dflash_cli.session import Conversation, GenerationSettings
+from dflash_cli.conversation import Conversation, GenerationSettings
+from dflash_cli.runtime.local import load_runtime
 from dflash_cli.ui import chat as chat_mod
 from dflash_cli.ui.chat import EXIT_HINT, INTERRUPTED, ChatSession, SafeFileHistory, open_history
 from dflash_cli.ui.cli import cli

@@ -279,7 +279,7 @@ def test_a_split_that_does_not_fit_is_refused_before_loading(tmp_path):
 def test_hybrid_targets_cannot_offload(tmp_path):
     from conftest import hybrid_config
 
-    from dflash_cli.local_runtime import plan_layers
+    from dflash_cli.runtime.local import plan_layers
 
     cfg = hybrid_config()
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -18,6 +18,7 @@ from conftest import VOCAB, drafter_config, save_random_drafter, target_config
 from test_chat import drive
 from test_thinking import assert_split_at_every_chunking, ok, save_bigram_target, save_thinking_tokenizer, styled
 
+from dflash_cli.conversation import GenerationSettings
 from dflash_cli.engine.text import (
     GEMMA_CHANNEL,
     THINK_TAGS,
@@ -29,11 +30,10 @@ from dflash_cli.engine.text import (
     thinking_default,
     thinking_markers,
 )
-from dflash_cli.local_runtime import load_runtime
-from dflash_cli.session import GenerationSettings
+from dflash_cli.engine.thinking import ThinkingSplitter, split_reply
+from dflash_cli.runtime.local import load_runtime
+from dflash_cli.server.app import ReasoningStream
 from dflash_cli.ui.cli import cli
-from dflash_cli.ui.openai_server import ReasoningStream
-from dflash_cli.ui.thinking import ThinkingSplitter, split_reply
 
 # `<turn|>` is id 2, the tiny target config's eos id
 SPECIALS = ["<pad>", "<bos>", "<turn|>", "<unk>", "<eos>", "<|turn>", "<|think|>", "<|channel>", "<channel|>"]

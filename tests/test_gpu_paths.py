@@ -301,7 +301,7 @@ def test_what_runs_is_reported_in_words(tiny_models, monkeypatch):
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs DFLASH_TEST_DEVICE=cuda")
 def test_bf16_compiled_forwards_record_cuda_graphs_and_a_fused_attention_kernel(tiny_models):
     from dflash_cli.engine.kernels import cuda_graphs
-    from dflash_cli.local_runtime import enable_fast_path
+    from dflash_cli.runtime.local import enable_fast_path
 
     pair = load_pair(tiny_models["qwen3"], tiny_models["qwen3-drafter"], device=DEVICE, dtype="bfloat16")
     forward = enable_fast_path(pair.target, pair.drafter, "on", 400, bnb_quant=None)
@@ -384,7 +384,7 @@ def _recording(module, recorder):
 
 def test_compiling_the_target_compiles_the_drafter_too(tiny_models, monkeypatch):
     from dflash_cli.engine import compile as compile_module
-    from dflash_cli.local_runtime import enable_fast_path
+    from dflash_cli.runtime.local import enable_fast_path
 
     recorder = ShapeRecorder()
     monkeypatch.setattr(compile_module, "compiler_for", lambda device: recorder)

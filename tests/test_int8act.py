@@ -188,7 +188,7 @@ def test_kernels_build_once_into_the_cache_and_a_damaged_library_is_built_again(
 
 def test_without_a_compiler_auto_falls_back_and_an_explicit_choice_says_why(tmp_path, monkeypatch, tiny_target_dir):
     from dflash_cli.engine.device import cpu_auto_quant
-    from dflash_cli.local_runtime import load_runtime
+    from dflash_cli.runtime.local import load_runtime
 
     target = tiny_target_dir
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))

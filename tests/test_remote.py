@@ -19,8 +19,8 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from dflash_cli.remote import RemoteRuntime
-from dflash_cli.session import GenerationSettings
+from dflash_cli.conversation import GenerationSettings
+from dflash_cli.runtime.remote import RemoteRuntime
 from dflash_cli.ui.chat import INTERRUPTED, ChatSession
 from dflash_cli.ui.cli import cli
 from dflash_cli.ui.render import Output
@@ -82,7 +82,7 @@ def test_credentials_are_never_printed_or_saved(engine, tmp_path):
                                 env={"DFLASH_API_KEY": "", "DFLASH_MODEL": "", "DFLASH_CONFIG": ""})
     assert result.exit_code == 0, result.stderr
     assert "s3cret" not in result.stderr + result.stdout and "alice:***@" in result.stderr
-    from dflash_cli.remote import RemoteConversation, RemoteRuntime
+    from dflash_cli.runtime.remote import RemoteConversation, RemoteRuntime
 
     runtime = RemoteRuntime(with_password)
     RemoteConversation(runtime).save(tmp_path / "chat.json", settings_for_save())
@@ -93,7 +93,7 @@ def test_credentials_are_never_printed_or_saved(engine, tmp_path):
 
 
 def settings_for_save():
-    from dflash_cli.session import GenerationSettings
+    from dflash_cli.conversation import GenerationSettings
 
     return GenerationSettings()
 
@@ -128,7 +128,7 @@ def test_model_ids_that_are_not_strings_are_one_line(engine):
 
 @pytest.mark.parametrize("engine", [{"hang": ("/v1/models",)}], indirect=True)
 def test_a_hung_model_list_is_said_within_its_timeout(engine, monkeypatch):
-    import dflash_cli.remote as remote
+    import dflash_cli.runtime.remote as remote
 
     monkeypatch.setattr(remote, "MODELS_TIMEOUT", 0.3)  # 30 s by default (it was the reply's 600 s)
     result = generate(engine, "hi")
@@ -137,12 +137,12 @@ def test_a_hung_model_list_is_said_within_its_timeout(engine, monkeypatch):
 
 @pytest.mark.parametrize("engine", [{"hang": ("/metrics",)}], indirect=True)
 def test_a_hung_metrics_endpoint_is_asked_once_not_twice_per_reply(engine, monkeypatch):
-    import dflash_cli.remote as remote
+    import dflash_cli.runtime.remote as remote
 
     monkeypatch.setattr(remote, "METRICS_TIMEOUT", 0.2)
     runtime = remote.RemoteRuntime(engine.url)
     conversation = runtime.conversation()
-    from dflash_cli.session import GenerationSettings
+    from dflash_cli.conversation import GenerationSettings
 
     for _ in range(2):
         steps = list(conversation.ask("hi", GenerationSettings(max_tokens=4)))
@@ -564,8 +564,8 @@ def test_no_waiting_line_on_a_pipe(engine):
 def test_a_timeout_given_bounds_the_wait_for_the_reply(engine):
     """READ_TIMEOUT (600 s) could not be changed: now a timeout given (ModelOptions.timeout, from --timeout /
     DFLASH_TIMEOUT) bounds the wait, and the error names it."""
-    from dflash_cli.remote import RemoteError
     from dflash_cli.runtime import ModelOptions, open_runtime
+    from dflash_cli.runtime.remote import RemoteError
 
     runtime = open_runtime(ModelOptions(engine=engine.url, timeout=0.5))
     with pytest.raises(RemoteError, match=r"did not answer within 0\.5 s"):
@@ -575,7 +575,7 @@ def test_a_timeout_given_bounds_the_wait_for_the_reply(engine):
 
 @pytest.mark.parametrize("engine", [{"hang": ("/v1/models",)}], indirect=True)
 def test_a_timeout_given_bounds_the_model_list_too(engine):
-    from dflash_cli.remote import RemoteError
+    from dflash_cli.runtime.remote import RemoteError
 
     with pytest.raises(RemoteError, match=r"did not list its models within 0\.3 s"):
         RemoteRuntime(engine.url, timeout=0.3)

@@ -1,6 +1,6 @@
 """SGLang's acceptance counters under each name a server has used, and the estimate without an accepted count.
 
-remote.py reads SGLang's per-request meta info: `spec_verify_ct` (verify steps), then the drafted and
+runtime/remote.py reads SGLang's per-request meta info: `spec_verify_ct` (verify steps), then the drafted and
 accepted counts under the current names (`spec_num_proposed_drafts` / `spec_num_correct_drafts`) or the
 older ones (`spec_draft_token_num` / `spec_accept_token_num`); a server that sends no accepted count gets
 the accepted drafts derived from the streamed tokens (each verify step commits its accepted drafts plus one
@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 from engine_server import FakeEngine
 
-from dflash_cli.remote import RemoteRuntime
-from dflash_cli.session import GenerationSettings
+from dflash_cli.conversation import GenerationSettings
+from dflash_cli.runtime.remote import RemoteRuntime
 from dflash_cli.ui.cli import cli
 
 PIECES = list("abcdefghij")  # 10 tokens: 9 decode tokens after the first

@@ -20,13 +20,13 @@ from conftest import save_tiny_pair
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.response import GenerationStats, Step
 from dflash_cli.engine.text import encode_prompt
-from dflash_cli.local_runtime import load_runtime
-from dflash_cli.serving import EngineWorker
+from dflash_cli.runtime.local import load_runtime
+from dflash_cli.server.worker import EngineWorker
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from dflash_cli.ui.openai_server import ServerState, make_app  # noqa: E402 - needs starlette, skipped above
+from dflash_cli.server.app import ServerState, make_app  # noqa: E402 - needs starlette, skipped above
 
 BLOCK = 4  # a fixed block (no adaptive choice from timings): the same steps as the direct engine run
 
@@ -256,7 +256,7 @@ def test_metrics_count_under_vllms_names(server):
     for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total"):
         assert name in text
-    from dflash_cli.remote import VLLM_DRAFT_TOKENS, parse_spec_counters
+    from dflash_cli.runtime.remote import VLLM_DRAFT_TOKENS, parse_spec_counters
 
     counters = parse_spec_counters(text)  # as the --engine client reads a vLLM server's
     assert counters[VLLM_DRAFT_TOKENS] == server.worker.counters.draft_tokens > 0
@@ -281,7 +281,7 @@ def test_stopping_the_worker_cancels_the_running_request_at_once(runtime):
         events.append(event)
         started.set()
 
-    from dflash_cli.serving import Request
+    from dflash_cli.server.worker import Request
 
     worker.submit(Request(chat_ids(runtime, "Endless"), dict(max_new_tokens=400, block_size=BLOCK), on_event))
     assert started.wait(30)
@@ -299,8 +299,8 @@ def test_stopping_the_worker_cancels_the_running_request_at_once(runtime):
     ("<think>\nnever closed  \n", False),
 ])
 def test_streamed_reasoning_content_equals_the_whole_replys(reply, inside):
-    from dflash_cli.ui.openai_server import ReasoningStream
-    from dflash_cli.ui.thinking import ThinkingSplitter, split_reply
+    from dflash_cli.engine.thinking import ThinkingSplitter, split_reply
+    from dflash_cli.server.app import ReasoningStream
 
     reasoning, answer = split_reply(reply, inside)
     for size in (1, 2, 3, 7):

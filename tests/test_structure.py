@@ -71,11 +71,11 @@ def test_no_late_imports_in_the_command_layer():
 
 # what each floor may not import: the engine is the ground floor, models/ sits on it, the rest above
 FLOORS = {
-    "dflash_cli.engine": ("dflash_cli.models", "dflash_cli.session", "dflash_cli.runtime", "dflash_cli.api",
-                          "dflash_cli.remote", "dflash_cli.train", "dflash_cli.ui", "dflash_cli.serving",
-                          "dflash_cli.bench"),
-    "dflash_cli.models": ("dflash_cli.ui", "dflash_cli.session", "dflash_cli.runtime", "dflash_cli.api",
-                          "dflash_cli.serving"),
+    "dflash_cli.engine": ("dflash_cli.models", "dflash_cli.conversation", "dflash_cli.runtime", "dflash_cli.api",
+                          "dflash_cli.runtime.remote", "dflash_cli.train", "dflash_cli.ui", "dflash_cli.server.worker",
+                          "dflash_cli.bench.local"),
+    "dflash_cli.models": ("dflash_cli.ui", "dflash_cli.conversation", "dflash_cli.runtime", "dflash_cli.api",
+                          "dflash_cli.server.worker"),
 }
 
 
@@ -92,9 +92,9 @@ def test_both_runtimes_are_runtimes_without_stand_in_attributes():
 
     from typing_extensions import get_protocol_members
 
-    from dflash_cli.local_runtime import LocalRuntime
-    from dflash_cli.remote import RemoteRuntime
     from dflash_cli.runtime import Runtime
+    from dflash_cli.runtime.local import LocalRuntime
+    from dflash_cli.runtime.remote import RemoteRuntime
 
     members = get_protocol_members(Runtime)
     assert {"speculative", "conversation", "info", "check_block_size", "thinking_mode", "load_seconds"} <= members

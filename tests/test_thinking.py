@@ -19,13 +19,13 @@ from conftest import VOCAB, drafter_config, save_random_drafter, target_config
 from test_chat import drive
 
 from dflash_cli import settings as S
+from dflash_cli.conversation import GenerationSettings
 from dflash_cli.engine.text import THINK_TAGS
-from dflash_cli.local_runtime import load_runtime
+from dflash_cli.engine.thinking import ThinkingSplitter, split_reply
 from dflash_cli.models.registry import PairEntry
-from dflash_cli.session import GenerationSettings
+from dflash_cli.runtime.local import load_runtime
 from dflash_cli.ui.cli import cli
 from dflash_cli.ui.render import DIM
-from dflash_cli.ui.thinking import ThinkingSplitter, split_reply
 
 OPENS = "{% else %}<think>"  # Qwen3.5: thinking on opens <think> in the prompt
 THINKING_TEMPLATE = (

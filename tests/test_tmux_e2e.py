@@ -16,10 +16,10 @@ import pytest
 import torch
 from conftest import MASK_ID, drafter_config, save_target, save_tiny_tokenizer, target_config
 
+from dflash_cli.conversation import Conversation, GenerationSettings
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.load import save_drafter
-from dflash_cli.local_runtime import load_runtime
-from dflash_cli.session import Conversation, GenerationSettings
+from dflash_cli.runtime.local import load_runtime
 
 pytestmark = pytest.mark.skipif(
     shutil.which("tmux") is None,

@@ -16,7 +16,7 @@ __version__ = "0.1.0.dev0"
 
 _EXPORTS = {
     "load": "dflash_cli.api", "stream_generate": "dflash_cli.api", "generate": "dflash_cli.api",
-    "Runtime": "dflash_cli.runtime", "LocalRuntime": "dflash_cli.local_runtime", "ModelOptions": "dflash_cli.runtime",
+    "Runtime": "dflash_cli.runtime", "LocalRuntime": "dflash_cli.runtime.local", "ModelOptions": "dflash_cli.runtime",
     "Step": "dflash_cli.engine.response", "GenerationResult": "dflash_cli.engine.response",
     "GenerationStats": "dflash_cli.engine.response",
     "DFlashError": "dflash_cli.engine.errors",
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from dflash_cli.api import generate, load, stream_generate
     from dflash_cli.engine.errors import DFlashError
     from dflash_cli.engine.response import GenerationResult, GenerationStats, Step
-    from dflash_cli.local_runtime import LocalRuntime
     from dflash_cli.runtime import ModelOptions, Runtime
+    from dflash_cli.runtime.local import LocalRuntime
 
 
 def __getattr__(name: str) -> Any:

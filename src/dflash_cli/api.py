@@ -12,8 +12,8 @@ from typing import Any
 
 from dflash_cli import settings as S
 from dflash_cli.engine.response import GenerationResult, Step
-from dflash_cli.local_runtime import LocalRuntime
 from dflash_cli.runtime import ModelOptions, open_local
+from dflash_cli.runtime.local import LocalRuntime
 
 
 def load(model: str, draft: str | None = None, *, no_draft: bool = False, quant: str | None = None,

@@ -34,7 +34,7 @@ class GenerationStats:
     block_rounds: tuple[int, ...] = ()  # [n-1] = rounds run with n slots (1 = drafting paused)
     last_block: int = 0  # slots of the latest round: the current adaptive choice
     finish_reason: str | None = None
-    # a remote engine (remote.py): whether it reported speculative counters, and the tokens it streamed
+    # a remote engine (runtime/remote.py): whether it reported speculative counters, and the tokens it streamed
     # after the first (it reports no per-step histogram to count them from)
     acceptance_reported: bool = True
     counted_decode_tokens: int | None = None

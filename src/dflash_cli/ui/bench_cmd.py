@@ -1,4 +1,4 @@
-"""`dflash-cli bench`: plain vs DFlash decoding on prompt sets; the measuring itself is in dflash_cli.bench."""
+"""`dflash-cli bench`: plain vs DFlash decoding on prompt sets; the measuring itself is in dflash_cli.bench.local."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
     """
     from pathlib import Path
 
-    from dflash_cli.bench import BUILTIN_SETS, PromptSetError, load_prompt_set
+    from dflash_cli.bench.local import BUILTIN_SETS, PromptSetError, load_prompt_set
     from dflash_cli.ui.render import Output
 
     options = model_options_of(values)
@@ -109,11 +109,11 @@ def _progress(out, quiet: bool, total: int):
 
 
 def _run_remote_bench(out, runtime, prompt_sets, *, max_tokens, limit, warmup, think, as_json, quiet) -> int:
-    """bench --engine: the server's own acceptance and speed per set (remote.py)."""
+    """bench --engine: the server's own acceptance and speed per set (runtime/remote.py)."""
     import json as _json
 
     from dflash_cli import __version__ as version
-    from dflash_cli.remote import format_remote_table, run_remote_bench
+    from dflash_cli.runtime.remote import format_remote_table, run_remote_bench
 
     total = sum(min(len(p), limit or len(p)) for p in prompt_sets.values())
     progress, on_progress = _progress(out, quiet, total)
@@ -131,7 +131,7 @@ def _run_remote_bench(out, runtime, prompt_sets, *, max_tokens, limit, warmup, t
 
 def _run_bench(out, options, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
                quiet) -> int:
-    from dflash_cli.session import GenerationSettings
+    from dflash_cli.conversation import GenerationSettings
     from dflash_cli.ui.opening import open_model
 
     runtime = open_model(out, options, quiet=quiet, settings=GenerationSettings(block_size=block_size))
@@ -147,12 +147,12 @@ def _run_bench(out, options, prompt_sets, *, max_tokens, block_size, limit, warm
 
 def _run_local_bench(out, runtime, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
                      quiet) -> int:
-    """Plain decoding against the drafter, interleaved, on the pair loaded here (dflash_cli.bench)."""
+    """Plain decoding against the drafter, interleaved, on the pair loaded here (dflash_cli.bench.local)."""
     import json as _json
 
     from dflash_cli import __version__ as version
-    from dflash_cli.bench import format_table, run_bench
-    from dflash_cli.local_runtime import LocalRuntime
+    from dflash_cli.bench.local import format_table, run_bench
+    from dflash_cli.runtime.local import LocalRuntime
 
     assert isinstance(runtime, LocalRuntime)  # without --engine
     if not runtime.speculative:

@@ -16,11 +16,11 @@ from dflash_cli.ui.bench_cmd import bench
 from dflash_cli.ui.chat_cmd import chat
 from dflash_cli.ui.doctor_cmd import doctor
 from dflash_cli.ui.generate_cmd import generate
+from dflash_cli.ui.launch_cmd import serve_cmd
 from dflash_cli.ui.list_cmd import list_cmd, ls_cmd
 from dflash_cli.ui.pull_cmd import pull
 from dflash_cli.ui.rm_cmd import rm
-from dflash_cli.ui.serve_cmd import serve_cmd
-from dflash_cli.ui.server_cmd import serve
+from dflash_cli.ui.serve_cmd import serve
 from dflash_cli.ui.show_cmd import show
 from dflash_cli.ui.train_cmd import train
 

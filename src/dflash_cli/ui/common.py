@@ -19,8 +19,8 @@ from dflash_cli.engine.config import DEVICE_MAP_CHOICES
 from dflash_cli.engine.dtypes import DTYPE_CHOICES
 
 if TYPE_CHECKING:  # both import lazily what they need: cheap --help
+    from dflash_cli.conversation import GenerationSettings
     from dflash_cli.runtime import ModelOptions
-    from dflash_cli.session import GenerationSettings
 
 # -- options -------------------------------------------------------------------------------------------
 
@@ -183,7 +183,7 @@ def model_options_of(values: dict[str, Any]):
 
 def generation_settings(values: dict[str, Any]):
     """The per-reply settings of sampling_options' values (and --max-context)."""
-    from dflash_cli.session import GenerationSettings
+    from dflash_cli.conversation import GenerationSettings
 
     return GenerationSettings(**_present(values, GenerationSettings),
                               chat_template=not values.get("no_chat_template", False))

@@ -100,7 +100,7 @@ def stream_reply(out: Output, runtime: Any, conversation: Any, prompt: str, sett
 def _warm_up_both(runtime: Any) -> None:
     """--compare's warm-up: a few tokens of both modes, so neither side pays one-time costs."""
     from dflash_cli.engine.generate import warm_up
-    from dflash_cli.local_runtime import LocalRuntime
+    from dflash_cli.runtime.local import LocalRuntime
 
     assert isinstance(runtime, LocalRuntime)  # --compare with --engine is refused before opening
     if not runtime.speculative:

@@ -133,7 +133,7 @@ class Output:
         tags) how the reasoning is marked. The reasoning is then dimmed on a colour terminal, plain
         elsewhere, and left out with hide_thinking."""
         from dflash_cli.engine.text import THINK_TAGS
-        from dflash_cli.ui.thinking import ThinkingSplitter
+        from dflash_cli.engine.thinking import ThinkingSplitter
 
         wanted = in_thinking is not None and (self.hide_thinking or self.color_out)
         self._thinking = ThinkingSplitter(in_thinking, markers or THINK_TAGS) if wanted else None
@@ -455,7 +455,7 @@ def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: 
              ("eval rate", f"{stats.decode_tokens_per_second:.2f} tokens/s")]
     if not getattr(stats, "acceptance_reported", True):
         rows.append(("speculation", NOT_REPORTED))
-    elif stats.counted_decode_tokens is not None:  # a remote engine's counters (remote.py)
+    elif stats.counted_decode_tokens is not None:  # a remote engine's counters (runtime/remote.py)
         rows += [("acceptance length", f"{stats.acceptance_length:.2f} tokens/step (tau, bonus included)"
                   if stats.steps else "not reported by the server"),
                  ("draft acceptance", f"{stats.draft_acceptance:.1%} ({stats.accepted}/{stats.drafted} drafted)"

@@ -48,7 +48,7 @@ def report_reply(out: Output, reply: Reply, *, as_json: bool, verbose: bool, qui
 
 def reply_json(conversation: Any) -> dict[str, Any]:
     """--json's text: the answer; the reasoning of a thinking model under 'thinking' (else null)."""
-    from dflash_cli.ui.thinking import split_reply
+    from dflash_cli.engine.thinking import split_reply
 
     text, inside = conversation.messages[-1]["content"], conversation.reply_in_thinking
     thinking, answer = split_reply(text, inside, conversation.reply_markers) if inside is not None else (None, text)

@@ -1,124 +1,109 @@
-"""`dflash-cli serve-cmd`: the vLLM or SGLang command that serves a registry pair with its DFlash drafter.
-
-Prints one shell-quoted line; `--exec` runs it in place of this process. The argv comes from serve.py.
-"""
+"""`dflash-cli serve`: the loaded pair behind an OpenAI-compatible HTTP API (server/app.py)."""
 
 from __future__ import annotations
 
-import os
-import shlex
-import shutil
-import sys
-from typing import Any
+import ipaddress
+import socket
+from typing import Any, NoReturn
 
 import click
 
-from dflash_cli.engine.errors import DFlashError, InvalidSettingError
-from dflash_cli.ui.common import common_options, echo, registry, run_plain
-from dflash_cli.ui.errors import EXIT_OK
+from dflash_cli.ui.common import command_options, common_options, guarded, model_options, sampling_options
+
+INSTALL = "pip install 'dflash-cli[serve]' (starlette and uvicorn)"
 
 
-def serve_pair(value: str, block_size: int | None) -> tuple[Any, Any]:
-    """(ServePair, its registry entry) for the pair MODEL names, with a drafter and a block size; anything
-    else is a usage error."""
-    from dflash_cli.models.resolve import resolve_spec
-    from dflash_cli.serve import ServePair
-
-    pairs = registry()
-    try:
-        spec = resolve_spec(value, pairs, allow_unsupported=True, store=True)
-    except DFlashError as error:
-        raise InvalidSettingError(str(error), error.hint) from None
-    hint = "serve-cmd needs a known pair with a drafter: dflash-cli list --known"
-    if spec.kind == "folder":
-        raise InvalidSettingError(f"{value} is a local folder, not a registry pair", hint)
-    if spec.kind == "builtin":
-        raise InvalidSettingError(f"{value} is built in (runs here only), not a registry pair", hint)
-    entry = spec.entry
-    if entry is None:
-        raise InvalidSettingError(f"{value} is not a registry pair", hint)
-    if not entry.drafter:
-        raise InvalidSettingError(f"{entry.alias} has no DFlash drafter: there is nothing to serve speculatively",
-                                  hint)
-    size = block_size if block_size is not None else entry.block_size  # 0 is a value, not "unset"
-    if size is None:
-        raise InvalidSettingError(f"the registry does not give {entry.alias}'s block size",
-                                  f"pass --block-size (block_size in {entry.drafter}'s config.json)")
-    if size < 2:
-        raise InvalidSettingError(f"--block-size {size}: a DFlash block holds at least 2 tokens",
-                                  "use the drafter's trained block size")
-    if entry.block_size and size > entry.block_size:
-        raise InvalidSettingError(f"--block-size {size}: {entry.drafter} drafts blocks of {entry.block_size}",
-                                  f"use {entry.block_size} or less (it proposes block - 1 tokens per step)")
-    return ServePair(entry.alias, entry.target, entry.drafter, int(size), entry.trust_remote_code), entry
-
-
-def run_serve_cmd(out: Any, model: str, engine: str, tp: int | None, port: int | None, block_size: int | None,
-                  do_exec: bool) -> int:
-    from dflash_cli.serve import EXECUTABLES, INSTALL, server_argv
-
-    if tp is not None and tp < 1:
-        raise InvalidSettingError(f"--tp {tp}: the tensor-parallel size is at least 1",
-                                  "use the number of GPUs to split the target over, for example --tp 2")
-    if port is not None and not 1 <= port <= 65535:
-        raise InvalidSettingError(f"--port {port}: not a TCP port (1..65535)")
-    pair, entry = serve_pair(model, block_size)
-    if tp is None:  # the registry's size for a pair too big for fewer GPUs, else 1
-        tp = entry.serve_tp or 1
-    argv = server_argv(pair, engine, tp, port)
-    line = shlex.join(argv)
-    if not do_exec:
-        echo(line)
-        return EXIT_OK
-    if shutil.which(EXECUTABLES[engine]) is None:
-        raise DFlashError(f"{EXECUTABLES[engine]} is not on PATH: install {engine} to run this command",
-                          INSTALL[engine])
-    if engine == "sglang" and not _python_has(EXECUTABLES[engine], "sglang"):
-        raise DFlashError(f"{EXECUTABLES[engine]} on PATH has no sglang module: install sglang to run this command",
-                          INSTALL[engine])
-    print(line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os.execvp(argv[0], argv)
-    return EXIT_OK  # not reached
-
-
-def _python_has(python: str, module: str) -> bool:
-    """Whether `python` (as found on PATH) can import `module`: sglang runs as `python3 -m`, whose own
-    error would be a Python traceback line instead of the install line."""
-    import subprocess
-
-    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
-    try:
-        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@click.command("serve-cmd")
-@click.argument("model")
-@click.option("--engine", "engine", required=True, type=click.Choice(["vllm", "sglang"], case_sensitive=False),
-              help="The serving engine to print the command for.")
-@click.option("--tp", type=int, default=None,
-              help="Tensor-parallel size (GPUs to split over) [default: the registry's for the pairs that need a "
-                   "multi-GPU server, else 1].")
-@click.option("--port", type=int, default=None, help="Port to listen on [default: the engine's own].")
-@click.option("--block-size", type=int, default=None,
-              help="The drafter's trained block size [default: the registry's].")
-@click.option("--exec", "do_exec", is_flag=True,
-              help="Run the command in place of dflash-cli (printed on stderr first).")
+@click.command("serve")
+@model_options
+@sampling_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: any free port, printed at start).")
+@click.option("--api-key", envvar="DFLASH_SERVE_API_KEY", show_envvar=True, metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' on every request but /health and /metrics.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests that may wait while one decodes; past it the server answers 503.")
 @common_options
-def serve_cmd(model, engine, tp, port, block_size, do_exec, color, debug):
-    """Print the vLLM or SGLang command that serves a known pair with its DFlash drafter.
+def serve(host, port, api_key, max_queue, **values):
+    """Serve the model over an OpenAI-compatible API, with DFlash statistics in every response.
 
-    The command names the target, the drafter, the number of speculative tokens (from the drafter's
-    block size), the tensor-parallel size and the flags the engine needs for the model family. Point
-    generate, chat and bench at the server with --engine URL: that is how the pairs too big for one
-    machine (RUNS "engine" in `list --known`: kimi-k2.5, glm-5.1) are used.
+    POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health and /metrics.
+    The sampling options are the defaults a request can override. Requests are decoded one at a time.
 
     \b
     Examples:
-      dflash-cli serve-cmd qwen3-8b --engine vllm --tp 2
-      dflash-cli serve-cmd qwen3.6-27b --engine sglang --tp 4 --exec
-      dflash-cli serve-cmd kimi-k2.5 --engine vllm
+      dflash-cli serve -m demo
+      OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python my_script.py
+      dflash-cli generate --engine http://127.0.0.1:8000/v1 "hello"
     """
-    run_plain(color, debug, lambda out: run_serve_cmd(out, model, engine.lower(), tp, port, block_size, do_exec))
+    from dflash_cli.ui.render import Output
+
+    command = command_options(values)
+    guarded(lambda: Output(command.output.color),
+            lambda out: run_serve(out, command, host=host, port=port, api_key=api_key, max_queue=max_queue),
+            command.output.debug)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening socket (so the port is known, also with --port 0, before the server starts)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise click.BadParameter(f"cannot resolve {host!r} ({e.strerror})", param_hint="--host") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(out: Any, command: Any, *, host: str, port: int, api_key: str | None, max_queue: int) -> NoReturn:
+    """`serve`'s body (`command`: ui.common.CommandOptions; its sampling settings are the requests' defaults)."""
+    try:
+        import uvicorn
+
+        from dflash_cli.server.app import ServerState, make_app
+    except ImportError as e:
+        raise click.ClickException(f"serve needs {e.name}: {INSTALL}") from None
+    from dflash_cli.server.worker import EngineWorker
+    from dflash_cli.ui.opening import open_model
+
+    if not is_loopback(host) and not api_key:
+        out.warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
+    sock = listening_socket(host, port)  # before loading: a taken port fails in a second
+    settings = command.settings
+    runtime = open_model(out, command.model, quiet=False, settings=settings)
+    worker = EngineWorker(runtime, max_queue=max_queue).start()
+    model = command.model.model
+    state = ServerState(worker, model, api_key=api_key, defaults=settings.engine_kwargs(),
+                        max_new_tokens=1 << 20, system=command.system, think=settings.think,
+                        chat_template=settings.chat_template)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    out.info(f"serving {model} on http://{shown}:{port}/v1 (OpenAI API; Ctrl-C stops)")
+    server = uvicorn.Server(uvicorn.Config(make_app(state), log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()
+        sock.close()
+    # uvicorn stops only on SIGINT/SIGTERM and then re-raises the signal, which reaches guarded as a
+    # KeyboardInterrupt (130, 143); a SIGINT this process inherited as ignored (a job a script started with
+    # `&`) is re-raised to no effect and comes back here: the same stop all the same
+    raise KeyboardInterrupt

@@ -31,9 +31,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_cli.conversation import ChatHistory
 from dflash_cli.engine.errors import DFlashError, InvalidSettingError
 from dflash_cli.engine.response import GenerationStats, Step
-from dflash_cli.session import ChatHistory
 
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 600.0  # a long prompt's prefill on a busy server; Ctrl-C ends a wait sooner
@@ -324,7 +324,7 @@ class Counters:
 
 
 class RemoteRuntime:
-    """An engine server, answering in the place of a loaded pair (the Runtime protocol of runtime.py)."""
+    """An engine server, answering in the place of a loaded pair (the Runtime protocol of runtime/__init__.py)."""
 
     def __init__(self, url: str, model: str | None = None, api_key: str | None = None, transport: Any = None,
                  timeout: float | None = None):
@@ -350,7 +350,7 @@ class RemoteRuntime:
         self.model = model or self._only_model()
         self.load_seconds = time.perf_counter() - started
 
-    # -- the Runtime protocol (runtime.py) --------------------------------------------------------------
+    # -- the Runtime protocol (runtime/__init__.py) --------------------------------------------------------------
     @property
     def speculative(self) -> bool:
         return True  # the server decides; the statistics say what it reported
@@ -639,7 +639,7 @@ def run_remote_bench(runtime: RemoteRuntime, prompt_sets: dict[str, list[Any]], 
                      on_progress: Any = None) -> dict[str, Any]:
     """Each prompt once through the server (greedy), measured: the server's acceptance, decode tokens/s and
     time to first token, per set and overall. A server has no plain mode to compare with, so no speedup."""
-    from dflash_cli.session import GenerationSettings
+    from dflash_cli.conversation import GenerationSettings
 
     settings = GenerationSettings(max_tokens=max_new_tokens, temperature=0.0, think=think)
     work = [(name, p) for name, items in prompt_sets.items()

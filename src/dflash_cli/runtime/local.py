@@ -1,4 +1,4 @@
-"""The pair loaded here: `LocalRuntime` (the Runtime protocol of runtime.py), and `load_runtime`, which loads
+"""The pair loaded here: `LocalRuntime` (the Runtime protocol of runtime/__init__.py), and `load_runtime`, which loads
 a target folder and its drafter folder and puts the target on its fast path (compiled where that pays).
 
 `runtime.open_runtime` turns names into folders and checks what can be checked first; this module does
@@ -17,11 +17,11 @@ from dflash_cli import settings as S
 from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
 
 if TYPE_CHECKING:  # the engine imports torch: only for annotations here
+    from dflash_cli.conversation import Conversation
     from dflash_cli.engine.drafter import Drafter
     from dflash_cli.engine.placement import Placement
     from dflash_cli.engine.target import Target
     from dflash_cli.models.registry import PairEntry
-    from dflash_cli.session import Conversation
 
 Status = Callable[[str], None]
 
@@ -107,7 +107,7 @@ class LocalRuntime:
         return out
 
     def conversation(self, system: str | None = None) -> Conversation:
-        from dflash_cli.session import Conversation
+        from dflash_cli.conversation import Conversation
 
         return Conversation(self, system=system)
 

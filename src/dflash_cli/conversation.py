@@ -1,4 +1,4 @@
-"""Conversations with an opened model (runtime.py opens it), and the per-reply settings.
+"""Conversations with an opened model (runtime/ opens it), and the per-reply settings.
 
 No terminal code here: chat and one-shot generation both go through a `ChatHistory`: `Conversation` for a
 pair loaded here, which keeps the engine's caches between turns so a new turn only prefills its new tokens,
@@ -43,7 +43,7 @@ class GenerationSettings:
 
 @dataclass
 class ChatHistory:
-    """The messages of a chat, whatever answers them (the local engine, or a remote one in remote.py):
+    """The messages of a chat, whatever answers them (the local engine, or a remote one in runtime/remote.py):
     asking, regenerating, keeping a reply cut short, and the transcript file."""
 
     runtime: Any

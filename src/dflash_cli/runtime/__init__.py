@@ -20,9 +20,9 @@ from dflash_cli import settings as S
 from dflash_cli.engine.errors import InvalidSettingError
 
 if TYPE_CHECKING:  # the engine imports torch: only for annotations here
+    from dflash_cli.conversation import ChatHistory
     from dflash_cli.engine.placement import Placement
-    from dflash_cli.local_runtime import LocalRuntime
-    from dflash_cli.session import ChatHistory
+    from dflash_cli.runtime.local import LocalRuntime
 
 Status = Callable[[str], None]
 
@@ -122,7 +122,7 @@ def open_runtime(options: ModelOptions, *, block_size: int | None = None, on_sta
     `busy(message)` wraps each long wait (loading the weights, connecting): the UI's spinner; what it yields,
     if callable, receives the status lines said during the wait (compiling)."""
     if options.engine:
-        from dflash_cli.remote import RemoteRuntime, redact_url
+        from dflash_cli.runtime.remote import RemoteRuntime, redact_url
 
         with _busy(busy, f"Connecting to {redact_url(options.engine)} ..."):  # never the password, even here
             return RemoteRuntime(options.engine, options.model, S.api_key(), timeout=options.timeout)
@@ -135,8 +135,8 @@ def open_local(options: ModelOptions, *, block_size: int | None = None, on_statu
                busy: Callable[[str], ContextManager[Any]] | None = None) -> LocalRuntime:
     """`open_runtime` for a pair loaded here (its `engine` is not used)."""
     from dflash_cli.engine.placement import resolve_placement
-    from dflash_cli.local_runtime import load_runtime
     from dflash_cli.models.resolve import placement_budget, resolve_pair
+    from dflash_cli.runtime.local import load_runtime
 
     if not options.model:
         raise InvalidSettingError("no model given", hint="name a folder, a known name such as qwen3-8b, or a Hub "

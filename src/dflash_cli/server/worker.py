@@ -4,7 +4,7 @@ Requests wait in a bounded queue (`submit` refuses past it). The worker keeps on
 request, so a request whose prompt extends the previous prompt and reply (a chat client's next turn) reads
 only the new tokens. Each request gets its events through `on_event` (called on the worker thread); a
 cancelled request (its client went away) stops at the next step. `Counters` adds every request up for
-/metrics, under vLLM's names where they exist. Nothing here knows HTTP (ui/openai_server.py does).
+/metrics, under vLLM's names where they exist. Nothing here knows HTTP (server/app.py does).
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def speculative_metrics(stats: GenerationStats) -> dict[str, Any]:
 
 
 def usage(stats: GenerationStats | None) -> dict[str, Any]:
-    """completion_tokens: the reply's tokens, up to the one that completed a stop string (serving._cut); the
+    """completion_tokens: the reply's tokens, up to the one that completed a stop string (worker._cut); the
     speculative metrics count every verify step as the engine ran it, as vLLM's per-request ones do."""
     if stats is None:
         return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}

@@ -1,4 +1,4 @@
-"""The HTTP side of `dflash-cli serve`: an OpenAI-compatible Starlette app over serving.EngineWorker.
+"""The HTTP side of `dflash-cli serve`: an OpenAI-compatible Starlette app over server/worker.EngineWorker.
 
 Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events, or whole),
 GET /v1/models, /health and /metrics (Prometheus text, with vLLM's speculative counter names). A streamed
@@ -26,9 +26,8 @@ from starlette.routing import Route
 
 from dflash_cli.engine.errors import DFlashError
 from dflash_cli.engine.text import THINK_TAGS, ThinkingMarkers
-from dflash_cli.serving import EngineWorker
-from dflash_cli.serving import Request as EngineRequest
-from dflash_cli.ui.openai_requests import (
+from dflash_cli.engine.thinking import ThinkingSplitter, split_reply
+from dflash_cli.server.protocol import (
     ApiError,
     ParsedRequest,
     ResponseShape,
@@ -37,7 +36,8 @@ from dflash_cli.ui.openai_requests import (
     parse_request,
     usage,
 )
-from dflash_cli.ui.thinking import ThinkingSplitter, split_reply
+from dflash_cli.server.worker import EngineWorker
+from dflash_cli.server.worker import Request as EngineRequest
 
 MAX_BODY_BYTES = 4 << 20
 
