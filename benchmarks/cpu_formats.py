@@ -53,8 +53,8 @@ def cpu_line() -> str:
 
 
 def prompts_for(sets: list[str], limit: int, tokenizer) -> list[tuple[str, list[int]]]:
-    from dflash_cli.bench.local import load_prompt_set
     from dflash_cli.engine.text import encode_prompt
+    from dflash_cli.prompts.reader import load_prompt_set
 
     out = []
     for name in sets:

@@ -96,7 +96,7 @@ def main() -> None:
 
 
 def compare(target, tokenizer, stops: list[int], n: int) -> None:
-    from dflash_cli.bench.local import BUILTIN_SETS, load_prompt_set
+    from dflash_cli.prompts.reader import BUILTIN_SETS, load_prompt_set
     from dflash_cli.train import self_prompts as sp
     from dflash_cli.train.prompt_quality import prompt_stats
     from dflash_cli.train.prompt_sets import mix_prompts

@@ -8,15 +8,8 @@ import pytest
 from click.testing import CliRunner
 from conftest import save_target, save_tiny_pair, target_config
 
-from dflash_cli.bench.local import (
-    BUILTIN_SETS,
-    BenchReport,
-    Prompt,
-    PromptSetError,
-    format_table,
-    load_prompt_set,
-    run_bench,
-)
+from dflash_cli.bench.local import BenchReport, format_table, run_bench
+from dflash_cli.prompts.reader import BUILTIN_SETS, Prompt, PromptSetError, load_prompt_set
 from dflash_cli.ui.cli import cli
 
 SET_KEYS = {"name", "prompts", "generated_tokens_plain", "generated_tokens_dflash", "tau_macro", "tau_pooled",

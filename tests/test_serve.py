@@ -256,7 +256,7 @@ def test_metrics_count_under_vllms_names(server):
     for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total"):
         assert name in text
-    from dflash_cli.runtime.remote import VLLM_DRAFT_TOKENS, parse_spec_counters
+    from dflash_cli.runtime.remote_stats import VLLM_DRAFT_TOKENS, parse_spec_counters
 
     counters = parse_spec_counters(text)  # as the --engine client reads a vLLM server's
     assert counters[VLLM_DRAFT_TOKENS] == server.worker.counters.draft_tokens > 0

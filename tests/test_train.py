@@ -318,7 +318,7 @@ def test_generation_budget_stops_between_batches_and_a_later_run_finishes(tmp_pa
 
 
 def test_demo_prompt_set_is_varied_reproducible_and_apart_from_the_bench_sets():
-    from dflash_cli.bench.local import BUILTIN_SETS, load_prompt_set
+    from dflash_cli.prompts.reader import BUILTIN_SETS, load_prompt_set
     from dflash_cli.train.prompt_sets import demo_prompts
 
     prompts = demo_prompts(3000)
@@ -342,7 +342,7 @@ def mix_30000():
 
 
 def test_mix_prompt_set_is_reproducible_a_prefix_family_and_apart_from_the_bench_sets(mix_30000):
-    from dflash_cli.bench.local import BUILTIN_SETS, load_prompt_set
+    from dflash_cli.prompts.reader import BUILTIN_SETS, load_prompt_set
     from dflash_cli.train.prompt_sets import mix_prompts, mix_prompts_with_categories
 
     prompts = [p for _, p in mix_30000]

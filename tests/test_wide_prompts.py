@@ -30,7 +30,7 @@ def wide_12000():
 
 
 def test_wide_set_is_reproducible_a_prefix_family_distinct_and_apart_from_the_bench_sets(wide_12000):
-    from dflash_cli.bench.local import BUILTIN_SETS, load_prompt_set
+    from dflash_cli.prompts.reader import BUILTIN_SETS, load_prompt_set
 
     prompts = [p for _, p in wide_12000]
     assert len(set(prompts)) == 12000 and wide_prompts() == prompts

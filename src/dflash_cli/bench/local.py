@@ -14,90 +14,20 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_cli.engine.errors import DFlashError
 from dflash_cli.engine.response import first_divergence
+from dflash_cli.prompts.reader import Prompt, PromptSetError
 
 if TYPE_CHECKING:  # the engine imports torch: only for annotations here
     from dflash_cli.engine.drafter import Drafter
     from dflash_cli.engine.target import Target
 
-BUILTIN_SETS = ("math", "code", "chat")
-
 HF_BASELINE_OFF = (
     "transformers' assisted generation (generate(assistant_model=...)) needs a standalone causal LM as the "
     "assistant, drafting one token per forward from token ids alone; a DFlash drafter drafts a whole block "
     "in one pass from the target's hidden states, so the pair cannot be expressed in that format")
-
-
-class PromptSetError(DFlashError):
-    """A prompt set cannot be found or read."""
-
-
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    prompt: str
-
-
-# -- prompt sets ----------------------------------------------------------------------------------------
-
-
-def load_prompt_set(name_or_path: str | Path) -> list[Prompt]:
-    """A built-in set (math, code, chat) or a JSONL file of {"id": ..., "prompt": ...} lines.
-
-    Blank lines are skipped; a missing "id" becomes "<file stem>-<line number>". Raises PromptSetError
-    (one line, naming the file and line number) for a missing file, bad JSON, a missing or empty prompt,
-    or a repeated id.
-    """
-    name = str(name_or_path)
-    if name in BUILTIN_SETS and not isinstance(name_or_path, Path):
-        text = resources.files("dflash_cli.prompts").joinpath(f"{name}.jsonl").read_text(encoding="utf-8")
-        return parse_jsonl(text, f"{name}.jsonl", name)
-    path = Path(name).expanduser()
-    if not path.is_file():
-        if path.exists():
-            raise PromptSetError(f"prompt file {name} is not a file")
-        if "/" not in name and not name.endswith(".jsonl"):
-            raise PromptSetError(f"unknown prompt set {name!r}: use {', '.join(BUILTIN_SETS)} or a .jsonl file")
-        raise PromptSetError(f"prompt file {name} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PromptSetError(f"cannot read prompt file {name}: {e}") from None
-    return parse_jsonl(text, name, path.stem)
-
-
-def parse_jsonl(text: str, source: str, stem: str) -> list[Prompt]:
-    prompts: list[Prompt] = []
-    seen: set[str] = set()
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{source} line {number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PromptSetError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(item, dict):
-            raise PromptSetError(f'{where}: expected an object like {{"id": ..., "prompt": ...}}')
-        prompt = item.get("prompt")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise PromptSetError(f'{where}: "prompt" must be a non-empty string')
-        pid = item.get("id", f"{stem}-{number}")
-        if not isinstance(pid, (str, int)) or isinstance(pid, bool):
-            raise PromptSetError(f'{where}: "id" must be a string or a number')
-        pid = str(pid)
-        if pid in seen:
-            raise PromptSetError(f"{where}: id {pid!r} appears twice")
-        seen.add(pid)
-        prompts.append(Prompt(pid, prompt))
-    if not prompts:
-        raise PromptSetError(f"{source} holds no prompts")
-    return prompts
 
 
 # -- the report -----------------------------------------------------------------------------------------

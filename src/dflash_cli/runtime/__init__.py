@@ -7,6 +7,9 @@ the pair here (`LocalRuntime`) or, with `engine`, connects to an OpenAI-compatib
 (remote.RemoteRuntime). generate, chat, bench, serve and `dflash_cli.load` all come through here, and each
 setting is resolved once (the device, the split over devices, the quantization) and handed down.
 Commands use only what the `Runtime` protocol names, whichever kind they hold.
+
+The package: local.py (the pair loaded here), remote.py and remote_stats.py (a pair on a vLLM/SGLang server
+and the acceptance it reports), launch.py (the vLLM/SGLang command line `serve-cmd` prints).
 """
 
 from __future__ import annotations

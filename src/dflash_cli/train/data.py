@@ -33,7 +33,7 @@ INDEX = "index.json"
 def read_prompts(path: str | Path) -> list[str]:
     """One prompt per line, or a JSONL file of {"prompt": ...} objects (read as `bench` reads them, with
     errors naming the line); blank lines are skipped."""
-    from dflash_cli.bench.local import parse_jsonl
+    from dflash_cli.prompts.reader import parse_jsonl
 
     text = Path(path).read_text(encoding="utf-8")
     lines = [line.strip() for line in text.splitlines() if line.strip()]

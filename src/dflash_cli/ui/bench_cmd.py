@@ -49,7 +49,7 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
     """
     from pathlib import Path
 
-    from dflash_cli.bench.local import BUILTIN_SETS, PromptSetError, load_prompt_set
+    from dflash_cli.prompts.reader import BUILTIN_SETS, PromptSetError, load_prompt_set
     from dflash_cli.ui.render import Output
 
     options = model_options_of(values)
@@ -113,7 +113,7 @@ def _run_remote_bench(out, runtime, prompt_sets, *, max_tokens, limit, warmup, t
     import json as _json
 
     from dflash_cli import __version__ as version
-    from dflash_cli.runtime.remote import format_remote_table, run_remote_bench
+    from dflash_cli.bench.remote import format_remote_table, run_remote_bench
 
     total = sum(min(len(p), limit or len(p)) for p in prompt_sets.values())
     progress, on_progress = _progress(out, quiet, total)
