@@ -36,6 +36,7 @@ def main() -> int:
     import openai
     import uvicorn
 
+    from dflash_cli.conversation import GenerationSettings
     from dflash_cli.engine.device import cpu_capability
     from dflash_cli.engine.generate import generate
     from dflash_cli.engine.text import encode_prompt
@@ -47,14 +48,13 @@ def main() -> int:
     pair = resolve_pair(args.model, None, no_draft=False, quant=None)
     runtime = load_runtime(str(pair.target_dir), str(pair.drafter_dir), quant=pair.quant, quant_auto=pair.quant_auto)
     block = runtime.drafter.block_size
-    defaults = dict(max_new_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                    block_size=block, max_context=None)
+    defaults = GenerationSettings(max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, block_size=block)
     worker = EngineWorker(runtime).start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     server = uvicorn.Server(uvicorn.Config(make_app(ServerState(worker, args.model, api_key=None, defaults=defaults,
-                                                                max_new_tokens=4096)), log_level="warning"))
+                                                                max_tokens_cap=4096)), log_level="warning"))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:
         time.sleep(0.02)

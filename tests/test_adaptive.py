@@ -100,3 +100,20 @@ def test_the_loop_follows_the_controller_and_stays_lossless(pair, acceptance, ex
 def test_a_fixed_block_size_turns_adaptation_off(pair):
     got = generate(pair.target, pair.drafter, [1, 2, 3], max_new_tokens=20, stop_ids=[], block_size=4)
     assert not got.stats.adaptive and got.stats.block_rounds[3] >= got.stats.steps - 3  # the tail is clamped
+
+
+def test_a_decode_state_keeps_its_block_size_choice_across_replies(pair):
+    """A chat or a server passes only its DecodeState: the controller that state keeps chooses each reply's
+    blocks and carries what it learned to the next one; a fixed block size bypasses it."""
+    from dflash_cli.engine.state import DecodeState
+
+    state = DecodeState(pair.target, pair.drafter)
+    first = generate(pair.target, pair.drafter, [5, 9, 14], max_new_tokens=30, stop_ids=[], state=state)
+    controller = state.block_controller(pair.drafter.block_size)
+    after_first = controller.rounds
+    second = generate(pair.target, pair.drafter, [5, 9, 14, 20], max_new_tokens=30, stop_ids=[], state=state)
+    assert first.stats.adaptive and second.stats.adaptive
+    assert after_first > 0 and controller.rounds > after_first
+    assert state.block_controller(pair.drafter.block_size) is controller
+    fixed = generate(pair.target, pair.drafter, [5, 9], max_new_tokens=10, stop_ids=[], state=state, block_size=4)
+    assert not fixed.stats.adaptive and state.block_controller(pair.drafter.block_size) is controller

@@ -17,6 +17,7 @@ import httpx2 as httpx
 import pytest
 from conftest import save_tiny_pair
 
+from dflash_cli.conversation import GenerationSettings
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.response import GenerationStats, Step
 from dflash_cli.engine.text import encode_prompt
@@ -36,9 +37,8 @@ class Server:
 
     def __init__(self, runtime, *, max_queue: int = 16, api_key: str | None = None, max_tokens: int = 24):
         self.worker = EngineWorker(runtime, max_queue=max_queue).start()
-        defaults = dict(max_new_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                        block_size=BLOCK, max_context=None)
-        state = ServerState(self.worker, "tiny", api_key=api_key, defaults=defaults, max_new_tokens=4096)
+        defaults = GenerationSettings(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, block_size=BLOCK)
+        state = ServerState(self.worker, "tiny", api_key=api_key, defaults=defaults, max_tokens_cap=4096)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(64)
@@ -283,7 +283,7 @@ def test_stopping_the_worker_cancels_the_running_request_at_once(runtime):
 
     from dflash_cli.server.worker import Request
 
-    worker.submit(Request(chat_ids(runtime, "Endless"), dict(max_new_tokens=400, block_size=BLOCK), on_event))
+    worker.submit(Request(chat_ids(runtime, "Endless"), GenerationSettings(max_tokens=400, block_size=BLOCK), on_event))
     assert started.wait(30)
     t0 = time.perf_counter()
     worker.stop()

@@ -124,11 +124,6 @@ class Conversation(ChatHistory):
         from dflash_cli.engine.state import DecodeState
 
         self.state = DecodeState(self.runtime.target, self.runtime.drafter)
-        self.controller = None  # the adaptive block-size choice, kept across turns
-        if self.runtime.drafter is not None:
-            from dflash_cli.engine.adaptive import BlockSizeController
-
-            self.controller = BlockSizeController(self.runtime.drafter.block_size)
 
     def prompt_ids(self, settings: GenerationSettings) -> list[int]:
         from dflash_cli.engine.text import encode_prompt
@@ -151,10 +146,8 @@ class Conversation(ChatHistory):
         from dflash_cli.engine.generate import stream_generate
 
         self.cached_before = len(self.state.tokens)
-        adaptive = settings.block_size is None
         yield from stream_generate(self.runtime.target, self.runtime.drafter, prompt,
-                                   tokenizer=self.runtime.tokenizer, state=self.state, adaptive=adaptive,
-                                   controller=self.controller if adaptive else None, **settings.engine_kwargs())
+                                   tokenizer=self.runtime.tokenizer, state=self.state, **settings.engine_kwargs())
 
     def clear(self) -> None:
         super().clear()

@@ -114,7 +114,8 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         block_size: tokens per verify step, anchor included; default the drafter's trained size.
         adaptive: choose the block size each round from measured acceptance and costs (down to pausing
             drafting when it does not pay); default on unless block_size is given.
-        controller: the BlockSizeController to use (keeps what it learned across calls, e.g. a chat).
+        controller: the BlockSizeController to use; default the one `state` keeps (what it learned carries
+            across the turns of a chat).
         stop_ids: generation ends after any of these; default the target's eos ids.
         state: a DecodeState from an earlier call (a chat): the shared prefix of its tokens is not re-read.
         max_context: most tokens (prompt + reply) to hold; default the target's context length.
@@ -124,12 +125,12 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
     """
     _check_request(target, prompt, max_new_tokens)
     block = resolve_block_size(drafter, block_size)
-    controller = _block_controller(block, block_size is None if adaptive is None else adaptive, controller)
     stops = set(default_stop_ids(target, tokenizer) if stop_ids is None else stop_ids)
     sample = Sampler(temperature, top_p, top_k, seed)
     limit, at_limit = _limit(target, len(prompt), max_new_tokens, max_context)  # before a state takes the caches
     if state is None or state.drafter is not drafter or state.target is not target:
         state = DecodeState(target, drafter)
+    controller = _block_controller(state, block, block_size is None if adaptive is None else adaptive, controller)
     decoder = None
     if tokenizer is not None:
         from dflash_cli.engine.text import StreamDecoder
@@ -186,13 +187,14 @@ def _check_request(target: Target, prompt: Sequence[int], max_new_tokens: int) -
         raise InvalidSettingError(f"prompt token id {bad[0]} is outside the target's vocabulary")
 
 
-def _block_controller(block: int, adaptive: bool,
+def _block_controller(state: DecodeState, block: int, adaptive: bool,
                       controller: BlockSizeController | None) -> BlockSizeController | None:
-    """The controller that chooses each round's block (the caller's, kept across calls, or a new one);
-    None for fixed blocks and plain decoding."""
+    """The controller that chooses each round's block (the caller's, or the one the state keeps across
+    calls); None for fixed blocks and plain decoding. The one place that says "adaptive unless a block size
+    is given"."""
     if not adaptive or block == 1:
         return None
-    return controller if controller is not None else BlockSizeController(block)
+    return controller if controller is not None else state.block_controller(block)
 
 
 def _limit(target: Target, prompt_len: int, max_new_tokens: int, max_context: int | None) -> tuple[int, str]:

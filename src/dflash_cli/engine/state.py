@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.config import PREFILL_CHUNK
 from dflash_cli.engine.drafter import DraftCache, Drafter
 from dflash_cli.engine.errors import CacheTakenError
@@ -48,7 +49,8 @@ class DecodeState:
     CUDA graph that reads it. The newest state to prefill holds the caches; an older one that prefills
     again reads its prompt anew (`prefill` notices), and one that is taken over in the middle of a reply
     stops with CacheTakenError instead of decoding from another conversation's K/V. A state made with
-    `own_caches` decodes alongside the others, at the cost of its own allocation.
+    `own_caches` decodes alongside the others, at the cost of its own allocation. It also keeps the
+    sequence's adaptive block-size choice (`block_controller`), so what it learned carries across turns.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None, *, own_caches: bool = False):
@@ -62,6 +64,7 @@ class DecodeState:
         self.draft_cache: DraftCache | None = None
         if drafter is not None:
             self.draft_cache = drafter.new_cache(capacity) if own_caches else shared_draft_cache(drafter, capacity)
+        self._controller: BlockSizeController | None = None
         self._claim()
 
     def _claim(self) -> None:
@@ -159,6 +162,13 @@ class DecodeState:
         if self.tokens and self.holds_caches:
             self._truncate_caches(self.start)
             self.anchor = torch.tensor(self.tokens[-1:], dtype=torch.long, device=self.target.device)
+
+    def block_controller(self, block: int) -> BlockSizeController:
+        """The adaptive block-size choice of this sequence for blocks of up to `block` (a new one when that
+        changes)."""
+        if self._controller is None or self._controller.max_block != block:
+            self._controller = BlockSizeController(block)
+        return self._controller
 
     def reset(self) -> None:
         self._claim()

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from dflash_cli.conversation import GenerationSettings
 from dflash_cli.engine.errors import DFlashError
 from dflash_cli.engine.text import THINK_TAGS, ThinkingMarkers
 from dflash_cli.engine.thinking import ThinkingSplitter, split_reply
@@ -43,14 +44,14 @@ MAX_BODY_BYTES = 4 << 20
 
 
 class ServerState:
-    """What the routes share: the worker, the served model's name, the key, the generation defaults."""
+    """What the routes share: the worker, the served model's name, the key, the generation defaults (the
+    command line's settings, which a request may override), the most new tokens a request may ask for, and
+    the system prompt for chats that bring none."""
 
-    def __init__(self, worker: EngineWorker, model: str, *, api_key: str | None, defaults: dict[str, Any],
-                 max_new_tokens: int, system: str | None = None, think: bool | None = None,
-                 chat_template: bool = True):
+    def __init__(self, worker: EngineWorker, model: str, *, api_key: str | None, defaults: GenerationSettings,
+                 max_tokens_cap: int, system: str | None = None):
         self.worker, self.model, self.api_key = worker, model, api_key
-        self.defaults, self.max_new_tokens = defaults, max_new_tokens
-        self.system, self.think, self.chat_template = system, think, chat_template  # the server's own defaults
+        self.defaults, self.max_tokens_cap, self.system = defaults, max_tokens_cap, system
         self.started = int(time.time())
         # prompts are encoded on worker threads (off the event loop), one at a time: a fast tokenizer's
         # truncation and padding settings are state that concurrent calls can trip over
@@ -106,8 +107,8 @@ def prompt_ids(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bo
         return encode_prompt(tokenizer, parsed.prompt, chat_template=False), False
     assert parsed.messages is not None
     own_system = any(m["role"] == "system" for m in parsed.messages)
-    think = parsed.enable_thinking if parsed.enable_thinking is not None else state.think
-    ids = encode_prompt(tokenizer, parsed.messages, chat_template=state.chat_template, enable_thinking=think,
+    ids = encode_prompt(tokenizer, parsed.messages, chat_template=parsed.settings.chat_template,
+                        enable_thinking=parsed.settings.think,
                         system=None if own_system else state.system)
     inside = state.markers is not None and opens_thinking(tokenizer, ids, state.markers)
     return ids, inside
@@ -121,14 +122,14 @@ async def completions(request: Request, *, chat: bool) -> Response:
         if isinstance(body, dict) and body.get("model") not in (None, state.model):
             raise ApiError(404, f"the model {body.get('model')!r} is not served here (this server serves "
                                 f"{state.model!r})", param="model", code="model_not_found")
-        parsed = parse_request(body, chat=chat, defaults=state.defaults, max_new_tokens=state.max_new_tokens)
+        parsed = parse_request(body, chat=chat, defaults=state.defaults, max_tokens_cap=state.max_tokens_cap)
         ids, inside = await run_in_threadpool(encoded, state, parsed)  # a long prompt takes a while
     except ApiError as e:
         return error_response(e)
     except ClientDisconnect:
         return Response(status_code=499)
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    job = EngineRequest(ids, parsed.options, lambda event: None, stop=parsed.stop)
+    job = EngineRequest(ids, parsed.settings, lambda event: None, stop=parsed.stop)
     job.on_event = deliver(asyncio.get_running_loop(), events, job)
     if not state.worker.submit(job):
         return error_response(ApiError(503, "the server is busy: too many requests are waiting",

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from dflash_cli.conversation import GenerationSettings
 from dflash_cli.engine.response import FINISH_STOP, GenerationStats
 
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
@@ -35,11 +36,10 @@ class ParsedRequest:
     chat: bool
     messages: list[dict[str, str]] | None
     prompt: str | list[int] | None
-    options: dict[str, Any]  # stream_generate's keyword arguments
+    settings: GenerationSettings  # the server's defaults with what the request sets
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    enable_thinking: bool | None
 
 
 def _number(body: dict, name: str, low: float, high: float, default: Any, *, integer: bool = False) -> Any:
@@ -87,8 +87,9 @@ def _prompt(body: dict) -> str | list[int]:
     raise ApiError(400, "'prompt' must be a non-empty string (or one string, or a list of token ids)", param="prompt")
 
 
-def parse_request(body: Any, *, chat: bool, defaults: dict[str, Any], max_new_tokens: int) -> ParsedRequest:
-    """Checks a request body against what `serve` supports; `defaults` are the server's own settings."""
+def parse_request(body: Any, *, chat: bool, defaults: GenerationSettings, max_tokens_cap: int) -> ParsedRequest:
+    """Checks a request body against what `serve` supports; `defaults` are the server's own settings, and no
+    request may ask for more than `max_tokens_cap` new tokens."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name in UNSUPPORTED:
@@ -107,13 +108,13 @@ def parse_request(body: Any, *, chat: bool, defaults: dict[str, Any], max_new_to
                                 "temperature, top_p and top_k shape it", param=name, code="unsupported")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     limit = body.get(name)
-    options = dict(defaults)
-    options["max_new_tokens"] = _number({name: limit}, name, 1, max_new_tokens, defaults["max_new_tokens"],
-                                        integer=True)
-    options["temperature"] = float(_number(body, "temperature", 0, 2, defaults["temperature"]))
-    options["top_p"] = float(_number(body, "top_p", 1e-9, 1, defaults["top_p"]))
-    options["top_k"] = max(_number(body, "top_k", -1, 1 << 31, defaults["top_k"], integer=True), 0)  # -1: off
-    options["seed"] = _number(body, "seed", -(1 << 63), (1 << 63) - 1, defaults["seed"], integer=True)
+    settings = replace(
+        defaults,
+        max_tokens=_number({name: limit}, name, 1, max_tokens_cap, defaults.max_tokens, integer=True),
+        temperature=float(_number(body, "temperature", 0, 2, defaults.temperature)),
+        top_p=float(_number(body, "top_p", 1e-9, 1, defaults.top_p)),
+        top_k=max(_number(body, "top_k", -1, 1 << 31, defaults.top_k, integer=True), 0),  # -1: off
+        seed=_number(body, "seed", -(1 << 63), (1 << 63) - 1, defaults.seed, integer=True))
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
     if stop is not None and (not all(isinstance(s, str) for s in stops) or len(stops) > 4):
@@ -126,8 +127,10 @@ def parse_request(body: Any, *, chat: bool, defaults: dict[str, Any], max_new_to
     thinking = kwargs.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise ApiError(400, "'chat_template_kwargs.enable_thinking' must be a boolean", param="chat_template_kwargs")
-    return ParsedRequest(chat, _messages(body) if chat else None, None if chat else _prompt(body), options,
-                         stops, stream, bool(stream_options.get("include_usage")), thinking)
+    if thinking is not None:
+        settings = replace(settings, think=thinking)
+    return ParsedRequest(chat, _messages(body) if chat else None, None if chat else _prompt(body), settings,
+                         stops, stream, bool(stream_options.get("include_usage")))
 
 
 def finish_reason(engine_reason: str | None, stopped_by_string: bool) -> str:

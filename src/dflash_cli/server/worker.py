@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dflash_cli.conversation import GenerationSettings
 from dflash_cli.engine.response import GenerationStats, Step
 
 
@@ -27,7 +28,7 @@ class Request:
     verify step."""
 
     prompt: list[int]
-    options: dict[str, Any]  # stream_generate's keyword arguments (max_new_tokens, temperature, ...)
+    settings: GenerationSettings
     on_event: Callable[[tuple[str, Any]], None]
     stop: tuple[str, ...] = ()
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -91,12 +92,10 @@ class EngineWorker:
     """Decodes queued Requests on one thread, through one DecodeState (see the module docstring)."""
 
     def __init__(self, runtime: Any, max_queue: int = 16):
-        from dflash_cli.engine.adaptive import BlockSizeController
         from dflash_cli.engine.state import DecodeState
 
         self.runtime = runtime
         self.state = DecodeState(runtime.target, runtime.drafter)
-        self.controller = BlockSizeController(runtime.drafter.block_size) if runtime.drafter is not None else None
         self.queue: queue.Queue[Request | None] = queue.Queue(maxsize=max_queue)
         self.counters = Counters()
         self.lock = threading.Lock()
@@ -157,13 +156,12 @@ class EngineWorker:
     def _decode(self, request: Request) -> None:
         from dflash_cli.engine.generate import stream_generate
 
-        adaptive = request.options.get("block_size") is None and self.controller is not None
         last: Step | None = None
         stopper = StopMatcher(request.stop)
         try:
             for step in stream_generate(self.runtime.target, self.runtime.drafter, request.prompt,
-                                        tokenizer=self.runtime.tokenizer, state=self.state, adaptive=adaptive,
-                                        controller=self.controller if adaptive else None, **request.options):
+                                        tokenizer=self.runtime.tokenizer, state=self.state,
+                                        **request.settings.engine_kwargs()):
                 if request.cancelled.is_set():
                     break
                 text, kept = _cut(stopper, step)

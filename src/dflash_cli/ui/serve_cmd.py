@@ -90,9 +90,8 @@ def run_serve(out: Any, command: Any, *, host: str, port: int, api_key: str | No
     runtime = open_model(out, command.model, quiet=False, settings=settings)
     worker = EngineWorker(runtime, max_queue=max_queue).start()
     model = command.model.model
-    state = ServerState(worker, model, api_key=api_key, defaults=settings.engine_kwargs(),
-                        max_new_tokens=1 << 20, system=command.system, think=settings.think,
-                        chat_template=settings.chat_template)
+    state = ServerState(worker, model, api_key=api_key, defaults=settings, max_tokens_cap=1 << 20,
+                        system=command.system)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     out.info(f"serving {model} on http://{shown}:{port}/v1 (OpenAI API; Ctrl-C stops)")
