@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MAX_TOKENS = 512
+DEFAULT_BENCH_MAX_TOKENS = 128  # per prompt and mode: enough for tau, short enough for a set in minutes
 DEFAULT_TEMPERATURE = 0.0  # greedy: fastest with speculation, and reproducible
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from dflash_cli.engine.errors import DFlashError
 from dflash_cli.engine.response import first_divergence
 from dflash_cli.prompts.reader import Prompt, PromptSetError
+from dflash_cli.tables import columns
 
 if TYPE_CHECKING:  # the engine imports torch: only for annotations here
     from dflash_cli.engine.drafter import Drafter
@@ -327,13 +328,7 @@ def format_table(report: BenchReport) -> list[str]:
         if hf_on:
             row.append(f"{s.hf_tokens_per_second:.1f}" if s.hf_tokens_per_second is not None else "n/a")
         rows.append(row)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    lines = [line(header), "  ".join("-" * w for w in widths)]
-    lines += [line(r) for r in rows]
+    lines = columns([header, *rows], rule=True)
     lines.append("")
     lines.append("per-position draft acceptance (pooled; position 1 = first drafted token):")
     name_width = max(len(s.name) for s in summaries)

@@ -7,6 +7,7 @@ from typing import Any
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.response import GenerationStats
 from dflash_cli.runtime.remote import RemoteRuntime
+from dflash_cli.tables import columns
 
 
 def run_remote_bench(runtime: RemoteRuntime, prompt_sets: dict[str, list[Any]], *, max_new_tokens: int,
@@ -77,12 +78,7 @@ def format_remote_table(report: dict[str, Any]) -> list[str]:
              f"{s['tau_pooled']:.2f}" if s["tau_pooled"] is not None else "n/a",
              f"{s['draft_acceptance']:.1%}" if s["draft_acceptance"] is not None else "n/a",
              f"{s['decode_tokens_per_second']:.1f}", f"{s['time_to_first_token'] * 1000:.0f}ms"] for s in summaries]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    lines = [line(header), "  ".join("-" * w for w in widths), *[line(r) for r in rows], ""]
+    lines = [*columns([header, *rows], rule=True), ""]
     for s in summaries:
         if not s["acceptance_reported"]:
             lines.append(f"{s['name']}: acceptance not reported by the server")

@@ -1,6 +1,7 @@
-"""Dtype names: the one map from what a user writes ("bf16", "torch.float16", "half") to torch's names, and
-the short names the memory planner counts in. No torch here: the planner and the SmolLM2 converter name
-dtypes before torch is loaded (engine/device.py turns the names into torch dtypes)."""
+"""Dtype and quantization names: the one map from what a user writes ("bf16", "torch.float16", "half") to
+torch's names, the short names the memory planner counts in, and the --quant choices. No torch here: the
+planner, the CLI and the SmolLM2 converter name them before torch is loaded (engine/device.py turns the names
+into torch dtypes)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
                "float16": "float16", "fp16": "float16", "half": "float16"}
 #: --dtype's choices
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+#: the target's quantizations (--quant, besides auto): q4/q8 weight-only CPU kernels (engine/weightonly.py),
+#: q4a8/q8a8 with 8-bit activations (engine/int8act.py), int8/nf4 bitsandbytes (engine/quant.py)
+QUANT_CHOICES = ("none", "int8", "nf4", "q4", "q8", "q4a8", "q8a8")
 _PLAN_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 

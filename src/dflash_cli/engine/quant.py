@@ -7,16 +7,14 @@ import logging
 import torch
 from torch import nn
 
+from dflash_cli.engine.dtypes import QUANT_CHOICES
 from dflash_cli.engine.errors import InvalidSettingError
-
-# q4/q8: CPU weight-only kernels (engine/weightonly.py); q4a8/q8a8: with 8-bit activations (engine/int8act.py)
-QUANTS = ("none", "int8", "nf4", "q4", "q8", "q4a8", "q8a8")
 
 
 def check_quant(name: str | None) -> str | None:
     if name in (None, "none"):
         return None
-    if name not in QUANTS:
+    if name not in QUANT_CHOICES:
         raise InvalidSettingError(f"unknown quantization {name!r}", hint="use q4, q8 (CPU), nf4, int8 (GPU) or none")
     return name
 

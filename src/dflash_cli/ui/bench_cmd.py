@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import click
 
-from dflash_cli.ui.common import color_option, debug_option, engine_option, guarded, model_options, model_options_of
+from dflash_cli import settings as S
+from dflash_cli.ui.common import (
+    block_size_option,
+    color_option,
+    debug_option,
+    engine_option,
+    guarded,
+    max_tokens_option,
+    model_options,
+    model_options_of,
+    quiet_option,
+    think_option,
+)
 
 
 @click.command()
 @model_options
 @engine_option
-@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Most tokens to generate per prompt and mode.")
-@click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="Tokens per verify step, 1..the drafter's trained size [default: trained size].")
+@max_tokens_option(default=S.DEFAULT_BENCH_MAX_TOKENS, envvar=None, show_envvar=False,
+                   help="Most tokens to generate per prompt and mode.")
+@block_size_option(envvar=None, show_envvar=False)
 @click.option("--sets", default=None, metavar="NAMES",
               help="Comma-separated prompt sets: math, code, chat (built in) or .jsonl files "
                    "[default: math,code,chat, or none when --prompts is given].")
@@ -22,15 +33,14 @@ from dflash_cli.ui.common import color_option, debug_option, engine_option, guar
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use only the first N prompts of each set.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
               help="Prompts run in both modes, unmeasured, before the measurement.")
-@click.option("--think/--no-think", default=None,
-              help="Turn the model's thinking mode on or off, where its chat template supports it.")
+@think_option()
 @click.option("--adaptive", is_flag=True,
               help="Let DFlash runs pick their block size each round, as generate does by default "
                    "(measures the speed users get; without it every round drafts a full block, which "
                    "measures the drafter).")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as one JSON object on stdout.")
 @color_option
-@click.option("-q", "--quiet", is_flag=True, help="Print no table or progress (only --json output and errors).")
+@quiet_option(help="Print no table or progress (only --json output and errors).")
 @debug_option
 def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adaptive, as_json, color, quiet, debug,
           **values):

@@ -16,7 +16,8 @@ import click
 
 from dflash_cli import settings as S
 from dflash_cli.engine.config import DEVICE_MAP_CHOICES
-from dflash_cli.engine.dtypes import DTYPE_CHOICES
+from dflash_cli.engine.dtypes import DTYPE_CHOICES, QUANT_CHOICES
+from dflash_cli.tables import columns
 
 if TYPE_CHECKING:  # both import lazily what they need: cheap --help
     from dflash_cli.conversation import GenerationSettings
@@ -30,6 +31,33 @@ color_option = click.option("--color", type=click.Choice(["auto", "always", "nev
 debug_option = click.option("--debug", is_flag=True, envvar=S.DEBUG_ENV, help="Show tracebacks of unexpected errors.")
 endpoint_option = click.option("--endpoint", envvar="HF_ENDPOINT", hidden=True, default=None,
                                help="Hub endpoint (tests, mirrors).")
+
+
+def shared_option(*decls: str, **attrs: Any) -> Callable[..., Callable]:
+    """An option declared once for every command that takes it; one that needs another default, help or
+    environment variable passes just that: `max_tokens_option(default=128)`."""
+    return lambda **changes: click.option(*decls, **{**attrs, **changes})
+
+
+max_tokens_option = shared_option(
+    "-n", "--max-tokens", type=click.IntRange(min=1), default=S.DEFAULT_MAX_TOKENS, envvar=S.ENV["max_tokens"],
+    show_envvar=True, show_default=True, help="Most tokens to generate.")
+block_size_option = shared_option(
+    "--block-size", type=click.IntRange(min=1), default=None, envvar=S.ENV["block_size"], show_envvar=True,
+    help="Tokens per verify step, 1..the drafter's trained size [default: trained size].")
+think_option = shared_option(
+    "--think/--no-think", default=None,
+    help="Turn the model's thinking mode on or off, where its chat template supports it.")
+quiet_option = shared_option("-q", "--quiet", is_flag=True, help="Print only the generated text (and errors).")
+device_map_option = shared_option(
+    "--device-map", type=click.Choice(DEVICE_MAP_CHOICES), default=S.DEFAULT_DEVICE_MAP, envvar=S.ENV["device_map"],
+    show_envvar=True, show_default=True,
+    help="Split the target's layers over the GPUs present (accelerate's strategies; auto = balanced), offloading "
+         "to cpu, then disk, only as the last resort (slow).")
+max_memory_option = shared_option(
+    "--max-memory", envvar=S.ENV["max_memory"], show_envvar=True, metavar="DEV=SIZE,..",
+    help="Memory each device may use under --device-map, e.g. 0=14GiB,1=14GiB,cpu=30GiB (default: the free "
+         "memory of every GPU, then cpu and disk).")
 
 
 def apply_all(options: list[Callable]) -> Callable:
@@ -50,7 +78,7 @@ model_options = apply_all([
                  help="DFlash drafter for the target: a Hub repo id or a local folder [default: the registry's "
                       "drafter for a known target]. Without one, decoding is plain (speculation off)."),
     click.option("--no-draft", is_flag=True, help="Plain decoding: do not load or use a drafter."),
-    click.option("--quant", type=click.Choice(["none", "int8", "nf4", "q4", "q8", "q4a8", "q8a8", "auto"]),
+    click.option("--quant", type=click.Choice([*QUANT_CHOICES, "auto"]),
                  default=S.DEFAULT_QUANT,
                  envvar=S.ENV["quant"], show_envvar=True, show_default="none; auto for the built-in models",
                  help="Quantize the target: q4/q8 with PyTorch's weight-only CPU kernels (bf16 activations), "
@@ -67,13 +95,8 @@ model_options = apply_all([
                  help="Compute dtype (auto: bf16 on GPUs and bf16-capable CPUs, else fp32)."),
     click.option("--device", default=S.DEFAULT_DEVICE, envvar=S.ENV["device"], show_envvar=True, show_default=True,
                  help="cuda, cuda:N, cpu or auto."),
-    click.option("--device-map", type=click.Choice(DEVICE_MAP_CHOICES),
-                 default=S.DEFAULT_DEVICE_MAP, envvar=S.ENV["device_map"], show_envvar=True, show_default=True,
-                 help="Split the target's layers over the GPUs present (accelerate's strategies; auto = "
-                      "balanced), offloading to cpu, then disk, only as the last resort (slow)."),
-    click.option("--max-memory", envvar=S.ENV["max_memory"], show_envvar=True, metavar="DEV=SIZE,..",
-                 help="Memory each device may use under --device-map, e.g. 0=14GiB,1=14GiB,cpu=30GiB "
-                      "(default: the free memory of every GPU, then cpu and disk)."),
+    device_map_option(),
+    max_memory_option(),
     click.option("--compile", "compile", type=click.Choice(["auto", "on", "off"]), default=S.DEFAULT_COMPILE,
                  envvar=S.ENV["compile"], show_envvar=True, show_default=True,
                  help="Compile the decode and verify forwards (auto: CUDA graphs on GPUs; not on CPUs, where it "
@@ -94,8 +117,7 @@ class FiniteFloatRange(click.FloatRange):
 
 
 sampling_options = apply_all([
-    click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=S.DEFAULT_MAX_TOKENS,
-                 envvar=S.ENV["max_tokens"], show_envvar=True, show_default=True, help="Most tokens to generate."),
+    max_tokens_option(),
     click.option("--temperature", type=FiniteFloatRange(min=0), default=S.DEFAULT_TEMPERATURE,
                  envvar=S.ENV["temperature"], show_envvar=True, show_default=True,
                  help="0 = greedy (identical to the target alone); > 0 samples, lossless in distribution."),
@@ -105,12 +127,9 @@ sampling_options = apply_all([
                  show_envvar=True, show_default=True, help="Sample among the k likeliest tokens (0 = off)."),
     click.option("--seed", type=int, default=None, envvar=S.ENV["seed"], show_envvar=True,
                  help="Seed for reproducible sampling."),
-    click.option("--block-size", type=click.IntRange(min=1), default=None, envvar=S.ENV["block_size"],
-                 show_envvar=True,
-                 help="Tokens per verify step, 1..the drafter's trained size [default: trained size]."),
+    block_size_option(),
     click.option("-s", "--system", envvar=S.ENV["system"], show_envvar=True, help="System prompt."),
-    click.option("--think/--no-think", default=None,
-                 help="Turn the model's thinking mode on or off, where its chat template supports it."),
+    think_option(),
     click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text, without the chat template."),
 ])
 
@@ -123,7 +142,7 @@ output_options = apply_all([
                  help="Leave a thinking model's reasoning out of the printed reply (shown dimmed on terminals "
                       "by default); --json keeps it under 'thinking' either way."),
     click.option("-v", "--verbose", is_flag=True, help="Print detailed statistics on stderr."),
-    click.option("-q", "--quiet", is_flag=True, help="Print only the generated text (and errors)."),
+    quiet_option(),
     debug_option,
 ])
 
@@ -279,8 +298,7 @@ def echo(lines: list[str] | str) -> None:
 
 def table(headers: list[str], rows: list[list[str]]) -> list[str]:
     """Left-aligned columns separated by three spaces (ollama's look); no trailing blanks."""
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    return ["   ".join(f"{str(c):<{w}}" for c, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
+    return columns([[str(c) for c in row] for row in [headers, *rows]], gap=3, numeric=False)
 
 
 def cell(value: Any) -> str:

@@ -9,9 +9,19 @@ from typing import Any
 import click
 
 from dflash_cli import settings as S
-from dflash_cli.engine.config import DEVICE_MAP_CHOICES
+from dflash_cli.engine.dtypes import QUANT_CHOICES
 from dflash_cli.engine.errors import CheckpointError
-from dflash_cli.ui.common import cell, common_options, config_values, echo, endpoint_option, registry, run_plain
+from dflash_cli.ui.common import (
+    cell,
+    common_options,
+    config_values,
+    device_map_option,
+    echo,
+    endpoint_option,
+    max_memory_option,
+    registry,
+    run_plain,
+)
 from dflash_cli.ui.errors import EXIT_OK
 
 DEFAULT_SHOW_QUANT = "bf16"
@@ -255,18 +265,15 @@ def _memory_lines(plan: Any, mem_what: str, mxfp4_why: str | None) -> list[str]:
               help="Context length (tokens) for the memory plan [default: max_context of the config file, "
                    f"else {S.DEFAULT_MAX_CONTEXT}, as generate].")
 @click.option("--quant", default=None, envvar=S.ENV["quant"], show_envvar=True,
-              type=click.Choice(["auto", "bf16", "fp16", "int8", "nf4", "q4", "q8", "q4a8", "q8a8", "none"],
-                                case_sensitive=False),
+              type=click.Choice(["auto", "bf16", "fp16", *QUANT_CHOICES], case_sensitive=False),
               help="Target quantization for the memory plan [default: config file, else bf16].")
 @click.option("--device", default=None, envvar=S.ENV["device"], show_envvar=True,
               help=f"Device whose free memory the plan is against [default: config file, else {S.DEFAULT_DEVICE}, "
                    "as generate].")
-@click.option("--device-map", type=click.Choice(DEVICE_MAP_CHOICES), default=None,
-              envvar=S.ENV["device_map"], show_envvar=True,
-              help="Also plan the target split over the devices present, as generate would [default: config "
-                   "file, else none].")
-@click.option("--max-memory", envvar=S.ENV["max_memory"], show_envvar=True, metavar="DEV=SIZE,..",
-              help="Memory per device for --device-map, e.g. 0=14GiB,1=14GiB,cpu=30GiB.")
+@device_map_option(default=None, show_default=False,
+                   help="Also plan the target split over the devices present, as generate would [default: config "
+                        "file, else none].")
+@max_memory_option(help="Memory per device for --device-map, e.g. 0=14GiB,1=14GiB,cpu=30GiB.")
 @endpoint_option
 @common_options
 @click.pass_context
