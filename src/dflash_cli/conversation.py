@@ -118,7 +118,7 @@ class ChatHistory:
 class Conversation(ChatHistory):
     """A chat answered by the local engine, plus the engine state that caches it."""
 
-    runtime: Any  # runtime.LocalRuntime (which imports this module)
+    runtime: Any  # a LocalRuntime: runtime/local.py imports this module, so it is not named here
 
     def __post_init__(self) -> None:
         from dflash_cli.engine.state import DecodeState

@@ -14,10 +14,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_cli.conversation import GenerationSettings
 from dflash_cli.engine.response import GenerationStats, Step
+
+if TYPE_CHECKING:
+    from dflash_cli.runtime.local import LocalRuntime
 
 
 @dataclass
@@ -91,7 +94,7 @@ class StopMatcher:
 class EngineWorker:
     """Decodes queued Requests on one thread, through one DecodeState (see the module docstring)."""
 
-    def __init__(self, runtime: Any, max_queue: int = 16):
+    def __init__(self, runtime: LocalRuntime, max_queue: int = 16):
         from dflash_cli.engine.state import DecodeState
 
         self.runtime = runtime

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
@@ -23,6 +23,9 @@ from prompt_toolkit.key_binding import KeyBindings
 from dflash_cli import settings as S
 from dflash_cli.ui import signals
 from dflash_cli.ui.render import Output, OutputClosed, isatty, stats_block, status_text, summary_line
+
+if TYPE_CHECKING:
+    from dflash_cli.runtime import Runtime
 
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
 NOT_A_TERMINAL = ("chat needs a terminal on stdin and stdout; for piped input or output use "
@@ -145,7 +148,7 @@ class ChatSession:
     DummyOutput. `run()` is the loop, `handle(line)` runs one line of input.
     """
 
-    def __init__(self, runtime: Any, out: Output, settings: Any, *, system: str | None = None,
+    def __init__(self, runtime: Runtime, out: Output, settings: Any, *, system: str | None = None,
                  history: History | None = None, session_factory: Callable[..., PromptSession] = PromptSession,
                  verbose: bool = False, quiet: bool = False, double_interrupt_seconds: float = 1.0):
         self.runtime, self.out, self.settings = runtime, out, settings

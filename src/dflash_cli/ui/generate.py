@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,6 +13,10 @@ from dflash_cli.ui.opening import check_thinking, open_model
 from dflash_cli.ui.prompt_input import system_prompt
 from dflash_cli.ui.render import Output, OutputClosed, silence_stdout, status_text
 from dflash_cli.ui.reply_report import Reply, report_reply
+
+if TYPE_CHECKING:
+    from dflash_cli.runtime import Runtime
+    from dflash_cli.runtime.local import LocalRuntime
 
 
 def run_generate(out: Output, command: Any, prompt: str, *, compare: bool, as_json: bool) -> int:
@@ -42,7 +46,7 @@ def run_generate(out: Output, command: Any, prompt: str, *, compare: bool, as_js
         runtime.close()
 
 
-def _answer(out: Output, runtime: Any, conversation: Any, prompt: str, settings: Any, shown: Any, *, quiet: bool,
+def _answer(out: Output, runtime: Runtime, conversation: Any, prompt: str, settings: Any, shown: Any, *, quiet: bool,
             compare: bool, as_json: bool) -> int:
     """Streams the reply, then reports it; the exit code."""
     started = time.perf_counter()
@@ -63,7 +67,7 @@ def _answer(out: Output, runtime: Any, conversation: Any, prompt: str, settings:
     return 0
 
 
-def stream_reply(out: Output, runtime: Any, conversation: Any, prompt: str, settings: Any, *, quiet: bool,
+def stream_reply(out: Output, runtime: Runtime, conversation: Any, prompt: str, settings: Any, *, quiet: bool,
                  as_json: bool) -> tuple[Any, list[int], bool] | None:
     """Prints the reply as it streams (not with --json) beside a status line: (the last Step or None, the
     tokens, whether Ctrl-C cut it short); None when stdout was closed."""
@@ -97,7 +101,7 @@ def stream_reply(out: Output, runtime: Any, conversation: Any, prompt: str, sett
     return last, tokens, interrupted
 
 
-def _warm_up_both(runtime: Any) -> None:
+def _warm_up_both(runtime: Runtime) -> None:
     """--compare's warm-up: a few tokens of both modes, so neither side pays one-time costs."""
     from dflash_cli.engine.generate import warm_up
     from dflash_cli.runtime.local import LocalRuntime
@@ -120,7 +124,7 @@ def check_prompt_fits(tokenizer: Any, prompt: str, system: str | None, settings:
                                   hint="shorten the prompt, or raise --max-context")
 
 
-def _baseline(runtime: Any, conversation: Any, settings: Any) -> tuple[list[int], Any]:
+def _baseline(runtime: LocalRuntime, conversation: Any, settings: Any) -> tuple[list[int], Any]:
     """--compare's plain decoding of the same prompt: its tokens and statistics."""
     from dflash_cli.engine.generate import generate
 

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from dflash_cli.engine.errors import DFlashError, InvalidSettingError
+from dflash_cli.runtime.launch import ENGINES
 from dflash_cli.ui.common import common_options, echo, registry, run_plain
 from dflash_cli.ui.errors import EXIT_OK
 
@@ -96,7 +97,7 @@ def _python_has(python: str, module: str) -> bool:
 
 @click.command("serve-cmd")
 @click.argument("model")
-@click.option("--engine", "engine", required=True, type=click.Choice(["vllm", "sglang"], case_sensitive=False),
+@click.option("--engine", "engine", required=True, type=click.Choice(ENGINES, case_sensitive=False),
               help="The serving engine to print the command for.")
 @click.option("--tp", type=int, default=None,
               help="Tensor-parallel size (GPUs to split over) [default: the registry's for the pairs that need a "

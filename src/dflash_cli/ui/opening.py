@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from dflash_cli import settings as S
+
+if TYPE_CHECKING:
+    from dflash_cli.runtime import Runtime
 
 NO_MODEL = ("no model given: pass -m/--model (a folder, a known name such as qwen3-8b, or a Hub repo id), "
             "or set DFLASH_MODEL")
@@ -69,7 +72,7 @@ def warn_engine_ignores(out: Any, options: Any, settings: Any, *, quiet: bool) -
                  "the server loads and runs the model, with its own chat template")
 
 
-def check_thinking(out: Any, runtime: Any, think: bool | None, *, chat_template: bool = True,
+def check_thinking(out: Any, runtime: Runtime, think: bool | None, *, chat_template: bool = True,
                    drafter: bool = True) -> None:
     """Warns when the think setting cannot apply, and (`drafter`) when the thinking mode differs from the
     one the registry says the drafter was trained with."""
@@ -80,7 +83,7 @@ def check_thinking(out: Any, runtime: Any, think: bool | None, *, chat_template:
         out.warn(warning)
 
 
-def drafter_thinking_warning(runtime: Any, think: bool | None) -> str | None:
+def drafter_thinking_warning(runtime: Runtime, think: bool | None) -> str | None:
     trained = runtime.trained_thinking()
     if trained is None:
         return None

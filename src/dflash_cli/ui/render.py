@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from dflash_cli.engine.text import ThinkingMarkers
 
 DRAFT_STYLE = "\x1b[36m"  # cyan: proposed by the drafter and accepted by the target
-TARGET_STYLE = ""  # default colour: chosen by the target itself (corrections and bonus tokens)
 DIM, BOLD, RED, YELLOW, RESET = "\x1b[2m", "\x1b[1m", "\x1b[31m", "\x1b[33m", "\x1b[0m"
 
 

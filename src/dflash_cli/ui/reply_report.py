@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_cli.ui.render import Output, stats_block, stats_json, summary_line
+
+if TYPE_CHECKING:
+    from dflash_cli.runtime import Runtime
 
 
 @dataclass
 class Reply:
     """A finished (or interrupted) reply and what produced it."""
 
-    runtime: Any
+    runtime: Runtime
     conversation: Any
     tokens: list[int]
     stats: Any
@@ -66,7 +69,7 @@ def reply_object(reply: Reply) -> dict[str, Any]:
     return data
 
 
-def compare_line(runtime: Any, tokens: list[int], stats: Any, baseline: tuple[list[int], Any]) -> str:
+def compare_line(runtime: Runtime, tokens: list[int], stats: Any, baseline: tuple[list[int], Any]) -> str:
     """--compare's line: both speeds, and whether the outputs match (and whether a mismatch is expected)."""
     cmp = comparison(tokens, stats, baseline)
     if cmp["identical"]:
