@@ -74,6 +74,10 @@ class ChatHistory:
     def _respond(self, settings: Any) -> Iterator[Any]:
         raise NotImplementedError
 
+    def save(self, path: Path, settings: Any) -> None:
+        """Writes the transcript, with what answered it (each kind of chat says what)."""
+        raise NotImplementedError
+
     def _kept(self, steps: Iterator[Any]) -> Iterator[Any]:
         """Yields the reply's Steps; the reply joins the messages even when cut short (Ctrl-C, a broken
         stream)."""

@@ -177,7 +177,7 @@ def load_config(path: Path | None = None) -> Config:
     return config
 
 
-_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
+_TYPE_NAMES: dict[object, str] = {str: "a string", int: "an integer", bool: "true or false"}
 
 
 def _key_lines(text: str) -> dict[str, int]:

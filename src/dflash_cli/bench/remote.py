@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_cli.engine.errors import InvalidSettingError
-from dflash_cli.engine.response import GenerationStats
+from dflash_cli.engine.response import GenerationStats, Step
 from dflash_cli.runtime.remote import RemoteRuntime
 from dflash_cli.tables import columns
 
@@ -26,9 +26,10 @@ def run_remote_bench(runtime: RemoteRuntime, prompt_sets: dict[str, list[Any]], 
     progress(0, len(work), "warming up")
 
     def run(prompt: str) -> GenerationStats:
-        last = None
+        last: Step | None = None
         for last in runtime.stream_chat([{"role": "user", "content": prompt}], settings):
             pass
+        assert last is not None  # a reply streams at least its final Step
         return last.stats
 
     for _, p in work[:max(warmup, 0)]:

@@ -129,9 +129,9 @@ class Counters:
             reported = True
             steps = int(self.meta.get("spec_verify_ct") or 0)
             drafted = int(self.meta.get("spec_num_proposed_drafts", self.meta.get("spec_draft_token_num")) or 0)
-            accepted = self.meta.get("spec_num_correct_drafts", self.meta.get("spec_accept_token_num"))
+            correct = self.meta.get("spec_num_correct_drafts", self.meta.get("spec_accept_token_num"))
             # each verify step commits its accepted drafts plus one token of the target's own
-            accepted = int(accepted) if accepted is not None else max(generated - 1 - steps, 0)
+            accepted = int(correct) if correct is not None else max(generated - 1 - steps, 0)
             block = 2
         elif self.request_spec is not None:
             reported = True

@@ -202,8 +202,10 @@ class ChatSession:
     def _read(self, prompt: PromptSession) -> tuple[str, bool]:
         """One message: a line, or a \"\"\" block (returned as literal text, never a command)."""
         edit, self._edit_next = self._edit_next, None
-        pre_run = None if edit is None else lambda: prompt.default_buffer.open_in_editor(validate_and_handle=True)
-        line = prompt.prompt(">>> ", default=edit or "", pre_run=pre_run)
+        def open_editor() -> None:
+            prompt.default_buffer.open_in_editor(validate_and_handle=True)
+
+        line = prompt.prompt(">>> ", default=edit or "", pre_run=None if edit is None else open_editor)
         if not line.lstrip().startswith('"""'):
             return line, False
         body = line.lstrip()[3:]
@@ -266,10 +268,11 @@ class ChatSession:
             return getattr(self, f"cmd_{name}")(args.strip())
         return self.send(text)
 
-    def send(self, text: str) -> None:
+    def send(self, text: str) -> int | None:
         """Sends a user message and streams the reply."""
         if text.strip():
             self._reply(lambda: self.conversation.ask(text.strip(), self.settings))
+        return None
 
     # -- replies ------------------------------------------------------------------------------------
     def _reply(self, start: Callable) -> None:

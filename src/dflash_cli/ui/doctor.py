@@ -169,7 +169,7 @@ def _driver_version() -> str | None:
     try:
         import torch
 
-        api = torch._C._cuda_getDriverVersion()
+        api = torch._C._cuda_getDriverVersion()  # type: ignore[attr-defined]  # private, present in CUDA builds
         if api:
             return f"CUDA driver API {api // 1000}.{(api % 1000) // 10}"
     except Exception:  # noqa: BLE001 - private API, may be missing
@@ -244,6 +244,7 @@ def _cuda_available() -> bool:
 
 def check_cpu() -> list[Check]:
     logical = os.cpu_count()
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

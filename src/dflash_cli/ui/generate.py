@@ -16,7 +16,6 @@ from dflash_cli.ui.reply_report import Reply, report_reply
 
 if TYPE_CHECKING:
     from dflash_cli.runtime import Runtime
-    from dflash_cli.runtime.local import LocalRuntime
 
 
 def run_generate(out: Output, command: Any, prompt: str, *, compare: bool, as_json: bool) -> int:
@@ -124,9 +123,12 @@ def check_prompt_fits(tokenizer: Any, prompt: str, system: str | None, settings:
                                   hint="shorten the prompt, or raise --max-context")
 
 
-def _baseline(runtime: LocalRuntime, conversation: Any, settings: Any) -> tuple[list[int], Any]:
+def _baseline(runtime: Runtime, conversation: Any, settings: Any) -> tuple[list[int], Any]:
     """--compare's plain decoding of the same prompt: its tokens and statistics."""
     from dflash_cli.engine.generate import generate
+    from dflash_cli.runtime.local import LocalRuntime
+
+    assert isinstance(runtime, LocalRuntime)  # --compare with --engine is refused before opening
 
     # the conversation now ends with the reply: rebuild the prompt that produced it
     messages, conversation.messages = conversation.messages, conversation.messages[:-1]

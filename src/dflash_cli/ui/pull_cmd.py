@@ -82,12 +82,12 @@ def run_pull(out: Any, spec: str, revision: str | None, dry_run: bool, no_draft:
     bars = progress_enabled(out.err)
     folders: list[tuple[Wanted, Path]] = []
     for w in wanted:
-        plan = plans.get(w.repo_id)
-        if plan is not None:
-            left = fmt_bytes(plan.download_bytes)
+        known = plans.get(w.repo_id)
+        if known is not None:
+            left = fmt_bytes(known.download_bytes)
             out.info(f"pulling {w.role} {w.repo_id}: {left} to download"
-                     + (f" ({fmt_bytes(plan.cached_bytes)} already cached)" if plan.cached_bytes else ""))
-        if bars and plan is not None and plan.download_bytes:
+                     + (f" ({fmt_bytes(known.cached_bytes)} already cached)" if known.cached_bytes else ""))
+        if bars and known is not None and known.download_bytes:
             with rich_progress(out.err) as progress:
                 folder = hub.pull(w.repo_id, w.revision, endpoint=endpoint,
                                   tqdm_class=make_tqdm_class(progress, w.repo_id))

@@ -135,7 +135,7 @@ class Output:
         from dflash_cli.engine.thinking import ThinkingSplitter
 
         wanted = in_thinking is not None and (self.hide_thinking or self.color_out)
-        self._thinking = ThinkingSplitter(in_thinking, markers or THINK_TAGS) if wanted else None
+        self._thinking = ThinkingSplitter(bool(in_thinking), markers or THINK_TAGS) if wanted else None
 
     def _thinking_text(self, step: Any) -> None:
         segments = [(thinking, s, drafted) for piece, drafted in zip(step.pieces, step.from_draft)
@@ -201,7 +201,11 @@ class Output:
 
     def _err_line(self, line: str) -> None:
         # a message must not fail: a stdout that cannot be flushed is reported by the next write_out
-        for flush in (lambda: self._status is not None and self._status.clear(), self.out.flush):
+        def clear_status() -> None:
+            if self._status is not None:
+                self._status.clear()
+
+        for flush in (clear_status, self.out.flush):
             try:
                 flush()
             except (OSError, ValueError):

@@ -71,6 +71,9 @@ def reply_object(reply: Reply) -> dict[str, Any]:
 
 def compare_line(runtime: Runtime, tokens: list[int], stats: Any, baseline: tuple[list[int], Any]) -> str:
     """--compare's line: both speeds, and whether the outputs match (and whether a mismatch is expected)."""
+    from dflash_cli.runtime.local import LocalRuntime
+
+    assert isinstance(runtime, LocalRuntime)  # --compare runs only here
     cmp = comparison(tokens, stats, baseline)
     if cmp["identical"]:
         same = f"identical output ({len(tokens)}/{len(tokens)} tokens)"

@@ -195,7 +195,7 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         quant_for_split = "bf16" if quant in ("auto", "none") else quant
         split_plan = plan_split(t_cfg, d_cfg, devices=split[1], strategy=split[0], quant=quant_for_split,
                                 context_tokens=context)
-    info = {
+    info: dict[str, Any] = {
         "name": entry.alias if entry else spec.alias if builtin else None, "target": target, "target_revision": t_rev,
         "drafter": drafter, "drafter_revision": d_rev,
         "block_size": entry.block_size if entry else None, "thinking": entry.thinking if entry else None,
