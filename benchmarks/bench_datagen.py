@@ -99,7 +99,7 @@ def main() -> None:
     from dflash_cli.engine.load import load_target
     from dflash_cli.engine.text import encode_prompt
     from dflash_cli.models.smollm2 import ensure_smollm2
-    from dflash_cli.train.prompt_sets import mix_prompts
+    from dflash_cli.train.prompts.mix import mix_prompts
 
     folder = ensure_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

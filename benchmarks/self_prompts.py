@@ -1,9 +1,10 @@
 """Which temperature and top-p `train --prompts self:N` samples with: the prompts each setting writes, measured.
 
-For each setting the target samples the same candidate indices from its user-turn header (train/self_prompts.py)
-into a fresh folder; the table gives the share kept and why the others were not, the kept prompts' category mix,
-length, distinct bigrams, distinct openings, near-duplicates, the target's own mean negative log-likelihood of
-them (untempered: lower reads more like what the model considers a normal request) and the sampling speed.
+For each setting the target samples the same candidate indices from its user-turn header
+(train/prompts/self_written.py) into a fresh folder; the table gives the share kept and why the others were
+not, the kept prompts' category mix, length, distinct bigrams, distinct openings, near-duplicates, the
+target's own mean negative log-likelihood of them (untempered: lower reads more like what the model considers
+a normal request) and the sampling speed.
 
     .venv/bin/python benchmarks/self_prompts.py --candidates 256 --settings 1.0/1.0 1.0/0.95 0.8/0.95
 
@@ -54,8 +55,8 @@ def main() -> None:
     from dflash_cli.engine.generate import default_stop_ids
     from dflash_cli.engine.load import load_target
     from dflash_cli.models.smollm2 import ensure_smollm2
-    from dflash_cli.train import self_prompts as sp
-    from dflash_cli.train.prompt_quality import category, prompt_stats, rejection
+    from dflash_cli.train.prompts import self_written as sp
+    from dflash_cli.train.prompts.quality import category, prompt_stats, rejection
 
     folder = ensure_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -97,10 +98,10 @@ def main() -> None:
 
 def compare(target, tokenizer, stops: list[int], n: int) -> None:
     from dflash_cli.prompts.reader import BUILTIN_SETS, load_prompt_set
-    from dflash_cli.train import self_prompts as sp
-    from dflash_cli.train.prompt_quality import prompt_stats
-    from dflash_cli.train.prompt_sets import mix_prompts
-    from dflash_cli.train.wide_prompts import wide_prompts_with_categories
+    from dflash_cli.train.prompts import self_written as sp
+    from dflash_cli.train.prompts.mix import mix_prompts
+    from dflash_cli.train.prompts.quality import prompt_stats
+    from dflash_cli.train.prompts.wide import wide_prompts_with_categories
 
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()

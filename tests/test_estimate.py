@@ -125,12 +125,9 @@ def test_estimate_counts_what_the_engine_would_accept_along_the_greedy_path(tmp_
 
 
 def test_prompt_categories_align_with_the_built_in_sets(tmp_path):
-    from dflash_cli.train.prompt_sets import (
-        demo_prompts_with_categories,
-        mix_prompts_with_categories,
-        resolve_prompts,
-        resolve_prompts_with_categories,
-    )
+    from dflash_cli.train.prompts import resolve_prompts, resolve_prompts_with_categories
+    from dflash_cli.train.prompts.demo import demo_prompts_with_categories
+    from dflash_cli.train.prompts.mix import mix_prompts_with_categories
 
     for spec, pairs in [("mix:300", mix_prompts_with_categories(300)), ("demo:300", demo_prompts_with_categories(300))]:
         prompts, cats = resolve_prompts_with_categories(spec)
@@ -154,7 +151,7 @@ def test_cli_train_prints_the_estimate_per_prompt_set(tmp_path, tiny_target_dir)
     assert result.exit_code == 0, result.output
     training = json.loads((tmp_path / "d" / "config.json").read_text())["training"]
     by_set = training["heldout_tau_by_set"]
-    from dflash_cli.train.prompt_sets import resolve_prompts_with_categories
+    from dflash_cli.train.prompts import resolve_prompts_with_categories
 
     categories = resolve_prompts_with_categories("mix:50")[1]
     held_ids = (9, 19, 29, 39, 49)  # split_heldout's picks: 2 code prompts, 3 math ones

@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from dflash_cli.prompts.reader import BUILTIN_SETS, load_prompt_set
-from dflash_cli.train.prompt_sets import resolve_prompts
+from dflash_cli.train.prompts import resolve_prompts
 
 HELDOUT = Path(__file__).parent.parent / "benchmarks" / "heldout"
 

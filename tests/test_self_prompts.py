@@ -1,5 +1,6 @@
-"""`train --prompts self:N` (train/self_prompts.py, train/prompt_quality.py): prompts the target writes from its
-chat template's user-turn header, sampled reproducibly, cleaned, deduplicated, resumable, and trained on."""
+"""`train --prompts self:N` (train/prompts/self_written.py, train/prompts/quality.py): prompts the target writes
+from its chat template's user-turn header, sampled reproducibly, cleaned, deduplicated, resumable, and trained
+on."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from conftest import save_target, save_tiny_tokenizer, target_config
 
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.load import load_target
-from dflash_cli.train import self_prompts as sp
-from dflash_cli.train.prompt_quality import NearDuplicates, category, prompt_stats, rejection
+from dflash_cli.train.prompts import self_written as sp
+from dflash_cli.train.prompts.quality import NearDuplicates, category, prompt_stats, rejection
 
 SETTINGS = sp.SelfPromptSettings(seed=3, max_tokens=32)
 
@@ -181,7 +182,7 @@ def test_categories_and_the_summary_of_a_set():
 
 def test_self_joins_other_sets_holds_out_its_share_and_is_refused_where_no_target_samples_it():
     from dflash_cli.train.api import _resolve_prompts, split_prompts
-    from dflash_cli.train.prompt_sets import check_prompt_spec, resolve_prompts
+    from dflash_cli.train.prompts import check_prompt_spec, resolve_prompts
 
     asked = []
 
@@ -207,22 +208,22 @@ def test_self_joins_other_sets_holds_out_its_share_and_is_refused_where_no_targe
 
 
 def test_checking_a_spec_draws_no_set_but_reads_files_and_refuses_bad_parts(tmp_path, monkeypatch):
-    from dflash_cli.train import prompt_sets
+    from dflash_cli.train import prompts
 
     def no_drawing(n=None):
         raise AssertionError("check_prompt_spec drew a set")
 
-    monkeypatch.setitem(prompt_sets.CATEGORIZED_SETS, "mix", no_drawing)
-    monkeypatch.setitem(prompt_sets.CATEGORIZED_SETS, "wide", no_drawing)
+    monkeypatch.setitem(prompts.CATEGORIZED_SETS, "mix", no_drawing)
+    monkeypatch.setitem(prompts.CATEGORIZED_SETS, "wide", no_drawing)
     mine = tmp_path / "mine.txt"
     mine.write_text("first prompt\nsecond prompt\n")
-    prompt_sets.check_prompt_spec(f"mix:24000+wide+self:9+{mine}")
+    prompts.check_prompt_spec(f"mix:24000+wide+self:9+{mine}")
     with pytest.raises(InvalidSettingError, match="mix:0.*in 'wide:5\\+mix:0'"):
-        prompt_sets.check_prompt_spec("wide:5+mix:0")
+        prompts.check_prompt_spec("wide:5+mix:0")
     with pytest.raises(InvalidSettingError, match="no prompt file"):
-        prompt_sets.check_prompt_spec(f"mix+{tmp_path / 'missing.txt'}")
+        prompts.check_prompt_spec(f"mix+{tmp_path / 'missing.txt'}")
     with pytest.raises(AssertionError, match="drew a set"):  # resolving still draws
-        prompt_sets.resolve_prompt_parts("mix:3")
+        prompts.resolve_prompt_parts("mix:3")
 
 
 def test_train_on_self_prompts_end_to_end_writes_a_lossless_drafter(tmp_path):

@@ -319,7 +319,7 @@ def test_generation_budget_stops_between_batches_and_a_later_run_finishes(tmp_pa
 
 def test_demo_prompt_set_is_varied_reproducible_and_apart_from_the_bench_sets():
     from dflash_cli.prompts.reader import BUILTIN_SETS, load_prompt_set
-    from dflash_cli.train.prompt_sets import demo_prompts
+    from dflash_cli.train.prompts.demo import demo_prompts
 
     prompts = demo_prompts(3000)
     assert prompts == demo_prompts(3000) and len(set(prompts)) == 3000
@@ -336,14 +336,14 @@ def test_demo_prompt_set_is_varied_reproducible_and_apart_from_the_bench_sets():
 
 @pytest.fixture(scope="module")
 def mix_30000():
-    from dflash_cli.train.prompt_sets import mix_prompts_with_categories
+    from dflash_cli.train.prompts.mix import mix_prompts_with_categories
 
     return mix_prompts_with_categories(30000)
 
 
 def test_mix_prompt_set_is_reproducible_a_prefix_family_and_apart_from_the_bench_sets(mix_30000):
     from dflash_cli.prompts.reader import BUILTIN_SETS, load_prompt_set
-    from dflash_cli.train.prompt_sets import mix_prompts, mix_prompts_with_categories
+    from dflash_cli.train.prompts.mix import mix_prompts, mix_prompts_with_categories
 
     prompts = [p for _, p in mix_30000]
     assert len(set(prompts)) == 30000
@@ -376,8 +376,10 @@ def test_mix_prompt_set_keeps_40_30_30_at_every_size_and_varied_code_and_chat(mi
 
 def test_prompts_spec_file_set_and_error(tmp_path):
     from dflash_cli.engine.errors import InvalidSettingError
-    from dflash_cli.train.prompt_sets import demo_prompts, mix_prompts, resolve_prompts
-    from dflash_cli.train.prompts import DEFAULT_PROMPTS
+    from dflash_cli.train.prompts import resolve_prompts
+    from dflash_cli.train.prompts.default import DEFAULT_PROMPTS
+    from dflash_cli.train.prompts.demo import demo_prompts
+    from dflash_cli.train.prompts.mix import mix_prompts
 
     f = tmp_path / "p.txt"
     f.write_text("one\n\ntwo\n")

@@ -11,14 +11,9 @@ from click.testing import CliRunner
 
 from dflash_cli.train.api import split_heldout
 from dflash_cli.train.data import read_index
-from dflash_cli.train.prompt_sets import (
-    mix_prompts,
-    mix_prompts_with_categories,
-    resolve_prompt_parts,
-    resolve_prompts,
-    resolve_prompts_with_categories,
-)
-from dflash_cli.train.wide_prompts import wide_prompts, wide_prompts_with_categories
+from dflash_cli.train.prompts import resolve_prompt_parts, resolve_prompts, resolve_prompts_with_categories
+from dflash_cli.train.prompts.mix import mix_prompts, mix_prompts_with_categories
+from dflash_cli.train.prompts.wide import wide_prompts, wide_prompts_with_categories
 
 DEVICE = "cpu"
 MIX_12000_SHA256, WIDE_12000_SHA256 = "a91468a7115b9f8d", "c2929a6a94aa180a"

@@ -34,7 +34,7 @@ from dflash_cli.train.shape import Shape, build_drafter, check_taps, drafter_raw
 from dflash_cli.train.trainer import Evaluation, State, load_best_weights, make_head, sub_vocabulary, train_loop
 
 if TYPE_CHECKING:
-    from dflash_cli.train.prompt_sets import SelfPart
+    from dflash_cli.train.prompts import SelfPart
 
 OnProgress = Callable[[str, Any], None]
 
@@ -54,7 +54,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, config: TrainConf
             those of `config` when both are given.
         prompts: prompt strings, or a `train --prompts` spec: a file (one per line or JSONL with "prompt"),
             a built-in set name (`demo`, `demo:N`, `mix`, `mix:N`, `wide`, `wide:N`), `self:N` (N prompts
-            the target writes itself, train/self_prompts.py), several joined by `+`, or None for the small
+            the target writes itself, train/prompts/self_written.py), several joined by `+`, or None for the small
             built-in set.
         init: a drafter folder to start from instead of random weights (fine-tuning it on new data); its
             layers, taps and mask token are kept, its block size unless one is given. Ignored when out_dir
@@ -94,7 +94,7 @@ def _check_before_loading(target_dir: Path, out_dir: Path, config: TrainConfig, 
                           prompts: Sequence[str] | str | Path | None) -> DFlashDrafter | None:
     """Every refusal that needs no weights, before the target loads; returns --init's drafter, if any."""
     if isinstance(prompts, (str, Path)):
-        from dflash_cli.train.prompt_sets import check_prompt_spec
+        from dflash_cli.train.prompts import check_prompt_spec
 
         check_prompt_spec(str(prompts))
     check_taps(target_dir, config.taps)
@@ -138,7 +138,7 @@ class PromptSet(NamedTuple):
 
 def _resolve_prompts(prompts: Sequence[str] | str | Path | None, self_part: SelfPart | None = None) -> PromptSet:
     if prompts is None or isinstance(prompts, (str, Path)):
-        from dflash_cli.train.prompt_sets import join_prompt_parts, resolve_prompt_parts
+        from dflash_cli.train.prompts import join_prompt_parts, resolve_prompt_parts
 
         parts = resolve_prompt_parts(None if prompts is None else str(prompts), self_part)
         texts, categories = join_prompt_parts(parts)
@@ -153,10 +153,11 @@ def _resolve_prompts(prompts: Sequence[str] | str | Path | None, self_part: Self
 
 def _self_sampler(target: Any, tokenizer: Any, out_dir: Path, config: TrainConfig,
                   on_progress: OnProgress | None) -> SelfPart:
-    """What samples a spec's `self:N` part: N prompts the target writes (train/self_prompts.py), kept in out_dir."""
+    """What samples a spec's `self:N` part: N prompts the target writes (train/prompts/self_written.py), kept in
+    out_dir."""
 
     def sample(n: int) -> tuple[list[str], list[str]]:
-        from dflash_cli.train.self_prompts import SelfPromptSettings, sample_self_prompts, summary_line
+        from dflash_cli.train.prompts.self_written import SelfPromptSettings, sample_self_prompts, summary_line
 
         result = sample_self_prompts(target, tokenizer, n, out_dir, SelfPromptSettings(seed=config.seed),
                                      stop_ids=default_stop_ids(target, tokenizer), width=config.gen_batch,

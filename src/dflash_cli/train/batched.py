@@ -118,7 +118,7 @@ class BatchedGenerator:
     """Greedy answers with the tapped features of every fed token, up to `width` sequences at a time.
 
     context: the longest prompt plus max_new_tokens (the cache's positions per row).
-    choose: picks the tokens instead of greedy argmax (train/self_prompts.py samples prompts through it).
+    choose: picks the tokens instead of greedy argmax (train/prompts/self_written.py samples prompts through it).
     """
 
     def __init__(self, target: Target, taps: Sequence[int], *, context: int, max_new_tokens: int,

@@ -1,4 +1,4 @@
-"""Cheap checks on training prompts a model wrote itself (train/self_prompts.py): what to keep, what repeats,
+"""Cheap checks on training prompts a model wrote itself (train/prompts/self_written.py): what to keep, what repeats,
 what kind of request each is, and a summary of a set (category mix, lengths, distinct n-grams, duplicates).
 
 Near-duplicates are found by MinHash over word 3-grams (16 bands of 2 rows narrow the candidates, then the

@@ -1,13 +1,4 @@
-"""Built-in training prompt sets, generated deterministically from templates.
-
-`demo:8000` is what the shipped demo drafter was trained on: math word problems, code tasks and open
-chat requests. Variety matters more than steps when distilling a drafter (the drafter learns the target's
-phrasing, and one template seen many times teaches little), so every template mixes in random names,
-objects, numbers, languages and topics. Prompts are drawn 45% math, 30% code, 25% chat, but repeats are
-skipped and the code and chat templates have fewer distinct fillings than the math ones, so the set leans
-further to math as it grows: 60/25/15% at 6000 prompts, 63/24/13% at 8000, 78/15/7% at 30000. (Changing
-the templates changes `demo:N`, and with it the recipe of the shipped drafter.) The bench prompt sets
-(dflash_cli/prompts/*.jsonl) are written separately and never generated here; a test checks that the two stay apart.
+"""The `mix` training prompt set: a stable 40/30/30% mix of math, code and chat, from wider templates than `demo`.
 
 `mix:12000` (default 12000) keeps a stable mix at every size: each prompt's category is drawn first (40% math,
 30% code, 30% chat) and that category's generator is then drawn from until it gives a new prompt. Math reuses the
@@ -18,208 +9,28 @@ tests); chat has 30 (how-to, comparisons, pros and cons, emails and messages to 
 explanations of 96 topics, rewriting, summarising and continuing a sentence, definitions, synonyms,
 brainstorming, review sentiment, translations). Measured math/code/chat: 39.1/30.5/30.4% at 3000,
 39.9/30.3/29.8% at 12000, 39.5/30.4/30.1% at 30000, all distinct; at 30000 the code prompts start with 118
-distinct first-three-word openings and the chat prompts with 257. `demo` and its templates are left as they are.
-
-`wide` (train/wide_prompts.py) draws the same mix from longer, freer requests. Specs join with `+`
-(`mix:24000+wide:8000`, `resolve_prompt_parts`): one list, the parts in order, so a folder's stored answers keep
-their index when a later run lists another set after them (answers are found by their place in the list).
-`self:N` is not a template set: the target writes those prompts (train/self_prompts.py), so only `train`,
-with the target loaded, resolves it (`resolve_prompt_parts(spec, self_part)`).
+distinct first-three-word openings and the chat prompts with 257. `demo` (demo.py) and its templates are left
+as they are: this set takes its math generator and some of its word lists.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import TypeVar
 
-from dflash_cli.train.prompt_draw import NAMES, draw_distinct
-from dflash_cli.train.wide_prompts import wide_prompts_with_categories
-
-T = TypeVar("T")
-
-ITEMS = ["apples", "oranges", "stickers", "marbles", "books", "pencils", "cookies", "cupcakes", "toy cars",
-         "seashells", "stamps", "balloons", "candles", "eggs", "flowers", "postcards", "buttons", "crayons",
-         "bottles of water", "tickets", "comic books", "plants", "bracelets", "puzzles", "socks", "muffins"]
-PLACES = ["bakery", "library", "farm", "toy shop", "school", "bookstore", "garden center", "cafe", "zoo",
-          "museum", "market", "gym", "cinema", "pet shop", "post office", "hardware store"]
-CONTAINERS = ["boxes", "bags", "baskets", "crates", "jars", "packs", "trays", "shelves"]
-UNITS_SPEED = [("kilometers", "hour"), ("miles", "hour"), ("meters", "second"), ("meters", "minute")]
-ASKS = ["Solve it step by step.", "Show your work.", "Explain your reasoning.", "Show each step.",
-        "Work it out step by step.", "Explain how you got the answer.", "Give the answer with a short explanation.",
-        "Think step by step.", "Show the calculation.", ""]
-
-
-def _math(r: random.Random) -> str:
-    n1, n2 = r.sample(NAMES, 2)
-    item, item2 = r.sample(ITEMS, 2)
-    place = r.choice(PLACES)
-    box = r.choice(CONTAINERS)
-    a, b, c = r.randint(3, 60), r.randint(2, 40), r.randint(2, 12)
-    price, price2 = r.choice([0.5, 0.75, 1.25, 1.5, 2, 2.5, 3, 4, 4.5, 5, 6, 8, 12, 15]), r.randint(2, 30)
-    pct = r.choice([10, 15, 20, 25, 30, 40, 50, 60, 75])
-    speed, unit = r.randint(3, 120), r.choice(UNITS_SPEED)
-    hours = r.choice([1.5, 2, 2.5, 3, 4, 5, 0.5, 6])
-    w, h = r.randint(3, 30), r.randint(2, 25)
-    food = r.choice(["cookies", "muffins", "pancakes", "rolls", "pies", "waffles"])
-    problems: list[Callable[[], str]] = [
-        lambda: f"{n1} has {a} {item}. {n2} gives {n1} {b} more, and then {n1} gives away {c}. "
-                f"How many {item} does {n1} have now?",
-        lambda: f"{n1} buys {c} {item} at ${price} each and {b % 9 + 1} {item2} at ${price2} each. "
-                f"How much does {n1} spend in total?",
-        lambda: f"A {place} has {c} {box} with {a} {item} in each. How many {item} are there altogether?",
-        lambda: f"{n1} shares {a * c} {item} equally among {c} friends. How many {item} does each friend get?",
-        lambda: f"A jacket at the {place} costs ${price2 * 4}. It is on sale for {pct}% off. What is the sale price?",
-        lambda: f"{n1} has {c} times as many {item} as {n2}. Together they have {b * (c + 1)} {item}. "
-                f"How many does each of them have?",
-        lambda: f"A car travels at {speed} {unit[0]} per {unit[1]} for {hours} {unit[1]}s. How far does it go?",
-        lambda: f"A rectangle is {w} cm long and {h} cm wide. What are its perimeter and its area?",
-        lambda: f"{n1} is {c} years older than {n2}. In {b % 10 + 2} years the sum of their ages will be "
-                f"{2 * a + c + 2 * (b % 10 + 2)}. How old are they now?",
-        lambda: f"The {place} sold {a} {item} on Monday, {b} on Tuesday and twice as many on Wednesday as on "
-                f"Tuesday. How many did it sell over the three days?",
-        lambda: f"{n1} reads {c + 5} pages a day. The book has {(c + 5) * b} pages. How many days will it take "
-                f"to finish the book?",
-        lambda: f"There are {a + b} students in a class and {pct}% of them walk to school. "
-                f"How many students walk to school?",
-        lambda: f"Solve for x: {c}x + {a} = {c * b + a}.",
-        lambda: f"Solve for x: {c}x - {b} = {a}x + {c * a}." if c != a else f"Solve for x: {a}x = {a * b}.",
-        lambda: f"What is {pct}% of {a * 10}?",
-        lambda: f"What is the average of {a}, {b}, {c} and {a + b}?",
-        lambda: f"A recipe needs {c} cups of flour for {b} {food}. How much flour is needed for {b * 3} {food}?",
-        lambda: f"{n1} saves ${c} every week. How many weeks will it take to save ${c * a} for a bike?",
-        lambda: f"A tank holds {a * 10} liters of water and is {pct}% full. How many liters are needed to fill it?",
-        lambda: f"A train leaves at {r.randint(1, 11)}:{r.choice(['00', '15', '30', '45'])} a.m. and the trip "
-                f"takes {c} hours and {b} minutes. When does it arrive?",
-        lambda: f"What is {a} times {b}, minus {c}?",
-        lambda: f"What is the least common multiple of {c} and {b}?",
-        lambda: f"What is the greatest common divisor of {a * c} and {b * c}?",
-        lambda: f"A square garden has a side of {w} meters. How many meters of fence go around it, and what is "
-                f"its area?",
-        lambda: f"{n1} had ${a * 5}. {n1} spent a quarter of it on {item} and ${c} on {item2}. "
-                f"How much money is left?",
-        lambda: f"If {c} workers build a wall in {b} days, how long would {c * 2} workers take at the same rate?",
-        lambda: f"A bag has {a} red, {b} blue and {c} green {item}. What is the probability of picking a blue one?",
-        lambda: f"Convert {a * 100} centimeters to meters, and {b} kilograms to grams.",
-        lambda: f"What is {a}/{c} as a decimal, rounded to two places?",
-        lambda: f"A phone plan costs ${price2} a month plus ${price} per gigabyte. {n1} used {c} gigabytes. "
-                f"What is the bill?",
-        lambda: f"The {place} opens at {r.randint(6, 10)} a.m. and closes at {r.randint(4, 9)} p.m. "
-                f"How many hours is it open in a week if it opens every day?",
-        lambda: f"A triangle has angles of {a + 20} and {b + 30} degrees. What is the third angle?",
-    ]
-    ask = r.choice(ASKS)
-    return (r.choice(problems)() + (" " + ask if ask else "")).strip()
-
-
-LANGS = ["Python", "Python", "Python", "JavaScript", "TypeScript", "Java", "C", "C++", "Go", "Rust", "Bash",
-         "SQL", "Ruby", "C#", "Kotlin"]
-FUNCS = ["reverses a string", "checks whether a number is prime", "returns the factorial of n",
-         "finds the largest number in a list", "counts the vowels in a string", "sums the digits of an integer",
-         "removes duplicates from a list", "merges two sorted lists", "checks whether two words are anagrams",
-         "returns the n-th Fibonacci number", "converts Celsius to Fahrenheit", "flattens a nested list",
-         "finds the second largest value in a list", "counts the words in a sentence",
-         "checks whether a year is a leap year", "returns the median of a list of numbers",
-         "capitalizes the first letter of every word", "finds the most frequent element in a list",
-         "computes the greatest common divisor of two numbers", "checks whether a string has balanced brackets",
-         "converts a decimal number to binary", "returns all even numbers from a list",
-         "splits a list into chunks of size k", "rotates a list by k positions", "computes a running average",
-         "validates an email address with a simple rule", "finds the index of a value with binary search",
-         "sorts a list of tuples by their second element", "returns the intersection of two lists",
-         "reads a text file and counts its lines", "generates a random password of a given length",
-         "transposes a matrix", "computes the power set of a small list", "checks whether a list is sorted",
-         "implements bubble sort", "implements a stack with push and pop", "returns the longest word in a sentence",
-         "counts how often each character appears in a string", "computes compound interest",
-         "converts a list of pairs into a dictionary"]
-CONCEPTS = ["recursion", "a hash map", "a linked list", "big-O notation", "a closure", "a race condition",
-            "a REST API", "garbage collection", "a binary search tree", "dynamic programming", "a deadlock",
-            "an interface", "inheritance", "immutability", "a generator", "unit testing", "a database index",
-            "version control with git", "a pointer", "exceptions", "async and await", "a queue", "caching",
-            "type hints", "a virtual environment", "regular expressions", "memoization", "a lambda function"]
-
-
-def _code(r: random.Random) -> str:
-    lang, lang2, func = r.choice(LANGS), r.choice(LANGS), r.choice(FUNCS)
-    concept = r.choice(CONCEPTS)
-    forms = [
-        lambda: f"Write a {lang} function that {func}.",
-        lambda: f"Write a {lang} function that {func}. Add a short docstring or comment.",
-        lambda: f"Write a {lang} function that {func}, and show an example call.",
-        lambda: f"How do I write a function in {lang} that {func}?",
-        lambda: f"Explain {concept} in {lang} with a short example.",
-        lambda: f"What is {concept}? Explain it to a beginner programmer.",
-        lambda: f"Write a simple unit test for a function that {func}.",
-        lambda: f"Translate this idea into {lang2} code: a function that {func}.",
-        lambda: f"What are common mistakes when writing a function that {func}?",
-        lambda: f"Compare how {lang} and {lang2} handle {concept}.",
-        lambda: f"Write a {lang} program that asks the user for a number and prints whether it is even or odd.",
-        lambda: f"Explain what this {lang} code should do: a loop that {func}.",
-    ]
-    return r.choice(forms)()
-
-
-TOPICS = ["photosynthesis", "volcanoes", "the water cycle", "black holes", "the Roman Empire", "electricity",
-          "rainbows", "the human heart", "earthquakes", "the Moon", "bees", "the internet", "climate change",
-          "democracy", "the printing press", "dinosaurs", "magnets", "gravity", "the immune system", "tides",
-          "sleep", "coral reefs", "the stock market", "recycling", "solar panels", "the pyramids of Egypt",
-          "vitamins", "thunderstorms", "the French Revolution", "DNA", "airplanes", "penguins", "friction",
-          "the seasons", "inflation", "rain forests", "the Silk Road", "glaciers", "batteries", "music",
-          "chess", "coffee", "bridges", "the ocean", "clouds", "honey", "maps", "money", "trees", "robots",
-          "the solar system", "plastic", "wind turbines", "language learning", "the Olympic Games", "sound"]
-AUDIENCES = ["a ten-year-old", "a beginner", "a high school student", "someone who has never heard of it",
-             "a busy adult", "a curious child"]
-ADVICE = ["sleep better", "start running", "learn a new language", "save money", "stay focused while studying",
-          "cook a healthy dinner quickly", "make new friends in a new city", "keep a plant alive",
-          "prepare for a job interview", "write a good essay", "speak in public", "organize a small party",
-          "stop procrastinating", "take better notes", "travel on a budget", "start a small garden",
-          "read more books", "manage stress before exams", "learn to draw", "keep a tidy desk"]
-STYLES = ["a haiku", "a short poem", "a limerick", "a two-sentence story", "a short story opening",
-          "a short diary entry", "a friendly letter", "a product description", "a short speech"]
-
-
-def _chat(r: random.Random) -> str:
-    topic, topic2 = r.sample(TOPICS, 2)
-    forms = [
-        lambda: f"Explain {topic} to {r.choice(AUDIENCES)}.",
-        lambda: f"What is {topic}?",
-        lambda: f"Give me three interesting facts about {topic}.",
-        lambda: f"Why is {topic} important?",
-        lambda: f"How does {topic} work? Keep it short.",
-        lambda: f"Write {r.choice(STYLES)} about {topic}.",
-        lambda: f"What is the difference between {topic} and {topic2}?",
-        lambda: f"How can I {r.choice(ADVICE)}?",
-        lambda: f"Give me five tips to {r.choice(ADVICE)}.",
-        lambda: f"I want to {r.choice(ADVICE)}. Where should I start?",
-        lambda: f"Summarize what people should know about {topic} in a few sentences.",
-        lambda: f"Write a short dialogue between two friends talking about {topic}.",
-        lambda: f"What questions could a teacher ask students about {topic}?",
-        lambda: f"Describe {topic} in one paragraph.",
-        lambda: f"Tell me a fun story that teaches something about {topic}.",
-    ]
-    return r.choice(forms)()
-
-
-def demo_prompts_with_categories(n: int = 6000, seed: int = 0) -> list[tuple[str, str]]:
-    """(category, prompt) pairs behind `demo_prompts`."""
-    r = random.Random(seed)
-    out: list[tuple[str, str]] = []
-    seen: set[str] = set()
-    while len(out) < n:
-        x = r.random()
-        cat, p = ("math", _math(r)) if x < 0.45 else ("code", _code(r)) if x < 0.75 else ("chat", _chat(r))
-        if p not in seen:
-            seen.add(p)
-            out.append((cat, p))
-    return out
-
-
-def demo_prompts(n: int = 6000, seed: int = 0) -> list[str]:
-    """`n` distinct prompts in a fixed order for a seed; `demo_prompts(m)` is a prefix of `demo_prompts(n)`
-    for m < n. The mix leans to math as n grows (module docstring)."""
-    return [p for _, p in demo_prompts_with_categories(n, seed)]
-
-
-# ---- the `mix` set: a stable 40/30/30 mix of math, code and chat, with wider code and chat generators ----
+from dflash_cli.train.prompts.demo import (
+    ADVICE,
+    ASKS,
+    AUDIENCES,
+    CONCEPTS,
+    FUNCS,
+    ITEMS,
+    PLACES,
+    STYLES,
+    TOPICS,
+    math_problem,
+)
+from dflash_cli.train.prompts.draw import NAMES, draw_distinct
 
 FRACTIONS = [(1, 2), (1, 3), (2, 3), (1, 4), (3, 4), (1, 5), (2, 5), (3, 5), (1, 6), (5, 6), (1, 8), (3, 8)]
 JOBS = ["paints", "types", "knits", "plants", "packs", "bakes", "washes", "prints", "sorts", "folds"]
@@ -579,7 +390,7 @@ def _chat_mix(r: random.Random) -> str:
 def mix_prompts_with_categories(n: int = 12000, seed: int = 0) -> list[tuple[str, str]]:
     """(category, prompt) pairs behind `mix_prompts` (`draw_distinct` over the mix generators)."""
     gens: dict[str, Callable[[random.Random], str]] = {
-        "math": lambda g: _math(g) if g.random() < 0.6 else _math_more(g), "code": _code_mix, "chat": _chat_mix}
+        "math": lambda g: math_problem(g) if g.random() < 0.6 else _math_more(g), "code": _code_mix, "chat": _chat_mix}
     return draw_distinct(n, seed, gens, "mix")
 
 
@@ -587,132 +398,3 @@ def mix_prompts(n: int = 12000, seed: int = 0) -> list[str]:
     """`n` distinct prompts, about 40% math, 30% code, 30% chat at every n, in a fixed order for a seed;
     `mix_prompts(m)` is a prefix of `mix_prompts(n)` for m < n (module docstring)."""
     return [p for _, p in mix_prompts_with_categories(n, seed)]
-
-
-CATEGORIZED_SETS = {"demo": demo_prompts_with_categories, "mix": mix_prompts_with_categories,
-                    "wide": wide_prompts_with_categories}
-
-
-# `self:N` parts are written by the target (train/self_prompts.py): the caller that has it loaded samples them
-SELF = "self"
-SELF_DEFAULT = 4000
-SelfPart = Callable[[int], tuple[list[str], list[str]]]
-
-
-def resolve_prompt_parts(spec: str | None, self_part: SelfPart | None = None
-                         ) -> list[tuple[list[str], list[str] | None]]:
-    """The parts of a `train --prompts` spec, each as (prompts, their categories or None): `A+B` joins several
-    files and sets into one list, in order, so a folder's stored answers keep their place when a later run adds a
-    set after them (`mix:24000+wide:8000`). A file whose own name has a `+` is read as that file. A `self:N`
-    part (at most one) is `self_part(N)`: prompts the target writes, which only `train` can sample."""
-    return _each_part(spec, lambda part: _resolve_one(part, self_part))
-
-
-def check_prompt_spec(spec: str | None) -> None:
-    """Raises what `resolve_prompt_parts` would for `spec`, before any target is loaded, without drawing the
-    built-in sets or sampling self parts (files are read)."""
-    def check(part: str | None) -> None:
-        if _categorized(part) is None and _self_count(part) is None:
-            _resolve_uncategorized(part)
-
-    _each_part(spec, check)
-
-
-def _each_part(spec: str | None, resolve: Callable[[str | None], T]) -> list[T]:
-    from pathlib import Path
-
-    from dflash_cli.engine.errors import InvalidSettingError
-
-    if spec is None or Path(spec).is_file() or "+" not in spec:
-        return [resolve(spec)]
-    parts = [part.strip() for part in spec.split("+")]
-    if not all(parts):
-        raise InvalidSettingError(f"an empty part in the prompt spec {spec!r}", hint="join sets and files as A+B")
-    if sum(_self_count(part) is not None for part in parts) > 1:
-        raise InvalidSettingError(f"more than one self part in {spec!r}", hint="ask for them together: self:N")
-    try:
-        return [resolve(part) for part in parts]
-    except InvalidSettingError as e:
-        raise InvalidSettingError(f"{e} (in {spec!r})", hint=e.hint) from None
-
-
-def _self_count(part: str | None) -> int | None:
-    """N of a `self` / `self:N` part (not a file of that name), else None."""
-    named = _name_and_count(part)
-    if named is None or named[0] != SELF:
-        return None
-    return named[1] or SELF_DEFAULT
-
-
-def _categorized(part: str | None) -> tuple[str, int | None] | None:
-    """(set name, count or None for its default) of a `demo`/`mix`/`wide` part (not a file), else None."""
-    named = _name_and_count(part)
-    return named if named is not None and named[0] in CATEGORIZED_SETS else None
-
-
-def _name_and_count(part: str | None) -> tuple[str, int | None] | None:
-    """(NAME, N or None) of a `NAME` / `NAME:N` part with N > 0 that is not a file, else None."""
-    from pathlib import Path
-
-    if part is None or Path(part).is_file():
-        return None
-    name, _, count = part.partition(":")
-    if count and not (count.isdecimal() and int(count) > 0):
-        return None
-    return name, int(count) if count else None
-
-
-def _resolve_one(spec: str | None, self_part: SelfPart | None = None) -> tuple[list[str], list[str] | None]:
-    from dflash_cli.engine.errors import InvalidSettingError
-
-    if (categorized := _categorized(spec)) is not None:
-        name, count = categorized
-        pairs = CATEGORIZED_SETS[name](count) if count else CATEGORIZED_SETS[name]()
-        return [p for _, p in pairs], [cat for cat, _ in pairs]
-    if (wanted := _self_count(spec)) is not None:
-        if self_part is None:
-            raise InvalidSettingError(f"{spec} prompts are written by the target, and only train samples them",
-                                      hint="use train --prompts self:N")
-        return self_part(wanted)
-    return _resolve_uncategorized(spec), None
-
-
-def resolve_prompts_with_categories(spec: str | None) -> tuple[list[str], list[str] | None]:
-    """`resolve_prompts(spec)` and each prompt's category (math, code or chat) when every part is a built-in
-    `demo`, `mix` or `wide` set; None for prompt files and the small built-in set."""
-    return join_prompt_parts(resolve_prompt_parts(spec))
-
-
-def join_prompt_parts(parts: list[tuple[list[str], list[str] | None]]) -> tuple[list[str], list[str] | None]:
-    """One (prompts, categories) list from `resolve_prompt_parts`; categories only when every part has them."""
-    texts = [t for part, _ in parts for t in part]
-    if any(cats is None for _, cats in parts):
-        return texts, None
-    return texts, [c for _, cats in parts for c in cats]
-
-
-def resolve_prompts(spec: str | None) -> list[str]:
-    """Prompts for `train --prompts SPEC`: a file (one per line, or JSONL with "prompt"), a built-in set
-    (`demo` = 6000 prompts, `demo:N` = N of them; `mix` = 12000 prompts at a steady 40/30/30% math/code/chat,
-    `mix:N` = N of them; `wide`/`wide:N` the same for longer, freer requests), several joined by `+`, or
-    None for the small built-in set. A `self:N` part is an error here: only `train` samples it."""
-    return resolve_prompts_with_categories(spec)[0]
-
-
-def _resolve_uncategorized(spec: str | None) -> list[str]:
-    from pathlib import Path
-
-    from dflash_cli.engine.errors import InvalidSettingError
-    from dflash_cli.train.data import read_prompts
-
-    if spec is None:
-        from dflash_cli.train.prompts import DEFAULT_PROMPTS
-
-        return list(DEFAULT_PROMPTS)
-    if Path(spec).is_file():
-        return read_prompts(spec)
-    raise InvalidSettingError(f"no prompt file or built-in prompt set named {spec!r}",
-                              hint=f"give a file (one prompt per line, or JSONL with a \"prompt\" field) or "
-                                   f"one of: {', '.join([*CATEGORIZED_SETS, SELF])}, or NAME:COUNT such as "
-                                   "mix:30000; "
-                                   "join several with + (a file whose name has a + only alone)")

@@ -1,9 +1,9 @@
 """The `wide` training prompt set: longer, more natural requests than `mix`.
 
-`mix` (prompt_sets.py) leans on short formulaic tasks (solve for x, summarise a sentence, translate a
+`mix` (mix.py) leans on short formulaic tasks (solve for x, summarise a sentence, translate a
 phrase) whose replies a drafter learns quickly, while people ask for multi-step word problems, advice
 about their own situation, explanations of everyday things and short creative pieces, whose replies
-are longer and freer. On those the round-3 demo drafter drafted far worse than on unseen `mix` prompts
+are longer and freer. On those a drafter trained on `mix` drafted far worse than on unseen `mix` prompts
 (docs/training.md). `wide` draws the same 40/30/30% math/code/chat mix from such forms: word problems of
 two to four steps in everyday settings, functions with precise requirements in 14 languages, bugs in small
 snippets, "what does this print", explanations of 90 everyday phenomena and 40 mechanisms, 40 personal
@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from dflash_cli.train.prompt_draw import NAMES, draw_distinct
+from dflash_cli.train.prompts.draw import NAMES, draw_distinct
 
 WIDE_ASKS = ["Go through it step by step.", "Walk me through the solution.", "Explain each step.",
              "Work through it carefully.", "Show your reasoning.", "Solve it step by step and check the answer.",

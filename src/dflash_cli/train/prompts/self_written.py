@@ -10,7 +10,7 @@ the target alone: every token is drawn by inverse CDF from the temperature/top-p
 uniform number made from those three, so candidates come out the same in any batch, in any order, through
 the batched generator (train/batched.py) or transformers' `generate` (a logits processor that makes the
 drawn token the greedy one). The set is the first N candidates, in index order, that pass the cheap
-checks of train/prompt_quality.py (ended within the token limit, length, script, not a near-duplicate of
+checks of train/prompts/quality.py (ended within the token limit, length, script, not a near-duplicate of
 an earlier one). Candidates are appended to `<folder>/self-prompts/candidates.jsonl` as they finish, with
 the settings that made them beside them, so an interrupted run resumes and a seed rebuilds the same set.
 """
@@ -31,7 +31,7 @@ import torch
 
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.target import Target
-from dflash_cli.train.prompt_quality import NearDuplicates, PromptStats, category, prompt_stats, rejection
+from dflash_cli.train.prompts.quality import NearDuplicates, PromptStats, category, prompt_stats, rejection
 
 FOLDER = "self-prompts"
 # Chosen by benchmarks/self_prompts.py on SmolLM2-135M-Instruct (docs/training.md, "Prompts the target writes")

@@ -1,5 +1,5 @@
-"""What the built-in prompt generators share (train/prompt_sets.py, train/wide_prompts.py): the names their
-templates draw from, and the loop that draws a set of distinct prompts."""
+"""What the built-in prompt generators share (demo.py, mix.py, wide.py): the names their templates draw from,
+and the loop that draws a set of distinct prompts (mix and wide; demo keeps its own)."""
 
 from __future__ import annotations
 
