@@ -69,7 +69,7 @@ class Head:
         return ids if self.lut is None else self.lut[ids]
 
 
-def make_head(lm_head: torch.nn.Module, sub_ids: torch.Tensor | None, softcap: float | None = None) -> Head:
+def make_head(lm_head: torch.nn.Linear, sub_ids: torch.Tensor | None, softcap: float | None = None) -> Head:
     weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
     if sub_ids is None:
         return Head(weight, bias, softcap=softcap)
@@ -179,7 +179,7 @@ class Estimate(NamedTuple):
 
 
 @torch.no_grad()
-def evaluate(drafter: DFlashDrafter, embed: torch.Tensor, full_head: torch.nn.Module, sub_head: Head,
+def evaluate(drafter: DFlashDrafter, embed: torch.Tensor, full_head: torch.nn.Linear, sub_head: Head,
              examples: list[Example], cfg: TrainConfig, autocast_dtype,
              draft_vocab: torch.Tensor | None = None, sets: list[str] | None = None) -> Estimate:
     """Held-out loss at fixed random anchors, and tau from greedy decoding replayed over each reply
@@ -324,7 +324,7 @@ def load_checkpoint(path: Path, drafter, optim, rng: random.Random) -> State:
                     "best": tuple(saved["best"]) if saved.get("best") else None})
 
 
-def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Module, head: Head,
+def train_loop(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.nn.Linear, head: Head,
                train: list[Example], heldout: list[Example], cfg: TrainConfig, checkpoint: Path, *,
                heldout_key: str | None = None, autocast_dtype: torch.dtype | None = None,
                draft_vocab: torch.Tensor | None = None, heldout_sets: list[str] | None = None,

@@ -120,9 +120,12 @@ def resolve_prompts_with_categories(spec: str | None) -> tuple[list[str], list[s
 def join_prompt_parts(parts: list[tuple[list[str], list[str] | None]]) -> tuple[list[str], list[str] | None]:
     """One (prompts, categories) list from `resolve_prompt_parts`; categories only when every part has them."""
     texts = [t for part, _ in parts for t in part]
-    if any(cats is None for _, cats in parts):
-        return texts, None
-    return texts, [c for _, cats in parts for c in cats]
+    categories: list[str] = []
+    for _, cats in parts:
+        if cats is None:
+            return texts, None
+        categories.extend(cats)
+    return texts, categories
 
 
 def resolve_prompts(spec: str | None) -> list[str]:
