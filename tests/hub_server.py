@@ -128,7 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
     fake: FakeHub
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format, *args):  # noqa: A002 - silence the default stderr log
+    def log_message(self, format, *args):  # silence the default stderr log
         pass
 
     # -------------------------------------------------------------- helpers
@@ -162,10 +162,10 @@ class _Handler(BaseHTTPRequestHandler):
         return auth.split(" ", 1)[1] if auth and auth.lower().startswith("bearer ") else None
 
     # -------------------------------------------------------------- verbs
-    def do_HEAD(self):  # noqa: N802
+    def do_HEAD(self):
         self._dispatch()
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         self._dispatch()
 
     def _dispatch(self) -> None:

@@ -36,7 +36,7 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, *, heads: int, kv
                 check = getattr(backends, accepts, None)
                 if enabled() and check is not None and check(params, False):
                     return f"{name} (fused)"
-    except Exception as error:  # noqa: BLE001 - a report, not a reason to fail
+    except Exception as error:  # a report, not a reason to fail
         return f"unknown ({type(error).__name__}: {error})"[:120]
     return "math (no fused kernel accepts the call: scores in fp32; TORCH_LOGS or debug=True says why)"
 
@@ -50,7 +50,7 @@ def _fused_backends() -> list[tuple[str, Any, str]]:
              3: ("cuDNN", getattr(backends, "cudnn_sdp_enabled", lambda: False), "can_use_cudnn_attention")}
     try:  # SDPBackend values: 0 math, 1 flash, 2 efficient, 3 cuDNN
         order = [int(b) for b in torch._C._get_sdp_priority_order()]
-    except Exception:  # noqa: BLE001 - torch's default before it exposed the order
+    except Exception:  # torch's default before it exposed the order
         order = [1, 2, 0, 3]
     return [known[b] for b in order if b in known]
 
@@ -74,7 +74,7 @@ def cuda_graphs(device: torch.device) -> str | None:
             node = nodes.pop()
             recorded += 1
             nodes.extend(child for children in node.children.values() for child in children)
-    except Exception:  # noqa: BLE001 - inductor's internals differ between releases
+    except Exception:  # inductor's internals differ between releases
         recorded = "unknown"
     text = f"{recorded} recorded, {skipped} skipped"
     return text + (" (TORCH_LOGS=cudagraphs says why)" if skipped else "")

@@ -184,7 +184,7 @@ def thinking_default(tokenizer: PreTrainedTokenizerBase) -> bool | None:
             # tokenize=False renders one chat as a str (the annotation covers every mode)
             return cast(str, tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
                                                            **kwargs))
-        except Exception:  # noqa: BLE001 - a template that fails here fails later with a clear error
+        except Exception:  # a template that fails here fails later with a clear error
             return None
 
     unset, on, off = render(), render(enable_thinking=True), render(enable_thinking=False)

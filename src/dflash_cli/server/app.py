@@ -178,7 +178,7 @@ def encoded(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bool]
     try:
         with state.encoding:
             return prompt_ids(state, parsed)
-    except Exception as e:  # noqa: BLE001 - templates raise what they like (jinja2's errors, TypeError, ...)
+    except Exception as e:  # templates raise what they like (jinja2's errors, TypeError, ...)
         raise ApiError(400, f"the prompt cannot be built: {type(e).__name__}: {e}",
                        param="messages" if parsed.chat else "prompt") from None
 

@@ -151,7 +151,7 @@ class EngineWorker:
             self.busy, self.current = True, request
             try:
                 self._decode(request)
-            except Exception as error:  # noqa: BLE001 - nothing one request does may stop the worker
+            except Exception as error:  # nothing one request does may stop the worker
                 _tell(request, ("error", error))
             finally:
                 self.busy, self.current = False, None
@@ -175,7 +175,7 @@ class EngineWorker:
                 _tell(request, ("step", (step, text, "stop" if kept is not None else None)))
                 if kept is not None:
                     break
-        except Exception as error:  # noqa: BLE001 - every failure goes back to its client, the server goes on
+        except Exception as error:  # every failure goes back to its client, the server goes on
             with self.lock:
                 self.counters.requests += 1
                 self.counters.failed += 1
@@ -208,5 +208,5 @@ def _tell(request: Request, event: tuple[str, Any]) -> None:
     cancels the request, never the worker."""
     try:
         request.on_event(event)
-    except Exception:  # noqa: BLE001
+    except Exception:
         request.cancelled.set()

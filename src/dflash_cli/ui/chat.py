@@ -296,7 +296,7 @@ class ChatSession:
             interrupted = True
         except OutputClosed:
             raise
-        except Exception as e:  # noqa: BLE001 - reported below; the REPL goes on
+        except Exception as e:  # reported below; the REPL goes on
             error = e
         finally:
             if steps is not None:

@@ -228,7 +228,7 @@ def guarded(out_factory: Callable, body: Callable[[Any], int], debug: bool) -> N
         out.close_status()
         out.info("interrupted")
         sys.exit(signals.exit_code())
-    except Exception as error:  # noqa: BLE001 - the one place that turns errors into messages
+    except Exception as error:  # the one place that turns errors into messages
         out.close_status()
         if debug or S.debug_enabled():
             raise

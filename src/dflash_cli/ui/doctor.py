@@ -78,7 +78,7 @@ def _requirement_for(dist: str) -> Any:
             req = Requirement(line)
             if canonicalize_name(req.name) == canonicalize_name(dist) and not req.marker:
                 return req
-    except Exception:  # noqa: BLE001 - packaging missing or odd metadata: no version check
+    except Exception:  # packaging missing or odd metadata: no version check
         return None
     return None
 
@@ -126,7 +126,7 @@ def check_platform() -> list[Check]:
 def check_torch() -> list[Check]:
     try:
         import torch
-    except Exception as error:  # noqa: BLE001 - any import failure is the finding
+    except Exception as error:  # any import failure is the finding
         return [Check("torch", f"not importable ({type(error).__name__}: {error})", FATAL,
                       "install PyTorch first: https://pytorch.org/get-started/locally/", None)]
     if getattr(torch.version, "cuda", None):
@@ -151,7 +151,7 @@ def _driver_version() -> str | None:
         finally:
             pynvml.nvmlShutdown()
         return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:  # noqa: BLE001 - optional source
+    except Exception:  # optional source
         pass
     try:
         import shutil
@@ -164,7 +164,7 @@ def _driver_version() -> str | None:
             first = done.stdout.strip().splitlines()
             if first and first[0].strip():
                 return first[0].strip()
-    except Exception:  # noqa: BLE001 - optional source
+    except Exception:  # optional source
         pass
     try:
         import torch
@@ -172,7 +172,7 @@ def _driver_version() -> str | None:
         api = torch._C._cuda_getDriverVersion()  # type: ignore[attr-defined]  # private, present in CUDA builds
         if api:
             return f"CUDA driver API {api // 1000}.{(api % 1000) // 10}"
-    except Exception:  # noqa: BLE001 - private API, may be missing
+    except Exception:  # private API, may be missing
         pass
     return None
 
@@ -180,14 +180,14 @@ def _driver_version() -> str | None:
 def check_gpu() -> list[Check]:
     try:
         import torch
-    except Exception:  # noqa: BLE001 - reported by check_torch
+    except Exception:  # reported by check_torch
         return [Check("cuda available", "unknown (torch is not importable)", WARN, None, None)]
     if not torch.cuda.is_available():
         extra = ""
         try:
             if torch.backends.mps.is_available():
                 extra = " (Apple MPS is available)"
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         hint = ("no GPU: speculation runs on the CPU (works, but slower)"
                 + ("" if torch.version.cuda else "; for an NVIDIA GPU install a CUDA build of torch"))
@@ -204,7 +204,7 @@ def check_gpu() -> list[Check]:
         checks.append(_attention_check(torch.device("cuda", i)))
         try:
             free, total = torch.cuda.mem_get_info(i)
-        except Exception as error:  # noqa: BLE001 - a busy or broken device
+        except Exception as error:  # a busy or broken device
             checks.append(Check(f"gpu {i} memory", f"unknown ({error})", WARN,
                                 "the GPU did not report its memory; check nvidia-smi", None))
             continue
@@ -238,7 +238,7 @@ def _cuda_available() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -254,7 +254,7 @@ def check_cpu() -> list[Check]:
         import torch
 
         value += f", torch uses {torch.get_num_threads()} thread(s)"
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     checks = [Check("cpu cores", value, data={"logical": logical, "usable": usable})]
 
@@ -276,7 +276,7 @@ def check_cpu() -> list[Check]:
         bf16 = cpu_has_fast_bf16()
         checks.append(Check("cpu bf16", "yes (native AVX512-BF16/AMX)" if bf16 else
                             "no (CPU runs use float32 by default)", data=bf16))
-    except Exception as error:  # noqa: BLE001 - engine import needs torch
+    except Exception as error:  # engine import needs torch
         checks.append(Check("cpu bf16", f"unknown ({type(error).__name__})", data=None))
     try:
         from dflash_cli.engine.device import cpu_auto_quant
@@ -284,7 +284,7 @@ def check_cpu() -> list[Check]:
         chosen, why = cpu_auto_quant()
         checks.append(Check("cpu format", f"{chosen or 'none'} for --quant auto and the built-in models ({why})",
                             data={"quant": chosen, "why": why}))
-    except Exception as error:  # noqa: BLE001 - engine import needs torch
+    except Exception as error:  # engine import needs torch
         checks.append(Check("cpu format", f"unknown ({type(error).__name__})", data=None))
     return checks
 
@@ -295,7 +295,7 @@ def check_bitsandbytes() -> list[Check]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import bitsandbytes
-    except Exception as error:  # noqa: BLE001 - ImportError, or a broken native library
+    except Exception as error:  # ImportError, or a broken native library
         return [Check("bitsandbytes", f"not available ({type(error).__name__}: {error})", WARN,
                       "--quant int8/nf4 needs it: pip install bitsandbytes", None)]
     version = getattr(bitsandbytes, "__version__", None)
@@ -314,7 +314,7 @@ def check_bitsandbytes() -> list[Check]:
 def check_transformers() -> list[Check]:
     try:
         import transformers
-    except Exception as error:  # noqa: BLE001 - any import failure is the finding
+    except Exception as error:  # any import failure is the finding
         return [Check("transformers", f"not importable ({type(error).__name__}: {error})", FATAL,
                       "pip install 'transformers>=5,<6'", None)]
     return [_version_check("transformers", "transformers", transformers.__version__)]
@@ -410,7 +410,7 @@ def check_smollm2() -> list[Check]:
 def _safe(collector: Callable[[], list[Check]]) -> list[Check]:
     try:
         return list(collector())
-    except Exception as error:  # noqa: BLE001 - the report must come out whatever breaks
+    except Exception as error:  # the report must come out whatever breaks
         name = getattr(collector, "__name__", "check").removeprefix("check_").replace("_", " ")
         return [Check(name, f"check failed ({type(error).__name__}: {error})", WARN,
                       "please include this line in your bug report", None)]

@@ -41,7 +41,7 @@ def make_tqdm_class(progress: Any, label: str) -> type:
                 self._kind, text = "bytes", label
             self._task = progress.add_task(text, total=self.total or None, kind=self._kind)
 
-        def display(self, msg: str | None = None, pos: int | None = None) -> bool:  # noqa: ARG002
+        def display(self, msg: str | None = None, pos: int | None = None) -> bool:
             return True
 
         def _push(self) -> None:
@@ -84,7 +84,7 @@ def rich_progress(stream: Any):
             super().__init__()
             self.for_bytes, self.for_files = for_bytes, for_files
 
-        def render(self, task):  # noqa: ANN001
+        def render(self, task):
             if task.fields.get("kind") == "files":
                 return self.for_files.render(task) if self.for_files else Text("")
             return self.for_bytes.render(task)

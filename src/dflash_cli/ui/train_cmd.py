@@ -104,7 +104,7 @@ def train(target, out_dir, prompts, init, device, dtype, debug, **options):
 
     if prompts is not None:
         from dflash_cli.engine.errors import DFlashError
-        from dflash_cli.train.prompt_sets import check_prompt_spec
+        from dflash_cli.train.prompts import check_prompt_spec
 
         try:  # before the target is resolved (which may download or convert it)
             check_prompt_spec(prompts)
