@@ -259,8 +259,8 @@ def test_warns_once_when_thinking_contradicts_the_drafters_training(pairs, regis
 def test_chat_warns_when_set_think_turns_to_the_other_mode(pairs):
     target, drafter = pairs["qwen3"]
     runtime = load_runtime(str(target), str(drafter), dtype="float32", device="cpu")
-    runtime = dataclasses.replace(runtime, pair=PairEntry("tiny", "org/scripted-target", "org/scripted-drafter",
-                                                          thinking=False))
+    entry = PairEntry("tiny", "org/scripted-target", "org/scripted-drafter", thinking=False)
+    runtime = dataclasses.replace(runtime, drafter_entry=entry)
     run = drive(runtime, "/set nothink\r/set think\r/set think\r/set nothink\r")
     assert run.stderr.count(WARNING.format("off", "on")) == 1, run.stderr
     plain = dataclasses.replace(runtime, drafter=None)

@@ -156,7 +156,7 @@ def open_local(options: ModelOptions, *, block_size: int | None = None, on_statu
                                dtype=options.dtype, placement=placement, compile=options.compile,
                                max_context=options.max_context, on_notice=on_notice,
                                on_status=update if callable(update) else status, before_weights=before_weights)
-    runtime.pair, runtime.note = pair.drafter_entry, pair.drafter_note
+    runtime.drafter_entry, runtime.note = pair.drafter_entry, pair.drafter_note
     return runtime
 
 

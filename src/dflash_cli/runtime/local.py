@@ -40,7 +40,7 @@ class LocalRuntime:
     dtype: str
     device: str
     forward: str = "transformers forward"
-    pair: PairEntry | None = None  # the registry pair whose drafter is loaded (its thinking mode), else None
+    drafter_entry: PairEntry | None = None  # the registry pair whose drafter is loaded (its thinking mode), else None
     note: str = ""  # why speculation is on or off (the ready line)
 
     @property
@@ -124,9 +124,9 @@ class LocalRuntime:
         return think if think is not None else thinking_default(self.tokenizer)
 
     def trained_thinking(self) -> tuple[str, bool] | None:
-        if self.pair is None or self.pair.thinking is None or self.drafter is None:
+        if self.drafter_entry is None or self.drafter_entry.thinking is None or self.drafter is None:
             return None
-        return self.pair.alias, self.pair.thinking
+        return self.drafter_entry.alias, self.drafter_entry.thinking
 
     def check_block_size(self, block_size: int | None) -> None:
         from dflash_cli.engine.config import check_block_size
@@ -187,7 +187,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
                      offload_dir=S.cache_dir() / "offload")  # on disk: the system's temp folder may be RAM
     forward = enable_fast_path(pair.target, pair.drafter, compile, max_context,
                                bnb_quant=quant if quant in ("int8", "nf4") else None,
-                               on_status=on_status, on_notice=on_notice, weights_optional=quant_auto)
+                               on_status=on_status, on_notice=on_notice, quant_auto=quant_auto)
     forward += built_note
     if quant in ("q4", "q8", "q4a8", "q8a8") and pair.target.weight_quant is None:  # --quant auto fell back
         quant = None
@@ -250,11 +250,12 @@ def _native_kernels(quant: str, quant_auto: bool, on_status: Status | None,
 
 def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int | None, *, bnb_quant: str | None,
                      on_status: Callable[[str], None] | None = None,
-                     on_notice: Callable[[str], None] | None = None, weights_optional: bool = False) -> str:
+                     on_notice: Callable[[str], None] | None = None, quant_auto: bool = False) -> str:
     """Puts `target` on the static-cache fast path when it can take it; returns what runs, in words.
 
     With compilation, every short forward the loop can call (decode 1, verify blocks of 2..B padded to
-    powers of two) is compiled here, before the first reply, so no reply pauses to compile.
+    powers of two) is compiled here, before the first reply, so no reply pauses to compile. `quant_auto`:
+    the weight quantization was --quant auto's choice, so where it cannot run the target runs unquantized.
     """
     from dflash_cli.engine.compile import compiler_for, resolve_compile, use_compile_cache
     from dflash_cli.engine.fused import fuse_drafter
@@ -273,7 +274,7 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
             on_notice(f"--quant auto: {weights} {why}; running unquantized")
 
     if compile == "off" and not target.hybrid:
-        if weights and weights_optional:
+        if weights and quant_auto:
             drop_weights("runs on the fast path, which --compile off turns off")
         elif weights:
             raise InvalidSettingError(f"--quant {weights} runs on the fast path, which --compile off turns off",
@@ -289,7 +290,7 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
         step = compiler_for(target.device)
     reason = target.enable_fast_path(context, pad_to=block, compile_step=step, on_fallback=on_notice)
     if reason is not None:
-        if weights and weights_optional:
+        if weights and quant_auto:
             drop_weights(f"needs the fast path, which this target cannot take ({reason})")
         elif weights:
             raise InvalidSettingError(f"--quant {weights} needs the fast path, which this target cannot take "
