@@ -30,9 +30,8 @@ from dflash_cli.engine.text import (
     thinking_default,
     thinking_markers,
 )
-from dflash_cli.engine.thinking import ThinkingSplitter, split_reply
+from dflash_cli.engine.thinking import ReasoningStream, ThinkingSplitter, split_reply
 from dflash_cli.runtime.local import load_runtime
-from dflash_cli.server.app import ReasoningStream
 from dflash_cli.ui.cli import cli
 
 # `<turn|>` is id 2, the tiny target config's eos id

@@ -299,8 +299,7 @@ def test_stopping_the_worker_cancels_the_running_request_at_once(runtime):
     ("<think>\nnever closed  \n", False),
 ])
 def test_streamed_reasoning_content_equals_the_whole_replys(reply, inside):
-    from dflash_cli.engine.thinking import ThinkingSplitter, split_reply
-    from dflash_cli.server.app import ReasoningStream
+    from dflash_cli.engine.thinking import ReasoningStream, ThinkingSplitter, split_reply
 
     reasoning, answer = split_reply(reply, inside)
     for size in (1, 2, 3, 7):

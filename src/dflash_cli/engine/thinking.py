@@ -1,4 +1,4 @@
-"""A reply's reasoning told apart from its answer, for display and --json.
+"""A reply's reasoning told apart from its answer, for display, --json and `serve`'s reasoning_content.
 
 Pure text, no terminal code. The model's markers (engine.text.ThinkingMarkers) say where the reasoning starts
 and ends: `<think> ... </think>` (Qwen3, Qwen3.5, Qwen3.6; the default) or `<|channel>thought\\n ... <channel|>`
@@ -6,6 +6,7 @@ and ends: `<think> ... </think>` (Qwen3, Qwen3.5, Qwen3.6; the default) or `<|ch
 or the chat template already opened it in the prompt and only the close marker comes (Qwen3.5, Qwen3.6),
 which the caller says with `inside=True`. The open marker is recognised only at the start of a reply and only
 the first close marker ends the reasoning, so an answer that talks about the markers is left alone.
+ReasoningStream turns the splitter's thinking segments into streamed reasoning_content deltas.
 """
 
 from __future__ import annotations
@@ -94,3 +95,36 @@ def split_reply(text: str, inside: bool = False, markers: ThinkingMarkers = THIN
     if thinking.endswith(markers.close):
         thinking = thinking[:-len(markers.close)]
     return thinking.strip("\n"), "".join(s for is_thinking, s in segments if not is_thinking)
+
+
+class ReasoningStream:
+    """ThinkingSplitter's thinking segments (which carry the open and close markers, <think> and </think>
+    say, and the blank lines around them) as reasoning_content deltas whose concatenation is split_reply's
+    reasoning: the markers and the newlines next to them left out, trailing whitespace held back until more
+    reasoning follows."""
+
+    def __init__(self, markers: ThinkingMarkers = THINK_TAGS) -> None:
+        self.started = self.closed = False
+        self.held = ""
+        self.opening, self.closing = markers.open.rstrip(), markers.close
+
+    def feed(self, piece: str) -> str:
+        if self.closed:
+            return ""  # the blank lines after the close marker
+        final = self.closing in piece
+        if final:
+            piece, self.closed = piece[: piece.index(self.closing)], True
+        if not self.started:
+            stripped = piece.lstrip()
+            if stripped.startswith(self.opening):
+                stripped = stripped[len(self.opening):].lstrip("\n")
+            piece = stripped
+            if not piece:
+                return ""
+            self.started = True
+        text, self.held = self.held + piece, ""
+        if final:
+            return text.rstrip("\n")
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return body

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from dflash_cli.conversation import GenerationSettings
 from dflash_cli.engine.errors import DFlashError
 from dflash_cli.engine.text import THINK_TAGS, ThinkingMarkers
-from dflash_cli.engine.thinking import ThinkingSplitter, split_reply
+from dflash_cli.engine.thinking import ReasoningStream, ThinkingSplitter, split_reply
 from dflash_cli.server.protocol import (
     ApiError,
     ParsedRequest,
@@ -215,39 +215,6 @@ async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[
     stats = last.stats if last is not None else None
     reason = finish_reason(stats.finish_reason if stats else None, stopped)
     return JSONResponse(shape.whole(answer, reasoning, reason, usage(stats)))
-
-
-class ReasoningStream:
-    """ThinkingSplitter's thinking segments (which carry the open and close markers, <think> and </think>
-    say, and the blank lines around them) as reasoning_content deltas whose concatenation is split_reply's
-    reasoning: the markers and the newlines next to them left out, trailing whitespace held back until more
-    reasoning follows."""
-
-    def __init__(self, markers: ThinkingMarkers = THINK_TAGS) -> None:
-        self.started = self.closed = False
-        self.held = ""
-        self.opening, self.closing = markers.open.rstrip(), markers.close
-
-    def feed(self, piece: str) -> str:
-        if self.closed:
-            return ""  # the blank lines after the close marker
-        final = self.closing in piece
-        if final:
-            piece, self.closed = piece[: piece.index(self.closing)], True
-        if not self.started:
-            stripped = piece.lstrip()
-            if stripped.startswith(self.opening):
-                stripped = stripped[len(self.opening):].lstrip("\n")
-            piece = stripped
-            if not piece:
-                return ""
-            self.started = True
-        text, self.held = self.held + piece, ""
-        if final:
-            return text.rstrip("\n")
-        body = text.rstrip()
-        self.held = text[len(body):]
-        return body
 
 
 def sse(data: dict[str, Any]) -> bytes:
