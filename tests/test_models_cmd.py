@@ -77,7 +77,7 @@ def test_pull_dry_run_sizes_and_nothing_downloaded(fake, online, env, repo_files
     result = invoke("pull", "tiny", "--dry-run", endpoint=fake.endpoint)
     assert result.exit_code == 0, result.output
     from dflash_cli.models.hub import wanted
-    from dflash_cli.ui.render import fmt_bytes
+    from dflash_cli.units import fmt_bytes
 
     lines = result.stdout.splitlines()
     for repo in (TARGET, DRAFTER):

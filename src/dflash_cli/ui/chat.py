@@ -22,7 +22,8 @@ from prompt_toolkit.key_binding import KeyBindings
 
 from dflash_cli import settings as S
 from dflash_cli.ui import signals
-from dflash_cli.ui.render import Output, OutputClosed, isatty, stats_block, status_text, summary_line
+from dflash_cli.ui.render import Output, OutputClosed, isatty, status_text
+from dflash_cli.ui.stats_text import stats_block, summary_line
 
 if TYPE_CHECKING:
     from dflash_cli.runtime import Runtime

@@ -58,7 +58,7 @@ class Check:
 
 
 def _fmt_bytes(n: int | None) -> str:
-    from dflash_cli.ui.render import fmt_bytes
+    from dflash_cli.units import fmt_bytes
 
     return fmt_bytes(n)
 

@@ -7,7 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_cli.ui.render import Output, stats_block, stats_json, summary_line
+from dflash_cli.ui.render import Output
+from dflash_cli.ui.stats_text import stats_block, stats_json, summary_line
 
 if TYPE_CHECKING:
     from dflash_cli.runtime import Runtime
