@@ -172,7 +172,7 @@ known = inspect.signature(torch._logging.set_logs).parameters
 names = [n for n in ("recompiles", "graph_breaks", "perf_hints", "cudagraphs") if n in known]
 open(sys.argv[1], "w").write(",".join(names))
 print("TORCH_LOGS for the benchmarks:", ",".join(names))
-# The fast path eager attention call (engine/fast.py _attend) at the Qwen3-8B shape: query heads folded onto
+# The fast path eager attention call (engine/static_forward.py _attend) at the Qwen3-8B shape: query heads folded onto
 # their 8 K/V heads, a bool mask, keys sliced from a longer cache buffer. Which kernel runs, which accept it.
 from torch.nn.attention import SDPBackend, sdpa_kernel
 dev = "cuda" if torch.cuda.is_available() else "cpu"

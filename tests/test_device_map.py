@@ -5,10 +5,11 @@ What is real and what is simulated here (there is no second device on a CPU-only
 * real: a cpu + disk split loaded through the real loader (an explicit accelerate device map; the disk
   layers' weights wait on `meta` and accelerate's hooks copy them in on every forward), decoded
   speculatively and checked token-identical to plain greedy decoding on the unsplit target;
-* simulated: the fast path's per-layer device logic on two CPU "devices". `fast.layer_device` is
-  patched to call layers 3-5 `cpu:1` (a distinct torch.device that allocates on the CPU), so the fast
-  path takes every boundary decision it takes on two GPUs; the test counts the moves it makes through
-  `fast.move` and where each layer's cache was asked for, and checks the output is unchanged;
+* simulated: the fast path's per-layer device logic on two CPU "devices". `layer_device`, as engine/fast.py
+  reads it, is patched to call layers 3-5 `cpu:1` (a distinct torch.device that allocates on the CPU), so
+  the fast path takes every boundary decision it takes on two GPUs; the test counts the moves it makes
+  through `move`, as engine/static_forward.py reads it, and where each layer's cache was asked for, and
+  checks the output is unchanged;
 * real again, only where CUDA is present (the GPU run): the fast path on a target whose layers 3-5 are
   really on the CPU and the rest on the GPU, token-identical to the unsplit target.
 """
@@ -22,7 +23,7 @@ import torch
 from click.testing import CliRunner
 from conftest import drafter_config, save_random_drafter, save_target, save_tiny_pair, target_config
 
-from dflash_cli.engine import fast
+from dflash_cli.engine import fast, static_forward
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair
@@ -187,8 +188,9 @@ def test_fast_path_crosses_each_device_boundary_once(pair_folders, reference, mo
     monkeypatch.setattr(fast, "layer_device",
                         lambda layer: second if id(layer) in on_second else real_layer_device(layer))
     moves: list[tuple[tuple[int, ...], torch.device]] = []
-    real_move = fast.move
-    monkeypatch.setattr(fast, "move", lambda x, device: moves.append((tuple(x.shape), device)) or real_move(x, device))
+    real_move = static_forward.move
+    monkeypatch.setattr(static_forward, "move",
+                        lambda x, device: moves.append((tuple(x.shape), device)) or real_move(x, device))
     assert target.enable_fast_path(256, pad_to=8) is None
     assert target.fast.devices == [torch.device("cpu")] * 3 + [second] * 3
     cache = target.fast.new_cache()

@@ -21,7 +21,8 @@ import torch
 from conftest import HF_CONFIGS, VOCAB, TargetForwardLog, drafter_config, read_json, save_random_drafter
 from test_speculative import hf_greedy
 
-from dflash_cli.engine.fast import FastPath, fast_path_unsupported
+from dflash_cli.engine.fast import FastPath
+from dflash_cli.engine.fast_layers import fast_path_unsupported
 from dflash_cli.engine.generate import generate, stream_generate
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.oracle import OracleDrafter

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from conftest import DEVICE, TargetForwardLog, drafter_config, save_hybrid_target, save_random_drafter, target_config
 
-from dflash_cli.engine import fast
 from dflash_cli.engine import state as state_module
 from dflash_cli.engine.drafter import DraftCache, grouped_attention
 from dflash_cli.engine.errors import CacheTakenError
 from dflash_cli.engine.generate import generate, stream_generate, warm_up
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.state import DecodeState, shared_draft_cache
+from dflash_cli.engine.static_cache import StaticCache
 from dflash_cli.train.forward import block_embeddings, training_forward
 
 
@@ -174,7 +174,7 @@ def test_a_prompt_interrupted_between_pieces_keeps_the_pieces_read(tiny_models, 
 
 def test_one_static_cache_and_one_draft_cache_per_loaded_model(tiny_models, monkeypatch):
     made = {"static": 0, "draft": 0}
-    for cls, key in ((fast.StaticCache, "static"), (DraftCache, "draft")):
+    for cls, key in ((StaticCache, "static"), (DraftCache, "draft")):
         def counting(self, *args, __init=cls.__init__, __key=key, **kwargs):
             made[__key] += 1
             __init(self, *args, **kwargs)

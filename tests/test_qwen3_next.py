@@ -89,7 +89,7 @@ def test_fast_forward_logits_equal_transformers_forward(pair):
 
 def test_the_published_form_config_checks_as_a_hybrid(pair):
     from dflash_cli.engine.drafter import DrafterConfig
-    from dflash_cli.engine.fast import fast_path_unsupported
+    from dflash_cli.engine.fast_layers import fast_path_unsupported
     from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES, check_pair, check_target_config
 
     assert "qwen3_next" in HYBRID_MODEL_TYPES

@@ -226,7 +226,7 @@ def test_a_stop_inside_a_block_and_a_second_turn_match_plain_decoding(pairs):
 
 
 def test_row_exact_attention_gives_each_row_the_same_bits_in_any_company():
-    from dflash_cli.engine.fast import row_exact_attention
+    from dflash_cli.engine.fast_layers import row_exact_attention
 
     torch.manual_seed(0)
     kv, group, hd, window = 2, 3, 64, 256

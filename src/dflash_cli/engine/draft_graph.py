@@ -3,7 +3,7 @@
 Eager, a draft is about 300 small kernel launches, as many as a graphed verify costs in total on a GPU.
 What varies between drafts is made fixed: the new context rows (P = 0..B, what the last verify accepted)
 are padded to the block size B, the keys are read over the same power-of-two window as the target's
-(engine/fast.key_positions) with a mask, and K/V are written with `index_copy_` at positions given as a
+(engine/static_cache.key_positions) with a mask, and K/V are written with `index_copy_` at positions given as a
 tensor. The drafter cache keeps row index == position (engine/drafter.DraftCache), so both paths share it:
 context rows go to start-P..start-1 and the block to start..start+B-1, as eagerly; the padding rows go
 to start+B.., rows no query sees (every query sees keys <= start+B-1) and the next draft overwrites
@@ -83,7 +83,7 @@ class StaticDraft:
                  cache: DraftCache) -> torch.Tensor:
         """Like DFlashDrafter.forward (commits `context` to `cache`), for blocks of B slots whose new context
         has at most B rows and whose padding fits the cache (`fits`)."""
-        from dflash_cli.engine.fast import key_positions
+        from dflash_cli.engine.static_cache import key_positions
 
         b, device = self.block, block.device
         rows = 0 if context is None else context.shape[1]

@@ -15,7 +15,7 @@ from dflash_cli.engine import native
 from dflash_cli.engine.int8act import Int8ActLinear, Q4A8Linear
 
 # RMSNorms that compute F.rms_norm's function (x * rsqrt(mean(x^2) + eps) in fp32, times the weight): the
-# fast path runs them as that one call (engine/fast.py), the C layer as its own pass
+# fast path runs them as that one call (engine/fast_layers.py), the C layer as its own pass
 PLAIN_RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "MistralRMSNorm"}
 SILU = {"SiLU", "SiLUActivation"}
 

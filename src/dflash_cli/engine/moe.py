@@ -3,7 +3,7 @@ the other tokens of its call.
 
 transformers 5 keeps a MoE layer's routed experts as two fused 3-D parameters, gate_up_proj (E, 2I, H) and
 down_proj (E, H, I), not as nn.Linear modules, so the fast path's linear-by-linear quantization
-(fast.layer_projections) passed them by: under q4 they stayed 16-bit, most of an MoE's weights. And
+(fast_layers.layer_projections) passed them by: under q4 they stayed 16-bit, most of an MoE's weights. And
 transformers runs each expert on the rows routed to it, a count that differs between a 1-token decode and a
 block verify, through 16-bit matmuls whose rounding may depend on the row count (at Qwen3-30B-A3B's expert
 shapes, 2048 x 768, 4 of 16 tokens of a call got other bf16 bits than alone, on an AVX-512 machine), so
@@ -21,7 +21,7 @@ The router stays 16-bit and runs as transformers computes it (llama.cpp's quanti
 router, `ffn_gate_inp`, unquantized: it is small and routing is sensitive to it). It is a 16-bit matmul,
 though, and those may round a row differently by row count (a 2048 x 512 bf16 one did, in 2 of 29 rows, on
 that machine), so calls of up to 64 tokens run it one row at a time (`route`), as they run attention
-through fast.row_exact_attention; so does a shared expert's gate, a (1, H) linear (Qwen3.5-MoE,
+through fast_layers.row_exact_attention; so does a shared expert's gate, a (1, H) linear (Qwen3.5-MoE,
 Qwen3-Next). The shared expert itself is a gated MLP of nn.Linears, quantized as the dense MLPs are.
 Prompts (longer calls) route all their rows at once: their rows feed both decodings alike.
 

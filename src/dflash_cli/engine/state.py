@@ -16,7 +16,7 @@ from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.config import PREFILL_CHUNK
 from dflash_cli.engine.drafter import DraftCache, Drafter
 from dflash_cli.engine.errors import CacheTakenError
-from dflash_cli.engine.fast import StaticCache
+from dflash_cli.engine.static_cache import StaticCache
 from dflash_cli.engine.target import Target, cache_length, crop_cache
 
 _owners = itertools.count(1)
@@ -122,7 +122,7 @@ class DecodeState:
         if self.draft_cache is not None:
             covered = min(covered, self.draft_cache.length + self.pending_rows)
         keep = min(common_prefix(self.tokens[:covered], prompt), len(prompt) - 1)
-        # a hybrid target's recurrent state returns only to a few points (fast.LinearStates)
+        # a hybrid target's recurrent state returns only to a few points (static_cache.LinearStates)
         keep = getattr(self.target_cache, "reachable", lambda n: n)(keep)
         self._truncate_caches(keep)
         self.tokens = list(prompt[:keep + 1])

@@ -148,7 +148,8 @@ class Target:
                          on_fallback=None) -> str | None:
         """Runs this target on static caches of `context` positions (plus `pad_to` of padding for
         fixed-length compiled calls) from now on; returns why it cannot, or None."""
-        from dflash_cli.engine.fast import FastPath, fast_path_unsupported
+        from dflash_cli.engine.fast import FastPath
+        from dflash_cli.engine.fast_layers import fast_path_unsupported
 
         reason = fast_path_unsupported(self.model)
         if reason is not None:

@@ -694,7 +694,7 @@ def kv_cache_bytes(config: dict[str, Any], context_tokens: int, dtype_bytes: int
 
     Sliding-window layers hold at most `sliding_window` rows when `cap_sliding`; gated-DeltaNet layers
     hold a fixed state (fp32 recurrent state + conv state) whatever the length, three times over in the
-    engine: two buffers for rolling back exactly and a checkpoint for regenerating (fast.LinearStates).
+    engine: two buffers for rolling back exactly and a checkpoint for regenerating (static_cache.LinearStates).
     Multi-head latent attention (DeepSeek-V3, Kimi K2, GLM-5) caches the compressed latent, not K and V:
     `kv_lora_rank + qk_rope_head_dim` values a row and layer (transformers 5 caches it so), plus GLM-5's
     indexer keys (`index_head_dim`) in the layers that run an indexer. Gemma 4's full layers cache their

@@ -84,7 +84,7 @@ def choose_format(target: Target, *, capability: str | None = None, fast_bf16: b
 
 def unsupported(target: Target) -> str | None:
     """Why the batched generator cannot run `target` (train/data.py then uses transformers' generate)."""
-    from dflash_cli.engine.fast import FAMILIES, fast_path_unsupported
+    from dflash_cli.engine.fast_layers import FAMILIES, fast_path_unsupported
 
     model = target.model
     if target.device.type != "cpu":
