@@ -109,7 +109,7 @@ class StaticDraft:
         try:
             with torch.inference_mode():  # as drafting runs: a graph compiled in another grad mode recompiles
                 hidden = self.step(*args)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: say so once and run eagerly
+        except Exception as e:  # any compiler failure: say so once and run eagerly
             if self.step is self.eager:
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

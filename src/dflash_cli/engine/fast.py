@@ -311,7 +311,7 @@ class FastPath:
         try:
             ring = {"ring": cache.ring} if cache.ring is not None else {}  # only sliding-window rings
             logits, hidden, records = step(ids, positions, keys_at, cache.keys, cache.values, *states, **ring)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: say so once and run eagerly
+        except Exception as e:  # any compiler failure: say so once and run eagerly
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             self.fallback_reason = f"{type(e).__name__}: {first}"[:200]
             if self.on_fallback is not None:
