@@ -302,36 +302,31 @@ def placement_budget(placement: Placement, dtype: str | None, context_tokens: in
 
 def find_config(kind: str, where: str, revision: str | None, endpoint: str | None) -> Path:
     """The config.json of a folder or a repo: from the cache, else fetched alone (never the weights)."""
-    from dflash_cli.models import hub
+    from dflash_cli.models import cache, hub
 
     if kind == "folder":
         return Path(where) / "config.json"
     try:
-        folder = hub.local_snapshot(where, revision, validate=False)
-    except hub.NotDownloadedError:
+        folder = cache.local_snapshot(where, revision, validate=False)
+    except cache.NotDownloadedError:
         folder = hub.fetch_configs(where, revision, endpoint=endpoint)
     return folder / "config.json"
 
 
-def read_config(kind: str, where: str, revision: str | None, endpoint: str | None) -> dict[str, Any]:
-    from dflash_cli.engine.pairing import read_config_file
-
-    return read_config_file(find_config(kind, where, revision, endpoint))
-
-
 def _fetch(repo: str, revision: str | None, endpoint: str | None, on_status: Callable[[str], None],
            tqdm_class: Any) -> Path:
-    from dflash_cli.models import hub
+    from dflash_cli.models import cache, hub
+    from dflash_cli.models.folders import default_cache_dir, is_offline
     from dflash_cli.units import fmt_bytes
 
     try:
-        return hub.local_snapshot(repo, revision)
-    except hub.NotDownloadedError:
-        if hub.is_offline():
+        return cache.local_snapshot(repo, revision)
+    except cache.NotDownloadedError:
+        if is_offline():
             raise
     plan = hub.plan_download(repo, revision, endpoint=endpoint)
     on_status(f"Downloading {repo}: {len(plan.files)} files, {fmt_bytes(plan.download_bytes)} "
-              f"(once; into {hub.default_cache_dir()})")
+              f"(once; into {default_cache_dir()})")
     return hub.pull(repo, revision, endpoint=endpoint, tqdm_class=tqdm_class)
 
 
@@ -345,7 +340,7 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     decodes fastest on the CPUs that run them), "none" for the rest. `block_size`, the one replies will ask
     for, is checked against the drafter's config before any download."""
     from dflash_cli.engine.config import DrafterConfig, check_block_size
-    from dflash_cli.engine.pairing import check_pair, check_target_config
+    from dflash_cli.engine.pairing import check_pair, check_target_config, read_config_file
 
     spec = resolve_spec(model)
     if spec.entry is not None and spec.entry.engine_only and spec.kind == "repo":
@@ -377,12 +372,12 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
         note = "speculation off: no drafter known for this model (--draft FOLDER or REPO)"
 
     # Preflight from config files only: a bad pair fails here, before any weights download.
-    target_cfg = read_config(target_kind, target_where, spec.target_revision, endpoint)
+    target_cfg = read_config_file(find_config(target_kind, target_where, spec.target_revision, endpoint))
     check_target_config(target_cfg, target_where)
     check_prequantized(target_cfg, quant, model)
     drafter_cfg = None
     if drafter_kind is not None:
-        drafter_cfg = read_config(drafter_kind, drafter_where, drafter_rev, endpoint)
+        drafter_cfg = read_config_file(find_config(drafter_kind, drafter_where, drafter_rev, endpoint))
         check_pair(target_cfg, DrafterConfig.from_dict(drafter_cfg, source=f"{drafter_where}/config.json"),
                    target_name=target_where, drafter_name=drafter_where)
     quant_auto = quant == "auto"

@@ -59,7 +59,7 @@ def mxfp4_on(target: dict, device: str | None) -> tuple[bool, str | None]:
 def read_configs(where: str | None, revision: str | None, endpoint: str | None) -> tuple[dict | None, str]:
     """(config dict or None, a note on where it came from or why it is missing)."""
     from dflash_cli.engine.pairing import read_config_file
-    from dflash_cli.models import hub
+    from dflash_cli.models import cache
     from dflash_cli.models.resolve import find_config
 
     if where is None:
@@ -68,9 +68,9 @@ def read_configs(where: str | None, revision: str | None, endpoint: str | None) 
     try:
         path = find_config(kind, where, revision, endpoint)
         return read_config_file(path), str(path)
-    except hub.NotDownloadedError:
+    except cache.NotDownloadedError:
         return None, "not downloaded, and HF_HUB_OFFLINE is set (unset it to fetch config.json only)"
-    except (hub.HubError, CheckpointError) as error:
+    except (cache.HubError, CheckpointError) as error:
         return None, str(error)
 
 
