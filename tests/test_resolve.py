@@ -101,7 +101,7 @@ def test_every_reader_words_a_bad_config_json_alike(tiny_models, tmp_path, text,
 
 
 def test_an_impossible_plan_is_refused_before_any_weights_download(fake, online, config):
-    from dflash_cli.models.resolve import MemoryBudget, MemoryPlanError
+    from dflash_cli.models.memory.preflight import MemoryBudget, MemoryPlanError
 
     fake.reset_requests()
     with pytest.raises(MemoryPlanError) as err:
@@ -117,7 +117,7 @@ def test_an_impossible_plan_is_refused_before_any_weights_download(fake, online,
 def test_a_pair_too_big_for_one_of_several_gpus_is_pointed_at_a_split():
     from conftest import target_config
 
-    from dflash_cli.models.resolve import MemoryBudget, MemoryPlanError, preflight_memory
+    from dflash_cli.models.memory.preflight import MemoryBudget, MemoryPlanError, preflight_memory
 
     target_cfg = target_config("qwen3")
     hints = {}

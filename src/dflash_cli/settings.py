@@ -24,7 +24,7 @@ DEFAULT_DEVICE = "auto"
 DEFAULT_COLOR = "auto"
 DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_COMPILE = "auto"  # compile the fast path where it pays (engine/compile.py)
-DEFAULT_DEVICE_MAP = "none"  # one device; auto/balanced/sequential split the target (models/split.py)
+DEFAULT_DEVICE_MAP = "none"  # one device; auto/balanced/sequential split the target (models/memory/split.py)
 
 ENV = {
     "model": "DFLASH_MODEL",

@@ -1,7 +1,8 @@
 """Memory planner: does a target (+ drafter) fit, at which quantization and context, and what else would.
 
 Pure arithmetic on `config.json` dicts (no torch, no transformers), so it runs before any weights are
-downloaded. The sizes it adds up, and how they are counted, are in `models/sizes.py`.
+downloaded. The sizes it adds up, and how they are counted, are in `models/memory/sizes.py` (bytes) and
+`models/memory/params.py` (parameters).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dflash_cli.engine.config import drafter_block_size
-from dflash_cli.models.sizes import (
+from dflash_cli.models.memory.params import prequantized
+from dflash_cli.models.memory.sizes import (
     AUTO_ORDER,
     GIB,
     WeightEstimate,
@@ -21,7 +23,6 @@ from dflash_cli.models.sizes import (
     gib,
     kv_cache_bytes,
     normalize_quant,
-    prequantized,
     target_weight_bytes,
 )
 
@@ -194,7 +195,7 @@ def plan_memory(target_config: dict[str, Any], drafter_config: dict[str, Any] | 
     `quant` may be "auto" (the best of bf16, int8, nf4 that fits; nf4 if none does; a checkpoint published
     quantized, MXFP4 or fp8, only bf16: transformers refuses bitsandbytes on top of it).
     `block_size` defaults to the drafter's (1 without a drafter). `drafter_quant` defaults to bf16.
-    `mxfp4_packed`: an MXFP4 target keeps its experts packed (see models/resolve.mxfp4_kept).
+    `mxfp4_packed`: an MXFP4 target keeps its experts packed (see models/memory/preflight.mxfp4_kept).
     """
     if block_size is None:
         block_size = drafter_block_size(drafter_config) if drafter_config is not None else 1
