@@ -185,7 +185,10 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     else:
         target_where, target_kind = spec.target, spec.kind
 
-    drafter_kind, drafter_where, drafter_rev, drafter_entry = None, None, None, None
+    drafter_kind: str | None = None  # "folder" or "repo" (set with drafter_where)
+    drafter_where: str | None = None
+    drafter_rev: str | None = None
+    drafter_entry: PairEntry | None = None
     if no_draft:
         note = "speculation off: --no-draft"
     elif draft:
@@ -207,7 +210,7 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     check_target_config(target_cfg, target_where)
     check_prequantized(target_cfg, quant, model)
     drafter_cfg = None
-    if drafter_kind is not None:
+    if drafter_kind is not None and drafter_where is not None:
         drafter_cfg = read_config_file(find_config(drafter_kind, drafter_where, drafter_rev, endpoint))
         check_pair(target_cfg, DrafterConfig.from_dict(drafter_cfg, source=f"{drafter_where}/config.json"),
                    target_name=target_where, drafter_name=drafter_where)
@@ -222,10 +225,9 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     target_dir = Path(target_where) if target_kind == "folder" else _fetch(
         target_where, spec.target_revision, endpoint, on_status, tqdm_class)
     drafter_dir = None
-    if drafter_kind == "folder":
-        drafter_dir = Path(drafter_where)
-    elif drafter_kind == "repo":
-        drafter_dir = _fetch(drafter_where, drafter_rev, endpoint, on_status, tqdm_class)
+    if drafter_where is not None:
+        drafter_dir = Path(drafter_where) if drafter_kind == "folder" else _fetch(
+            drafter_where, drafter_rev, endpoint, on_status, tqdm_class)
     return ResolvedPair(target_dir, drafter_dir, spec, note, quant, drafter_entry, block, quant_auto)
 
 

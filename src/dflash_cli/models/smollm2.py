@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from dflash_cli import settings
 from dflash_cli.engine.dtypes import dtype_name
@@ -526,7 +527,7 @@ def _verify(out: Path, dtype: str) -> None:
 
     messages = [{"role": "user", "content": "Hi there"}]
     try:
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = cast(str, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     except Exception as exc:  # noqa: BLE001 - report any template failure as a conversion problem
         problems.append(f"the chat template does not render: {exc}")
     else:

@@ -90,7 +90,9 @@ def _plan(target_config, drafter_config, quant, drafter_quant, context_tokens, b
     quant = normalize_quant(quant)
     dq = normalize_quant(drafter_quant) if drafter_config is not None else None
     t = target_weight_bytes(target_config, quant, mxfp4_packed=mxfp4_packed)
-    d = drafter_weight_bytes(drafter_config, dq) if drafter_config is not None else None
+    d: WeightEstimate | None = None
+    if drafter_config is not None and dq is not None:
+        d = drafter_weight_bytes(drafter_config, dq)
     rows = context_tokens + block_size  # a verified block sits in the cache until it is cropped
     t_kv = kv_cache_bytes(target_config, rows, kv_dtype_bytes)
     d_kv = drafter_kv_cache_bytes(drafter_config, rows, kv_dtype_bytes) if drafter_config is not None else 0
@@ -134,7 +136,7 @@ def _alternatives(plan: MemoryPlan, target_config, drafter_config, kv_dtype_byte
     packed = plan.mxfp4_packed
 
     def add(knob: str, value: Any, label: str, **changes) -> None:
-        kw = dict(args, quant=plan.quant, mxfp4_packed=packed)
+        kw: dict[str, Any] = dict(args, quant=plan.quant, mxfp4_packed=packed)
         kw.update(changes)
         alt = _plan(target_config, drafter_config if kw.pop("drafter", True) else None, kw["quant"],
                     kw["drafter_quant"], kw["context_tokens"], kw["block_size"], plan.available_bytes,
