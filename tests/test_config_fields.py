@@ -12,8 +12,8 @@ from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.errors import CheckpointError
 from dflash_cli.engine.hf_format import to_transformers_config
 from dflash_cli.engine.pairing import check_pair
-from dflash_cli.models.plan import plan_memory
-from dflash_cli.models.sizes import drafter_weight_bytes, kv_cache_bytes
+from dflash_cli.models.memory.plan import plan_memory
+from dflash_cli.models.memory.sizes import drafter_weight_bytes, kv_cache_bytes
 from dflash_cli.ui.show_cmd import config_summary
 
 TARGET = target_config("qwen3")

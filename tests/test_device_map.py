@@ -29,8 +29,8 @@ from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.oracle import OracleDrafter
 from dflash_cli.engine.placement import parse_max_memory, resolve_split
-from dflash_cli.models.sizes import CUDA_CONTEXT_BYTES
-from dflash_cli.models.split import choose_split_quant, format_split, plan_split
+from dflash_cli.models.memory.sizes import CUDA_CONTEXT_BYTES
+from dflash_cli.models.memory.split import choose_split_quant, format_split, plan_split
 from dflash_cli.ui.cli import cli as main
 
 TARGET = target_config("qwen3")

@@ -88,15 +88,15 @@ def test_json_paths_follow_the_environment_at_call_time(tmp_path, monkeypatch):
 
 
 def test_hub_cache_and_offline_are_the_ones_pull_and_list_use(tmp_path, monkeypatch):
-    """The doctor reads them through models/hub.py, as huggingface_hub does: the older HUGGINGFACE_HUB_CACHE
+    """The doctor reads them through models/folders.py, as huggingface_hub does: the older HUGGINGFACE_HUB_CACHE
     beats HF_HOME, and TRANSFORMERS_OFFLINE sets the Hub offline too."""
-    from dflash_cli.models import hub
+    from dflash_cli.models import folders
 
     monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(tmp_path / "legacy"))
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     checks = by_name(run_json()[1])
-    assert checks["hf cache"]["value"] == str(hub.default_cache_dir()) == str(tmp_path / "legacy")
+    assert checks["hf cache"]["value"] == str(folders.default_cache_dir()) == str(tmp_path / "legacy")
     assert checks["hf offline"]["value"] == "yes (TRANSFORMERS_OFFLINE)" and checks["hf offline"]["data"] is True
 
 

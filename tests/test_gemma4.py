@@ -432,7 +432,7 @@ def test_train_distils_a_drafter_for_a_gemma_target(tmp_path):
 
 def test_the_memory_planner_counts_the_ring_the_engine_allocates(pair):
     """Long contexts: global layers hold every row, sliding layers a ring of window + 2 * 512 rows."""
-    from dflash_cli.models.sizes import kv_cache_bytes
+    from dflash_cli.models.memory.sizes import kv_cache_bytes
 
     fast = FastPath(pair.target.model, 2048, pad_to=16)
     assert fast.ring is not None

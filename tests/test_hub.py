@@ -1,4 +1,4 @@
-"""models/hub.py against a loopback server speaking the Hub API, with the real huggingface_hub client."""
+"""models/hub.py and models/cache.py against a loopback server speaking the Hub API, with the real client."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from conftest import save_tiny_pair
 from hub_server import FakeHub
 
-from dflash_cli.models import hub
+from dflash_cli.models import cache as hub_cache
+from dflash_cli.models import folders, hub
 
 TARGET = "tiny-org/qwen3-tiny"
 DRAFTER = "tiny-org/qwen3-tiny-dflash"
@@ -100,7 +101,7 @@ def test_second_pull_offline_makes_zero_requests(fake, online, cache, monkeypatc
     first = _pull(fake, TARGET, cache)
     fake.reset_requests()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert hub.local_snapshot(TARGET, cache_dir=cache) == first
+    assert hub_cache.local_snapshot(TARGET, cache_dir=cache) == first
     assert _pull(fake, TARGET, cache) == first
     monkeypatch.delenv("HF_HUB_OFFLINE")
     assert _pull(fake, TARGET, cache, local_files_only=True) == first
@@ -108,15 +109,15 @@ def test_second_pull_offline_makes_zero_requests(fake, online, cache, monkeypatc
 
 
 def test_local_snapshot_names_what_is_missing(fake, online, cache):
-    with pytest.raises(hub.NotDownloadedError) as e:
-        hub.local_snapshot(TARGET, cache_dir=cache)
+    with pytest.raises(hub_cache.NotDownloadedError) as e:
+        hub_cache.local_snapshot(TARGET, cache_dir=cache)
     assert str(e.value) == f"{TARGET} is not downloaded"
     assert e.value.hint == f"run `dflash-cli pull {TARGET}` (needs the network)"
 
     folder = _pull(fake, TARGET, cache)
     (folder / "tokenizer.json").unlink()
-    with pytest.raises(hub.NotDownloadedError, match=r"partly downloaded: missing tokenizer\.json$"):
-        hub.local_snapshot(TARGET, cache_dir=cache)
+    with pytest.raises(hub_cache.NotDownloadedError, match=r"partly downloaded: missing tokenizer\.json$"):
+        hub_cache.local_snapshot(TARGET, cache_dir=cache)
     assert fake.gets("tokenizer.json")  # sanity: it was served by the pull
 
 
@@ -202,7 +203,7 @@ def test_truncated_safetensors_is_corrupt(fake, online, cache, repo_files):
     files = dict(repo_files[DRAFTER])
     files["model.safetensors"] = files["model.safetensors"][:-100]
     fake.add_revision("bad/truncated", files)
-    with pytest.raises(hub.CorruptWeightsError) as e:
+    with pytest.raises(hub_cache.CorruptWeightsError) as e:
         _pull(fake, "bad/truncated", cache)
     assert "model.safetensors is corrupt or truncated" in str(e.value)
     assert "dflash-cli rm" in e.value.hint
@@ -211,11 +212,11 @@ def test_truncated_safetensors_is_corrupt(fake, online, cache, repo_files):
 def test_check_safetensors_garbage_header(tmp_path):
     bad = tmp_path / "x.safetensors"
     bad.write_bytes(struct.pack("<Q", 10) + b"not json!!")
-    with pytest.raises(hub.CorruptWeightsError, match="header is not valid JSON"):
-        hub.check_safetensors(bad)
+    with pytest.raises(hub_cache.CorruptWeightsError, match="header is not valid JSON"):
+        hub_cache.check_safetensors(bad)
     bad.write_bytes(b"\x01")
-    with pytest.raises(hub.CorruptWeightsError, match="shorter than"):
-        hub.check_safetensors(bad)
+    with pytest.raises(hub_cache.CorruptWeightsError, match="shorter than"):
+        hub_cache.check_safetensors(bad)
 
 
 def test_plan_download_sizes(fake, online, cache, repo_files):
@@ -240,8 +241,8 @@ def test_fetch_configs_only(fake, online, cache, repo_files):
     assert json.loads((folder / "config.json").read_bytes()) == json.loads(repo_files[TARGET]["config.json"])
     assert not fake.gets("model.safetensors")
     # the partial snapshot does not pass for a full download
-    with pytest.raises(hub.NotDownloadedError, match="partly downloaded: missing .*model.safetensors"):
-        hub.local_snapshot(TARGET, cache_dir=cache)
+    with pytest.raises(hub_cache.NotDownloadedError, match="partly downloaded: missing .*model.safetensors"):
+        hub_cache.local_snapshot(TARGET, cache_dir=cache)
 
 
 def test_unreachable_hub(online, cache):
@@ -272,27 +273,27 @@ def test_unreachable_hub_uses_complete_cache(fake, online, cache):
 def test_list_and_remove(fake, online, cache):
     _pull(fake, TARGET, cache)
     _pull(fake, DRAFTER, cache)
-    repos = {r.repo_id: r for r in hub.list_local(cache)}
+    repos = {r.repo_id: r for r in hub_cache.list_local(cache)}
     assert set(repos) == {TARGET, DRAFTER}
     for r in repos.values():
         assert r.size_on_disk == sum(p.stat().st_size for p in (r.path / "blobs").iterdir())
         assert r.refs == ("main",) and len(r.revisions) == 1 and r.last_modified > 0
 
-    freed = hub.remove([DRAFTER], cache_dir=cache)
+    freed = hub_cache.remove([DRAFTER], cache_dir=cache)
     assert freed == repos[DRAFTER].size_on_disk
-    assert [r.repo_id for r in hub.list_local(cache)] == [TARGET]
-    assert hub.local_snapshot(TARGET, cache_dir=cache).is_dir()
-    with pytest.raises(hub.NotDownloadedError, match="not in the local cache: tiny-org/qwen3-tiny-dflash"):
-        hub.remove([DRAFTER], cache_dir=cache)
+    assert [r.repo_id for r in hub_cache.list_local(cache)] == [TARGET]
+    assert hub_cache.local_snapshot(TARGET, cache_dir=cache).is_dir()
+    with pytest.raises(hub_cache.NotDownloadedError, match="not in the local cache: tiny-org/qwen3-tiny-dflash"):
+        hub_cache.remove([DRAFTER], cache_dir=cache)
 
 
 def test_default_cache_follows_env(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
-    assert hub.default_cache_dir() == tmp_path / "home" / "hub"
+    assert folders.default_cache_dir() == tmp_path / "home" / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "c"))
-    assert hub.default_cache_dir() == tmp_path / "c"
-    assert hub.list_local() == []
+    assert folders.default_cache_dir() == tmp_path / "c"
+    assert hub_cache.list_local() == []
 
 
 HF_VARIABLES = ("HF_HOME", "XDG_CACHE_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN_PATH",
@@ -315,14 +316,14 @@ def test_cache_token_and_offline_are_read_as_huggingface_hub_reads_them(tmp_path
     script = f"""
 import importlib, json, os, sys
 from huggingface_hub import constants
-from dflash_cli.models import hub
+from dflash_cli.models import folders
 out = []
 for case in json.loads(sys.argv[1]):
     for name in {HF_VARIABLES!r}:
         os.environ.pop(name, None)
     importlib.reload(constants)  # the library's own values without any of the variables
     os.environ.update(case)
-    ours = [str(hub.default_cache_dir()), str(hub.token_path()), hub.offline_variable() is not None]
+    ours = [str(folders.default_cache_dir()), str(folders.token_path()), folders.offline_variable() is not None]
     importlib.reload(constants)
     out.append([ours, [constants.HF_HUB_CACHE, constants.HF_TOKEN_PATH, constants.HF_HUB_OFFLINE]])
 print(json.dumps(out))
@@ -369,15 +370,15 @@ def test_offline_at_import_time_in_a_subprocess(fake, online, cache):
     fake.reset_requests()
     script = (
         "import sys\n"
-        "from dflash_cli.models import hub\n"
+        "from dflash_cli.models import cache, hub\n"
         f"print(hub.pull({TARGET!r}, endpoint={fake.endpoint!r}).name)\n"
         "try:\n"
         f"    hub.pull({DRAFTER!r}, endpoint={fake.endpoint!r})\n"
-        "except hub.NotDownloadedError as e:\n"
+        "except cache.NotDownloadedError as e:\n"
         "    print(e, '|', e.hint)\n"
         "try:\n"
         f"    hub.plan_download({TARGET!r}, endpoint={fake.endpoint!r})\n"
-        "except hub.NotDownloadedError as e:\n"
+        "except cache.NotDownloadedError as e:\n"
         "    print(e)\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
@@ -392,7 +393,7 @@ def test_offline_at_import_time_in_a_subprocess(fake, online, cache):
 
 def test_fetch_configs_offline(fake, online, cache, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(hub.NotDownloadedError, match=f"^{TARGET} is not downloaded$"):
+    with pytest.raises(hub_cache.NotDownloadedError, match=f"^{TARGET} is not downloaded$"):
         hub.fetch_configs(TARGET, cache_dir=cache, endpoint=fake.endpoint)
     monkeypatch.delenv("HF_HUB_OFFLINE")
     folder = hub.fetch_configs(TARGET, cache_dir=cache, endpoint=fake.endpoint)

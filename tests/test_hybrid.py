@@ -283,7 +283,7 @@ def test_transformers_forward_is_refused_for_hybrids(pair):
 
 
 def test_memory_planner_counts_the_states_the_engine_allocates(pair):
-    from dflash_cli.models.sizes import kv_cache_bytes
+    from dflash_cli.models.memory.sizes import kv_cache_bytes
 
     config = pair.target.model.config.to_dict()
     linear = DecodeState(pair.target, None).target_cache.linear
@@ -296,7 +296,7 @@ def test_the_published_qwen3_5_pair_checks_and_plans_from_configs_only():
 
     from dflash_cli.engine.drafter import DrafterConfig
     from dflash_cli.engine.pairing import check_pair, check_target_config
-    from dflash_cli.models.plan import plan_memory
+    from dflash_cli.models.memory.plan import plan_memory
 
     target = read_json(HF_CONFIGS / "Qwen__Qwen3.5-4B" / "config.json")
     drafter = read_json(HF_CONFIGS / "z-lab__Qwen3.5-4B-DFlash" / "config.json")

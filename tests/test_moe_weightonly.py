@@ -280,7 +280,7 @@ def test_the_planner_counts_the_16_bit_load_peak_and_notes_the_experts_once_load
     """Loading holds the experts at 16 bits before the fast path quantizes them (a checkpoint of one tensor per
     expert is merged into new tensors), so the memory check counts that peak; the note gives the 4/8-bit size
     they keep once loaded, only for the model types whose experts the fast path quantizes."""
-    from dflash_cli.models.sizes import target_weight_bytes
+    from dflash_cli.models.memory.sizes import target_weight_bytes
 
     config = read_json(HF_CONFIGS / "Qwen__Qwen3-Coder-30B-A3B-Instruct" / "config.json")
     e, inter, h, layers = 128, 768, 2048, 48

@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 
 from dflash_cli.engine.config import drafter_block_size
-from dflash_cli.models import plan as P
-from dflash_cli.models import sizes as S
-from dflash_cli.models.plan import GIB, choose_quant, format_plan, plan_memory
-from dflash_cli.models.sizes import drafter_kv_cache_bytes, drafter_weight_bytes, kv_cache_bytes, target_weight_bytes
+from dflash_cli.models.memory import params
+from dflash_cli.models.memory import plan as P
+from dflash_cli.models.memory import sizes as S
+from dflash_cli.models.memory.plan import GIB, choose_quant, format_plan, plan_memory
+from dflash_cli.models.memory.sizes import (
+    drafter_kv_cache_bytes,
+    drafter_weight_bytes,
+    kv_cache_bytes,
+    target_weight_bytes,
+)
 
 DATA = Path(__file__).parent / "data" / "hf-configs"
 
@@ -159,7 +165,7 @@ def test_embeddings_lm_head_and_norms_stay_16bit_under_quantization():
 
 
 def test_bitsandbytes_byte_rules_on_one_linear():
-    c = S._Counts()
+    c = params.Counts()
     c.add(4096, 1024)
     lin = c.linears[0]
     n = 4096 * 1024
@@ -521,7 +527,7 @@ QWEN3_CODER_NEXT = {
 
 
 def test_qwen3_next_layers_follow_the_interval_and_its_attention_is_gated():
-    from dflash_cli.models.sizes import count_target, target_layer_kinds
+    from dflash_cli.models.memory.params import count_target, target_layer_kinds
 
     kinds = target_layer_kinds(QWEN3_CODER_NEXT)
     assert kinds.count("full_attention") == 12 and kinds[3::4] == ["full_attention"] * 12
@@ -539,7 +545,7 @@ def test_qwen3_next_layers_follow_the_interval_and_its_attention_is_gated():
     ((9, 0), True, True), ((9, 0), False, True), ((9, 0), True, False), ((7, 0), True, True), ((7, 5), True, True),
 ])
 def test_mxfp4_kept_agrees_with_transformers_own_decision(monkeypatch, capability, triton, kernels):
-    """models/resolve.mxfp4_kept against transformers 5.24's Mxfp4HfQuantizer on a (simulated) CUDA GPU:
+    """models/memory/preflight.mxfp4_kept against transformers 5.24's Mxfp4HfQuantizer on a (simulated) CUDA GPU:
     the experts stay packed exactly when transformers does not set `dequantize`."""
     import torch
     import transformers.quantizers.quantizer_mxfp4 as quantizer_module
@@ -547,7 +553,7 @@ def test_mxfp4_kept_agrees_with_transformers_own_decision(monkeypatch, capabilit
     from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
     from transformers.utils.quantization_config import Mxfp4Config
 
-    from dflash_cli.models.resolve import mxfp4_kept
+    from dflash_cli.models.memory.preflight import mxfp4_kept
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
@@ -564,6 +570,6 @@ def test_mxfp4_kept_agrees_with_transformers_own_decision(monkeypatch, capabilit
 
 
 def test_mxfp4_is_dequantized_on_a_cpu():
-    from dflash_cli.models.resolve import mxfp4_kept
+    from dflash_cli.models.memory.preflight import mxfp4_kept
 
     assert mxfp4_kept("cpu") == (False, "transformers dequantizes them on cpu")

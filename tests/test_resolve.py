@@ -11,7 +11,7 @@ from conftest import drafter_config, save_random_drafter, target_config
 from test_hub import DRAFTER, TARGET, _read_folder, cache, fake, online, repo_files, server  # noqa: F401
 
 from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError, UnsupportedModelError
-from dflash_cli.models import hub
+from dflash_cli.models.cache import NotDownloadedError
 from dflash_cli.models.resolve import resolve_pair
 
 WIDE = "tiny-org/wide-dflash"
@@ -53,7 +53,7 @@ def test_a_mismatched_pair_is_refused_before_any_weights_download(fake, online, 
 
 def test_offline_and_not_downloaded_names_the_command(fake, config, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(hub.NotDownloadedError) as err:
+    with pytest.raises(NotDownloadedError) as err:
         resolve_pair("tiny", endpoint=fake.endpoint)
     assert "pull" in err.value.hint and fake.requests == []
 
@@ -101,7 +101,7 @@ def test_every_reader_words_a_bad_config_json_alike(tiny_models, tmp_path, text,
 
 
 def test_an_impossible_plan_is_refused_before_any_weights_download(fake, online, config):
-    from dflash_cli.models.resolve import MemoryBudget, MemoryPlanError
+    from dflash_cli.models.memory.preflight import MemoryBudget, MemoryPlanError
 
     fake.reset_requests()
     with pytest.raises(MemoryPlanError) as err:
@@ -117,7 +117,7 @@ def test_an_impossible_plan_is_refused_before_any_weights_download(fake, online,
 def test_a_pair_too_big_for_one_of_several_gpus_is_pointed_at_a_split():
     from conftest import target_config
 
-    from dflash_cli.models.resolve import MemoryBudget, MemoryPlanError, preflight_memory
+    from dflash_cli.models.memory.preflight import MemoryBudget, MemoryPlanError, preflight_memory
 
     target_cfg = target_config("qwen3")
     hints = {}

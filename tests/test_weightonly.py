@@ -95,7 +95,7 @@ def test_constant_groups_survive_4_bits():
 def test_the_planner_counts_the_8bit_lm_head_copy():
     from test_plan import cfg
 
-    from dflash_cli.models.sizes import target_weight_bytes
+    from dflash_cli.models.memory.sizes import target_weight_bytes
 
     tied, untied = cfg("HuggingFaceTB__SmolLM2-135M-Instruct"), cfg("Qwen__Qwen3-8B")
     for config in (tied, untied):
@@ -287,7 +287,7 @@ def test_auto_quant_in_the_preflight_picks_the_cpus_format(monkeypatch):
     from test_plan import cfg
 
     from dflash_cli.engine import device, native
-    from dflash_cli.models.resolve import MemoryBudget, preflight_memory
+    from dflash_cli.models.memory.preflight import MemoryBudget, preflight_memory
 
     budget = MemoryBudget(64 * 2**30, 4096, "bf16", "system memory", "cpu")
     smol = cfg("HuggingFaceTB__SmolLM2-135M-Instruct")
@@ -332,7 +332,7 @@ def test_auto_falls_back_to_unquantized_where_q4_cannot_run(tiny_target_dir, mon
     from click.testing import CliRunner
 
     from dflash_cli.engine import device
-    from dflash_cli.models import resolve
+    from dflash_cli.models.memory import preflight
     from dflash_cli.ui.cli import cli
 
     monkeypatch.setattr(device, "cpu_capability", lambda: "AVX512")
@@ -345,7 +345,7 @@ def test_auto_falls_back_to_unquantized_where_q4_cannot_run(tiny_target_dir, mon
     assert off.exit_code == 0, off.stderr
     assert "--quant auto: q4 runs on the fast path, which --compile off turns off; running unquantized" in off.stderr
     assert off.stdout.strip()
-    monkeypatch.setattr(resolve, "placement_budget", lambda *a, **k: None)  # free memory unknown (macOS, Windows)
+    monkeypatch.setattr(preflight, "placement_budget", lambda *a, **k: None)  # free memory unknown (macOS, Windows)
     unknown = CliRunner().invoke(cli, args)
     assert unknown.exit_code == 0, unknown.stderr
     assert " q4 ·" not in unknown.stderr

@@ -2,7 +2,7 @@
 
 dflash-cli's own variables (DFLASH_*, and the XDG folders they fall back to) are read only here; the
 engine receives plain values. Variables of other tools are read where they are used: Hugging Face's
-(HF_*) by models/hub.py, ui/download_progress.py and the doctor, the terminal's (NO_COLOR, TERM) by
+(HF_*) by models/folders.py, ui/download_progress.py and the doctor, the terminal's (NO_COLOR, TERM) by
 ui/render.py; their on/off flags all read through :func:`env_flag`.
 """
 
@@ -24,7 +24,7 @@ DEFAULT_DEVICE = "auto"
 DEFAULT_COLOR = "auto"
 DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_COMPILE = "auto"  # compile the fast path where it pays (engine/compile.py)
-DEFAULT_DEVICE_MAP = "none"  # one device; auto/balanced/sequential split the target (models/split.py)
+DEFAULT_DEVICE_MAP = "none"  # one device; auto/balanced/sequential split the target (models/memory/split.py)
 
 ENV = {
     "model": "DFLASH_MODEL",

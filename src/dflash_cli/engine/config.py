@@ -2,7 +2,7 @@
 model part and layer types, and a drafter's block size, taps, mask id and layer types, in the z-lab (v1,
 DFlash 2) and transformers (`muse_glimmer_assistant`) formats (docs/format.md sections 2, 7 and 8).
 
-The engine (`DrafterConfig`, pairing), the memory planner (`models/sizes.py`) and `show` all read through
+The engine (`DrafterConfig`, pairing), the memory planner (`models/memory/sizes.py`) and `show` all read through
 here, so no torch: the planner runs before any weights, or torch, are loaded.
 """
 
@@ -35,12 +35,12 @@ _HF_REQUIRED = {
 }
 
 # The fast path reads a prompt in pieces of at most this many tokens (DecodeState.prefill), so its attention mask
-# and MLP intermediates stay this size however long the prompt; the memory planner (models/sizes.py)
+# and MLP intermediates stay this size however long the prompt; the memory planner (models/memory/sizes.py)
 # counts one piece.
 PREFILL_CHUNK = 512
 
 # --device-map's strategies (accelerate's names; auto = balanced): engine/placement.py checks the value,
-# models/split.py plans by it
+# models/memory/split.py plans by it
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "sequential")
 #: --device-map's choices: none (one device) or a strategy
 DEVICE_MAP_CHOICES = ("none", *DEVICE_MAP_STRATEGIES)

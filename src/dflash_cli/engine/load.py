@@ -161,7 +161,7 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
         quant: None, "int8" or "nf4" to quantize the linear layers with bitsandbytes (GPUs); "q4" or "q8" for
             PyTorch's weight-only CPU kernels, applied when the fast path is enabled (engine/weightonly.py),
             with the 4-bit codes of `Q4_CODES_FILE` when the folder has one (a GGUF's own).
-        layer_devices: the device of each decoder layer ("cuda:1", "cpu", "disk"), as models/split.py
+        layer_devices: the device of each decoder layer ("cuda:1", "cpu", "disk"), as models/memory/split.py
             plans them; accelerate offloads the layers on cpu (when the hot device is a GPU) and disk.
         offload_dir: where disk-offloaded weights go (in a temporary folder inside it, removed with the
             target); default: the system's temporary folder, which is often in RAM (tmpfs).

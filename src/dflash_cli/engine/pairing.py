@@ -76,7 +76,7 @@ def safetensors_files(folder: Path, what: str) -> list[Path]:
 # hybrids whose linear-attention state the fast path rolls back exactly (engine/linear_attention.py):
 # Qwen3.5/3.6 (dense and MoE, multimodal and text-only) and Qwen3-Next (Qwen3-Coder-Next)
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-#: what the memory planner (models/sizes.py) and the loader read from a target's config.json
+#: what the memory planner (models/memory/sizes.py) and the loader read from a target's config.json
 TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 
 

@@ -1,7 +1,7 @@
 """`--device-map` and `--max-memory`: checking them against the devices present, before any weights load,
 and turning per-layer devices into the module map transformers and accelerate load with.
 
-Which layer goes where is planned by models/split.py (pure arithmetic); this module only knows devices.
+Which layer goes where is planned by models/memory/split.py (pure arithmetic); this module only knows devices.
 """
 
 from __future__ import annotations

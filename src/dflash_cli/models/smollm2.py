@@ -26,7 +26,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
+from dflash_cli import settings
 from dflash_cli.engine.dtypes import dtype_name
 from dflash_cli.engine.errors import DFlashError
 from dflash_cli.engine.pairing import PICKLE_SUFFIXES
@@ -38,7 +40,6 @@ __all__ = [
     "SmolLM2NotInstalled",
     "SmolLM2ConversionError",
     "gguf_path",
-    "default_cache_dir",
     "smollm2_dir",
     "is_converted",
     "ensure_smollm2",
@@ -120,13 +121,6 @@ def gguf_path() -> Path:
     )
 
 
-def default_cache_dir() -> Path:
-    """``$DFLASH_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/dflash-cli`` (``~/.cache/dflash-cli``)."""
-    from dflash_cli.settings import cache_dir
-
-    return cache_dir()
-
-
 def _normalize_dtype(dtype: str) -> str:
     known = dtype_name(dtype)
     if known is None:
@@ -137,7 +131,7 @@ def _normalize_dtype(dtype: str) -> str:
 def smollm2_dir(cache_dir: Path | str | None = None, *, dtype: str = "bfloat16") -> Path:
     """Where :func:`ensure_smollm2` puts (or would put) the converted checkpoint."""
     dtype = _normalize_dtype(dtype)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else settings.cache_dir()
     name = _FOLDER if dtype == "bfloat16" else f"{_FOLDER}-{dtype}"
     return root / "models" / name
 
@@ -533,7 +527,7 @@ def _verify(out: Path, dtype: str) -> None:
 
     messages = [{"role": "user", "content": "Hi there"}]
     try:
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = cast(str, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     except Exception as exc:  # noqa: BLE001 - report any template failure as a conversion problem
         problems.append(f"the chat template does not render: {exc}")
     else:
@@ -560,7 +554,7 @@ def ensure_smollm2(
     """Return a folder holding a normal HF checkpoint of SmolLM2-135M-Instruct.
 
     The folder is ``<cache_dir>/models/smollm2-135m-instruct`` (``-float16``/``-float32`` appended
-    for those dtypes); ``cache_dir`` defaults to :func:`default_cache_dir`. It holds
+    for those dtypes); ``cache_dir`` defaults to ``settings.cache_dir()``. It holds
     ``config.json`` (no quantization config), ``model.safetensors``, ``generation_config.json``
     (eos = ``<|im_end|>`` and ``<|endoftext|>``) and the tokenizer with its ChatML template.
 
@@ -609,7 +603,7 @@ def ensure_smollm2(
         failure = _write_failure(exc, target.parent)
         if failure is None:
             raise
-        from dflash_cli.models.hub import folder_error
+        from dflash_cli.models.folders import folder_error
 
         raise folder_error(failure, "cannot write the SmolLM2-135M-Instruct conversion", "DFLASH_CACHE_DIR",
                            _CONVERSION_SPACE) from exc
@@ -625,7 +619,7 @@ def _write_failure(exc: BaseException, folder: Path) -> OSError | None:
     SafetensorError naming the OS error ("No space left on device (os error 28)"); that counts too."""
     import re
 
-    from dflash_cli.models.hub import WRITE_ERRNOS
+    from dflash_cli.models.folders import WRITE_ERRNOS
 
     if isinstance(exc, OSError):
         if exc.errno not in WRITE_ERRNOS:

@@ -138,7 +138,8 @@ def open_local(options: ModelOptions, *, block_size: int | None = None, on_statu
                busy: Callable[[str], ContextManager[Any]] | None = None) -> LocalRuntime:
     """`open_runtime` for a pair loaded here (its `engine` is not used)."""
     from dflash_cli.engine.placement import resolve_placement
-    from dflash_cli.models.resolve import placement_budget, resolve_pair
+    from dflash_cli.models.memory.preflight import placement_budget
+    from dflash_cli.models.resolve import resolve_pair
     from dflash_cli.runtime.local import load_runtime
 
     if not options.model:

@@ -152,7 +152,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     (a compile that failed and fell back). `before_weights(tokenizer)` runs before the weights load: checks
     that need only the tokenizer fail there, in a second rather than after a long load.
     `device_map` (auto/balanced/sequential) and `max_memory` ("0=14GiB,cpu=30GiB" or a dict) split the
-    target's layers over devices as models/split.py plans them; the drafter goes on the hot device.
+    target's layers over devices as models/memory/split.py plans them; the drafter goes on the hot device.
     `placement`: those three already resolved (engine/placement.py), in their place.
     `quant_auto`: `quant` was --quant auto's choice, so a weight-only one (q4/q8) that cannot run here
     (compile off, a target off the fast path) falls back to unquantized with a notice instead of an error.
@@ -210,9 +210,9 @@ def _load_tokenizer(target_dir: Path) -> Any:
 
 def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, list[tuple[str, int | None]]],
                 quant: str, max_context: int | None) -> list[str]:
-    """Each decoder layer's device, as models/split.py plans the split (what `show` prints)."""
+    """Each decoder layer's device, as models/memory/split.py plans the split (what `show` prints)."""
     from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES, read_config
-    from dflash_cli.models.split import plan_split, split_hint
+    from dflash_cli.models.memory.split import plan_split, split_hint
 
     target_cfg = read_config(target_dir, "target")
     plan = plan_split(target_cfg, read_config(drafter_dir, "drafter") if drafter_dir else None, devices=split[1],

@@ -335,7 +335,7 @@ def check_packages() -> list[Check]:
 
 def token_source() -> tuple[str, str | None]:
     """(source, path) of the Hub token: never the token itself."""
-    from dflash_cli.models.hub import token_path
+    from dflash_cli.models.folders import token_path
 
     if os.environ.get("HF_TOKEN", "").strip():
         return "HF_TOKEN environment variable", None
@@ -349,7 +349,7 @@ def token_source() -> tuple[str, str | None]:
 
 
 def check_hub() -> list[Check]:
-    from dflash_cli.models.hub import default_cache_dir, offline_variable
+    from dflash_cli.models.folders import default_cache_dir, offline_variable
 
     cache = default_cache_dir()
     checks = [Check("hf cache", str(cache), data=str(cache))]
@@ -380,9 +380,9 @@ def check_hub() -> list[Check]:
 
 
 def dflash_cache_dir() -> Path:
-    from dflash_cli.models.smollm2 import default_cache_dir
+    from dflash_cli.settings import cache_dir
 
-    return default_cache_dir()
+    return cache_dir()
 
 
 def check_dirs() -> list[Check]:

@@ -38,11 +38,11 @@ def _ago(ts: float, now: float | None = None) -> str:
 
 
 def local_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
-    from dflash_cli.models import hub
+    from dflash_cli.models import cache
 
     roles = _roles(registry)
     rows = []
-    for repo in hub.list_local():
+    for repo in cache.list_local():
         alias, role = roles.get(repo.repo_id.lower(), (None, None))
         rows.append({"repo_id": repo.repo_id, "pair": alias, "role": role, "size_bytes": repo.size_on_disk,
                      "revisions": list(repo.revisions), "refs": list(repo.refs),
@@ -171,9 +171,9 @@ def run_list(out: Any, quiet: bool, as_json: bool, known: bool) -> int:
             echo([r["repo_id"] for r in rows])
         return EXIT_OK
     if not rows:
-        from dflash_cli.models import hub
+        from dflash_cli.models.folders import default_cache_dir
 
-        out.info(f"no models in {hub.default_cache_dir()}; try: dflash-cli pull qwen3-8b "
+        out.info(f"no models in {default_cache_dir()}; try: dflash-cli pull qwen3-8b "
                  "(dflash-cli list --known shows the known pairs)")
         return EXIT_OK
     now = time.time()

@@ -48,14 +48,16 @@ def pull_targets(spec: str, revision: str | None, no_draft: bool,
 def run_pull(out: Any, spec: str, revision: str | None, dry_run: bool, no_draft: bool,
              endpoint: str | None) -> int:
     from dflash_cli.models import hub
+    from dflash_cli.models.cache import NotDownloadedError
+    from dflash_cli.models.folders import default_cache_dir, is_offline
     from dflash_cli.units import fmt_bytes
 
     wanted, alias = pull_targets(spec, revision, no_draft, dry_run)
-    cache = hub.default_cache_dir()
+    cache = default_cache_dir()
     if dry_run:
-        if hub.is_offline():
-            raise hub.NotDownloadedError("--dry-run asks the Hub for file sizes, but HF_HUB_OFFLINE is set",
-                                         hint="unset HF_HUB_OFFLINE to plan a download")
+        if is_offline():
+            raise NotDownloadedError("--dry-run asks the Hub for file sizes, but HF_HUB_OFFLINE is set",
+                                     hint="unset HF_HUB_OFFLINE to plan a download")
         grand_total = grand_download = 0
         for w in wanted:
             plan = hub.plan_download(w.repo_id, w.revision, endpoint=endpoint)
@@ -74,7 +76,7 @@ def run_pull(out: Any, spec: str, revision: str | None, dry_run: bool, no_draft:
         out.info(f"dry run: nothing downloaded; files would go to {cache}")
         return EXIT_OK
 
-    offline = hub.is_offline()
+    offline = is_offline()
     plans = {}
     if not offline:  # ask about every repo first, so a missing drafter fails before the target downloads
         for w in wanted:

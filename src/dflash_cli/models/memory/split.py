@@ -1,12 +1,12 @@
 """Per-device memory plans: which decoder layers of a target go on which device (`--device-map`).
 
-Pure arithmetic on `config.json` dicts, like models/plan.py, so `show` and the preflight plan a split
+Pure arithmetic on `config.json` dicts, like models/memory/plan.py, so `show` and the preflight plan a split
 before any weights load; the loader then places the layers exactly as planned (engine/load.py hands
 the per-layer devices to transformers/accelerate as an explicit device map).
 
 The hot device is the first one (the first GPU, else the CPU). It holds everything a decoding step
 touches outside the decoder layers: the embeddings, the final norm, the LM head, the drafter and its
-cache, the logits and the prefill working set (models/sizes.py's activation rule). Every other device
+cache, the logits and the prefill working set (models/memory/sizes.py's activation rule). Every other device
 holds a contiguous run of decoder layers, their KV cache, 10% of their weights as margin, and on a GPU
 the 0.5 GiB CUDA context. Layers are averaged: per-layer weight and KV bytes are the model's totals
 divided by its layer count (exact for uniform models, close for hybrids).
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_cli.engine.config import DEVICE_MAP_STRATEGIES, drafter_block_size, text_config
-from dflash_cli.models.sizes import (
+from dflash_cli.models.memory.params import prequantized
+from dflash_cli.models.memory.sizes import (
     AUTO_ORDER,
     CUDA_CONTEXT_BYTES,
     WEIGHT_MARGIN,
@@ -35,7 +36,6 @@ from dflash_cli.models.sizes import (
     drafter_weight_bytes,
     kv_cache_bytes,
     normalize_quant,
-    prequantized,
     target_weight_bytes,
 )
 from dflash_cli.units import fmt_bytes
@@ -148,7 +148,7 @@ def plan_split(target_config: dict[str, Any], drafter_config: dict[str, Any] | N
     """Places the target's decoder layers on `devices` [(name, available bytes or None)], hot device first.
 
     GPUs come first in `devices`, then "cpu", then "disk" (engine/placement.py orders them so).
-    `mxfp4_packed`: an MXFP4 target's experts stay packed (models/resolve.mxfp4_kept).
+    `mxfp4_packed`: an MXFP4 target's experts stay packed (models/memory/preflight.mxfp4_kept).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown device map strategy {strategy!r}: use {', '.join(STRATEGIES)}")

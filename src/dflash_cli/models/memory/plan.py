@@ -1,7 +1,8 @@
 """Memory planner: does a target (+ drafter) fit, at which quantization and context, and what else would.
 
 Pure arithmetic on `config.json` dicts (no torch, no transformers), so it runs before any weights are
-downloaded. The sizes it adds up, and how they are counted, are in `models/sizes.py`.
+downloaded. The sizes it adds up, and how they are counted, are in `models/memory/sizes.py` (bytes) and
+`models/memory/params.py` (parameters).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dflash_cli.engine.config import drafter_block_size
-from dflash_cli.models.sizes import (
+from dflash_cli.models.memory.params import prequantized
+from dflash_cli.models.memory.sizes import (
     AUTO_ORDER,
     GIB,
     WeightEstimate,
@@ -21,7 +23,6 @@ from dflash_cli.models.sizes import (
     gib,
     kv_cache_bytes,
     normalize_quant,
-    prequantized,
     target_weight_bytes,
 )
 
@@ -89,7 +90,9 @@ def _plan(target_config, drafter_config, quant, drafter_quant, context_tokens, b
     quant = normalize_quant(quant)
     dq = normalize_quant(drafter_quant) if drafter_config is not None else None
     t = target_weight_bytes(target_config, quant, mxfp4_packed=mxfp4_packed)
-    d = drafter_weight_bytes(drafter_config, dq) if drafter_config is not None else None
+    d: WeightEstimate | None = None
+    if drafter_config is not None and dq is not None:
+        d = drafter_weight_bytes(drafter_config, dq)
     rows = context_tokens + block_size  # a verified block sits in the cache until it is cropped
     t_kv = kv_cache_bytes(target_config, rows, kv_dtype_bytes)
     d_kv = drafter_kv_cache_bytes(drafter_config, rows, kv_dtype_bytes) if drafter_config is not None else 0
@@ -133,7 +136,7 @@ def _alternatives(plan: MemoryPlan, target_config, drafter_config, kv_dtype_byte
     packed = plan.mxfp4_packed
 
     def add(knob: str, value: Any, label: str, **changes) -> None:
-        kw = dict(args, quant=plan.quant, mxfp4_packed=packed)
+        kw: dict[str, Any] = dict(args, quant=plan.quant, mxfp4_packed=packed)
         kw.update(changes)
         alt = _plan(target_config, drafter_config if kw.pop("drafter", True) else None, kw["quant"],
                     kw["drafter_quant"], kw["context_tokens"], kw["block_size"], plan.available_bytes,
@@ -194,7 +197,7 @@ def plan_memory(target_config: dict[str, Any], drafter_config: dict[str, Any] | 
     `quant` may be "auto" (the best of bf16, int8, nf4 that fits; nf4 if none does; a checkpoint published
     quantized, MXFP4 or fp8, only bf16: transformers refuses bitsandbytes on top of it).
     `block_size` defaults to the drafter's (1 without a drafter). `drafter_quant` defaults to bf16.
-    `mxfp4_packed`: an MXFP4 target keeps its experts packed (see models/resolve.mxfp4_kept).
+    `mxfp4_packed`: an MXFP4 target keeps its experts packed (see models/memory/preflight.mxfp4_kept).
     """
     if block_size is None:
         block_size = drafter_block_size(drafter_config) if drafter_config is not None else 1
