@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv if needed, then lints (ruff), type-checks the engine (mypy) and runs the whole test suite
+# Sets up .venv if needed, then lints (ruff), type-checks the package (mypy) and runs the whole test suite
 # (CPU only, no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."

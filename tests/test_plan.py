@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_cli.engine.config import drafter_block_size
-from dflash_cli.models.memory import params
+from dflash_cli.models.memory import params, split
 from dflash_cli.models.memory import plan as P
 from dflash_cli.models.memory import sizes as S
 from dflash_cli.models.memory.plan import GIB, choose_quant, format_plan, plan_memory
@@ -42,7 +42,7 @@ def within(estimate: float, real: float, tol: float = 0.10) -> bool:
     return abs(estimate - real) / real <= tol
 
 
-@pytest.mark.parametrize("module", [P, S])
+@pytest.mark.parametrize("module", [P, S, params, split])
 def test_module_does_not_import_torch(module):
     assert "torch" not in module.__dict__
     source = Path(module.__file__).read_text()

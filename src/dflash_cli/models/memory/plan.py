@@ -29,8 +29,6 @@ from dflash_cli.models.memory.sizes import (
 __all__ = ["GIB", "Alternative", "MemoryPlan", "ServerEstimate", "choose_quant", "format_plan", "format_server",
            "max_context_that_fits", "plan_memory", "server_estimate"]
 
-#: bitsandbytes quantizations, which transformers refuses on a checkpoint published quantized (MXFP4, fp8, ...)
-BNB_QUANTS = ("int8", "nf4")
 
 @dataclass(frozen=True)
 class Alternative:
