@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import drafter_config, target_config
 
-from dflash_cli.engine.config import DrafterConfig, fallback_taps
 from dflash_cli.engine.drafter import DFlashDrafter, block_mask
+from dflash_cli.engine.hf_config import DrafterConfig, fallback_taps
 
 
 def make_drafter(**overrides) -> DFlashDrafter:

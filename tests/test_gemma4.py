@@ -398,7 +398,7 @@ def test_a_trained_drafter_caps_its_logits_as_its_target_does(pair):
     from conftest import MASK_ID, target_config
     from transformers import AutoConfig
 
-    from dflash_cli.engine.config import DrafterConfig
+    from dflash_cli.engine.hf_config import DrafterConfig
     from dflash_cli.train.shape import drafter_config as trained_config
 
     raw = trained_config(pair.target.model.config, layers=1, block_size=8, taps=[1, 3], mask_id=MASK_ID,

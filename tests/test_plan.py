@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cli.engine.config import drafter_block_size
+from dflash_cli.engine.hf_config import drafter_block_size
 from dflash_cli.models.memory import params, split
 from dflash_cli.models.memory import plan as P
 from dflash_cli.models.memory import sizes as S

@@ -49,7 +49,7 @@ def test_a_drafter_config_for_every_target_family():
     from conftest import hybrid_config
     from transformers import AutoConfig
 
-    from dflash_cli.engine.config import DrafterConfig
+    from dflash_cli.engine.hf_config import DrafterConfig
     from dflash_cli.train.shape import drafter_config as shaped
 
     moe = hybrid_config(moe=True)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_cli.engine.config import DrafterConfig
+from dflash_cli.engine.hf_config import DrafterConfig
 from dflash_cli.engine.packed import PackedLinear, dense_weight
 from dflash_cli.engine.sampling import Sampler
 from dflash_cli.engine.weightonly import quantize_linears

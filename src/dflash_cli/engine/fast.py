@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_cli.engine.config import PREFILL_CHUNK
 from dflash_cli.engine.fast_layers import first_attention, layer_device, layer_projections
+from dflash_cli.engine.hf_config import PREFILL_CHUNK
 from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.int8act import INT8_ACT_QUANTS
 from dflash_cli.engine.linear_attention import CHUNK, BlockRecord, is_linear_attention

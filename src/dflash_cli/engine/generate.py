@@ -10,10 +10,10 @@ import torch
 
 from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.baseline import baseline_rounds
-from dflash_cli.engine.config import check_block_size
 from dflash_cli.engine.device import peak_memory, reset_peak_memory
 from dflash_cli.engine.drafter import Drafter
 from dflash_cli.engine.errors import InvalidSettingError
+from dflash_cli.engine.hf_config import check_block_size
 from dflash_cli.engine.response import (
     FINISH_CONTEXT,
     FINISH_LENGTH,

@@ -4,7 +4,7 @@ The layers are the same as a v1 drafter's. The differences, read from transforme
 `MuseGlimmerAssistantModel` (5.24): `block_size`, `mask_token_id` and `target_layer_ids` sit at the top
 level of config.json; the context projection lives under `encoder` (`encoder.fc`, and the norm we call
 `hidden_norm` is `encoder.output_norm_enc`); every layer is bidirectional inside the block (sliding
-layers too); RoPE theta defaults to 500000. engine/config.py reads such a config; this module writes one
+layers too); RoPE theta defaults to 500000. engine/hf_config.py reads such a config; this module writes one
 and maps tensor names. Tensors are matched by name from the checkpoint's own
 safetensors header, after dropping a `model.` prefix that every name carries (a wrapped save).
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_cli.engine.config import HF_ARCHITECTURE, HF_MODEL_TYPE
 from dflash_cli.engine.errors import InvalidSettingError
+from dflash_cli.engine.hf_config import HF_ARCHITECTURE, HF_MODEL_TYPE
 
 # our name -> transformers' name; every other tensor has the same name in both formats
 RENAMED = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.engine.config import DrafterConfig, text_config
 from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError, UnsupportedModelError
+from dflash_cli.engine.hf_config import DrafterConfig, text_config
 
 # weight files in pickle formats, which can run code when loaded: never loaded, never downloaded
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

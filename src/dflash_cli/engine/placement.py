@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_cli.engine.config import DEVICE_MAP_CHOICES, DEVICE_MAP_STRATEGIES
 from dflash_cli.engine.errors import InvalidSettingError, SettingError
+from dflash_cli.engine.hf_config import DEVICE_MAP_CHOICES, DEVICE_MAP_STRATEGIES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

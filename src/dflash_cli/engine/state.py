@@ -13,9 +13,9 @@ import weakref
 import torch
 
 from dflash_cli.engine.adaptive import BlockSizeController
-from dflash_cli.engine.config import PREFILL_CHUNK
 from dflash_cli.engine.drafter import DraftCache, Drafter
 from dflash_cli.engine.errors import CacheTakenError
+from dflash_cli.engine.hf_config import PREFILL_CHUNK
 from dflash_cli.engine.static_cache import StaticCache
 from dflash_cli.engine.target import Target, cache_length, crop_cache
 

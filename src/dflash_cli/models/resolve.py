@@ -170,7 +170,7 @@ def resolve_pair(model: str, draft: str | None = None, *, no_draft: bool = False
     quant None (not given): "auto" for the built-in models (their weights are 4-bit to begin with, and q4
     decodes fastest on the CPUs that run them), "none" for the rest. `block_size`, the one replies will ask
     for, is checked against the drafter's config before any download."""
-    from dflash_cli.engine.config import DrafterConfig, check_block_size
+    from dflash_cli.engine.hf_config import DrafterConfig, check_block_size
     from dflash_cli.engine.pairing import check_pair, check_target_config, read_config_file
 
     spec = resolve_spec(model)

@@ -129,7 +129,7 @@ class LocalRuntime:
         return self.drafter_entry.alias, self.drafter_entry.thinking
 
     def check_block_size(self, block_size: int | None) -> None:
-        from dflash_cli.engine.config import check_block_size
+        from dflash_cli.engine.hf_config import check_block_size
 
         check_block_size(block_size, self.trained_block_size)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dflash_cli.engine.config import PREFILL_CHUNK
+from dflash_cli.engine.hf_config import PREFILL_CHUNK
 from dflash_cli.engine.state import common_prefix
 from dflash_cli.engine.target import Target
 from dflash_cli.train.example import Example

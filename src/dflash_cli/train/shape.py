@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from dflash_cli.engine.config import DrafterConfig, drafter_dict, fallback_taps
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.errors import InvalidSettingError
+from dflash_cli.engine.hf_config import DrafterConfig, drafter_dict, fallback_taps
 from dflash_cli.train.config import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, TrainConfig
 from dflash_cli.train.output import CHECKPOINT
 from dflash_cli.train.trainer import checkpoint_config
@@ -29,7 +29,7 @@ class Shape:
 
 def check_taps(target_dir: Path, taps: Sequence[int] | None) -> None:
     """Refuses taps the target does not have, from its config (before anything loads)."""
-    from dflash_cli.engine.config import text_config
+    from dflash_cli.engine.hf_config import text_config
     from dflash_cli.engine.pairing import read_config
 
     layers = int(text_config(read_config(target_dir, "target")).get("num_hidden_layers") or 0)

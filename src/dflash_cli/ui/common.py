@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from dflash_cli import settings as S
-from dflash_cli.engine.config import DEVICE_MAP_CHOICES
 from dflash_cli.engine.dtypes import DTYPE_CHOICES, QUANT_CHOICES
+from dflash_cli.engine.hf_config import DEVICE_MAP_CHOICES
 from dflash_cli.tables import columns
 
 if TYPE_CHECKING:  # both import lazily what they need: cheap --help

@@ -75,7 +75,7 @@ def read_configs(where: str | None, revision: str | None, endpoint: str | None) 
 
 
 def config_summary(target: dict | None, drafter: dict | None) -> dict[str, Any]:
-    from dflash_cli.engine.config import drafter_block_size, drafter_mask_token_id, drafter_taps, text_config
+    from dflash_cli.engine.hf_config import drafter_block_size, drafter_mask_token_id, drafter_taps, text_config
 
     out: dict[str, Any] = {}
     if target is not None:

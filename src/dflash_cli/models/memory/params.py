@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_cli.engine.config import drafter_tap_count, is_dflash2, layer_types, text_config
+from dflash_cli.engine.hf_config import drafter_tap_count, is_dflash2, layer_types, text_config
 
 _QWEN3_QK_NORM = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                   "qwen3_5_moe_text"}

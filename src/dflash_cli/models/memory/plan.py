@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dflash_cli.engine.config import drafter_block_size
+from dflash_cli.engine.hf_config import drafter_block_size
 from dflash_cli.models.memory.params import prequantized
 from dflash_cli.models.memory.sizes import (
     AUTO_ORDER,

@@ -41,7 +41,7 @@ every committed row in every layer (the window is applied by the mask, not by tr
 Activations / working margin (``activation_bytes``), a deliberately simple rule:
 
 * logits: ``2 * block_size * vocab * 4`` (target verification and drafter proposals, fp32);
-* prefill working set: the fast path reads a prompt in pieces of ``PREFILL_CHUNK`` tokens (engine/config.py),
+* prefill working set: the fast path reads a prompt in pieces of ``PREFILL_CHUNK`` tokens (engine/hf_config.py),
   so per piece ``piece * (3 * intermediate + 4 * hidden) * 2`` (one layer's MLP intermediates,
   residual/q/k/v copies) plus its attention mask and the bias a fused kernel makes of it,
   ``heads / kv_heads * piece * context_tokens * 3``; and for the whole prompt the tapped hidden states
@@ -63,7 +63,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_cli.engine.config import PREFILL_CHUNK, drafter_tap_count, text_config
+from dflash_cli.engine.hf_config import PREFILL_CHUNK, drafter_tap_count, text_config
 from dflash_cli.models.memory.params import (
     Counts,
     Linear,

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_cli.engine.config import DEVICE_MAP_STRATEGIES, drafter_block_size, text_config
+from dflash_cli.engine.hf_config import DEVICE_MAP_STRATEGIES, drafter_block_size, text_config
 from dflash_cli.models.memory.params import prequantized
 from dflash_cli.models.memory.sizes import (
     AUTO_ORDER,

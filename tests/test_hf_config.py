@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import drafter_config, target_config
 
-from dflash_cli.engine.config import DrafterConfig, layer_types
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.errors import CheckpointError
+from dflash_cli.engine.hf_config import DrafterConfig, layer_types
 from dflash_cli.engine.hf_format import to_transformers_config
 from dflash_cli.engine.pairing import check_pair
 from dflash_cli.models.memory.plan import plan_memory
