@@ -20,7 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import save_tiny_pair
-from engine_server import FakeEngine
+from support.fake_engine import FakeEngine
 
 from dflash_cli.ui.chat import SafeFileHistory, open_history
 from dflash_cli.ui.cli import cli

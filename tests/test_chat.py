@@ -5,24 +5,19 @@ from __future__ import annotations
 import faulthandler
 import json
 import re
-from dataclasses import dataclass
-from io import StringIO
 
 import pytest
 import torch
 from click.testing import CliRunner
 from conftest import TargetForwardLog, save_tiny_pair
-from prompt_toolkit import PromptSession
 from prompt_toolkit.history import InMemoryHistory
-from prompt_toolkit.input import create_pipe_input
-from prompt_toolkit.output import DummyOutput
+from support.chat_driver import RecordingOutput, Run, drive
 
 from dflash_cli.conversation import Conversation, GenerationSettings
 from dflash_cli.runtime.local import load_runtime
 from dflash_cli.ui import chat as chat_mod
-from dflash_cli.ui.chat import EXIT_HINT, INTERRUPTED, ChatSession, SafeFileHistory, open_history
+from dflash_cli.ui.chat import EXIT_HINT, INTERRUPTED, SafeFileHistory, open_history
 from dflash_cli.ui.cli import cli
-from dflash_cli.ui.render import Output
 
 ANSI = re.compile(r"\x1b[\[\]]")
 PRINTABLE = range(4, 99)  # the tiny tokenizer's ids of " " .. "~": text that re-encodes to the same ids
@@ -55,56 +50,6 @@ def watchdog():
     faulthandler.dump_traceback_later(120, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
-
-
-class RecordingOutput(Output):
-    """Output into StringIO streams that also keeps the Steps of each reply it printed."""
-
-    def __init__(self, color: str = "never"):
-        super().__init__(color, stdout=StringIO(), stderr=StringIO())
-        self.replies: list[list] = [[]]
-
-    def text(self, step) -> None:
-        self.replies[-1].append(step)
-        super().text(step)
-
-    def end_text(self) -> None:  # called once after every reply, finished or not
-        if self.replies[-1]:
-            self.replies.append([])
-        super().end_text()
-
-
-@dataclass
-class Run:
-    code: int
-    session: ChatSession
-    out: RecordingOutput
-
-    @property
-    def stdout(self) -> str:
-        return self.out.out.getvalue()
-
-    @property
-    def stderr(self) -> str:
-        return self.out.err.getvalue()
-
-    @property
-    def messages(self) -> list[dict]:
-        return self.session.conversation.messages
-
-
-def drive(runtime, keys: str, *, settings: GenerationSettings | None = None, color: str = "never",
-          **kwargs) -> Run:
-    """Types `keys` into a ChatSession (then closes the input, which reads as Ctrl-D) and runs it."""
-    out = RecordingOutput(color)
-    with create_pipe_input() as pipe:
-        pipe.send_text(keys)
-        pipe.close()
-        session = ChatSession(runtime, out, settings or GenerationSettings(max_tokens=12),
-                              session_factory=lambda **kw: PromptSession(input=pipe, output=DummyOutput(), **kw),
-                              **kwargs)
-        code = session.run()
-    return Run(code, session, out)
 
 
 def replies(run: Run) -> list[list]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
-from test_speculative import hf_greedy, oracle_for, random_prompts
+from support.speculation import hf_greedy, oracle_for, random_prompts
 
 from dflash_cli.engine.compile import compiler_for, resolve_compile
 from dflash_cli.engine.errors import InvalidSettingError

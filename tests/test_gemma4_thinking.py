@@ -15,8 +15,9 @@ import json
 import pytest
 from click.testing import CliRunner
 from conftest import VOCAB, drafter_config, save_random_drafter, target_config
-from test_chat import drive
-from test_thinking import assert_split_at_every_chunking, ok, save_bigram_target, save_thinking_tokenizer, styled
+from support.chat_driver import drive
+from support.cli_output import ok, styled
+from support.thinking import assert_split_at_every_chunking, save_bigram_target, save_thinking_tokenizer
 
 from dflash_cli.conversation import GenerationSettings
 from dflash_cli.engine.text import (
@@ -141,10 +142,10 @@ def test_markers_are_found_in_the_template_or_the_vocabulary():
 
 
 def test_no_markers_without_them():
-    from test_text import _byte_level_tokenizer
+    from support.tiny_tokenizers import byte_level_tokenizer
 
-    assert thinking_markers(_byte_level_tokenizer()) is None
-    assert special_marker_ids(_byte_level_tokenizer()) == set()
+    assert thinking_markers(byte_level_tokenizer()) is None
+    assert special_marker_ids(byte_level_tokenizer()) == set()
 
 
 def test_the_reply_starts_inside_only_an_open_channel():
@@ -194,10 +195,10 @@ def test_the_stream_keeps_the_marker_tokens_and_drops_the_other_specials():
 def test_kept_markers_decode_in_context(kind):
     """Byte-level and SentencePiece-style (Metaspace) tokenizers: streamed, the text around the kept markers
     is what one decode of the whole reply gives, leading spaces included."""
-    from test_text import _byte_level_tokenizer, _metaspace_tokenizer
+    from support.tiny_tokenizers import byte_level_tokenizer, metaspace_tokenizer
     from tokenizers import AddedToken
 
-    tok = _byte_level_tokenizer() if kind == "byte_level" else _metaspace_tokenizer()
+    tok = byte_level_tokenizer() if kind == "byte_level" else metaspace_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True, normalized=False)
                                                           for t in ("<|channel>", "<channel|>")]})
     ids = tok.encode("<|channel>thought\n café, 你好<channel|> Hello world 🚀", add_special_tokens=False)
@@ -319,7 +320,7 @@ def test_chat_keeps_the_reply_and_the_template_drops_its_reasoning(pair):
 def test_serve_puts_the_reasoning_in_reasoning_content(pair):
     pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
-    from test_serve import Server
+    from support.live_server import Server
 
     target, drafter = pair
     server = Server(load_runtime(str(target), str(drafter), dtype="float32", device="cpu", max_context=512))

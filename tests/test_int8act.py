@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_speculative import random_prompts
-from test_weightonly import assert_speculative_equals_plain, linear, pairs, q4_1_bytes  # noqa: F401 (pairs: a fixture)
+from support.speculation import assert_speculative_equals_plain, random_prompts
+from support.weightonly import linear, pairs, q4_1_bytes  # noqa: F401 (pairs: a fixture)
 
 from dflash_cli.engine import native
 from dflash_cli.engine.errors import InvalidSettingError

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import HF_CONFIGS, VOCAB, drafter_config, read_json, save_random_drafter, save_target
-from test_gemma4 import gemma_drafter_config, save_gemma_target
-from test_hybrid import save_family
-from test_speculative import hf_greedy
-from test_weightonly import assert_speculative_equals_plain
+from support.gemma_models import gemma_drafter_config, save_gemma_target
+from support.hybrid_models import save_family
+from support.speculation import assert_speculative_equals_plain, hf_greedy
 from torch import nn
 
 from dflash_cli.engine.generate import generate

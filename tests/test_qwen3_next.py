@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 from conftest import QWEN3_NEXT_CONFIG, VOCAB, drafter_config
-from test_hybrid import FAMILIES, load_family
+from support.hybrid_models import FAMILIES, load_family
 
 from dflash_cli.engine.linear_attention import (
     conv_after,

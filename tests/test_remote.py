@@ -1,4 +1,4 @@
-"""--engine URL: generate and chat against a loopback OpenAI-compatible server (tests/engine_server.py)."""
+"""--engine URL: generate and chat against a loopback OpenAI-compatible server (tests/support/fake_engine.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from engine_server import FakeEngine
 from prompt_toolkit import PromptSession
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
+from support.fake_engine import FakeEngine
 
 from dflash_cli.conversation import GenerationSettings
 from dflash_cli.runtime.remote import RemoteRuntime

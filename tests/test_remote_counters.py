@@ -4,7 +4,7 @@ runtime/remote.py reads SGLang's per-request meta info: `spec_verify_ct` (verify
 accepted counts under the current names (`spec_num_proposed_drafts` / `spec_num_correct_drafts`) or the
 older ones (`spec_draft_token_num` / `spec_accept_token_num`); a server that sends no accepted count gets
 the accepted drafts derived from the streamed tokens (each verify step commits its accepted drafts plus one
-token of the target's own; the first token comes from the prefill). The fake server (engine_server.py)
+token of the target's own; the first token comes from the prefill). The fake server (tests/support/fake_engine.py)
 streams 10 one-character pieces, so the reply has 10 tokens, 9 of them after the first.
 """
 
@@ -14,7 +14,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from engine_server import FakeEngine
+from support.fake_engine import FakeEngine
 
 from dflash_cli.conversation import GenerationSettings
 from dflash_cli.runtime.remote import RemoteRuntime

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from conftest import DEVICE, MASK_ID, TargetForwardLog, interrupt_on_call
+from support.speculation import hf_greedy, oracle_for, random_prompts
 
 from dflash_cli.engine.generate import generate, stream_generate
 from dflash_cli.engine.load import load_pair
-from dflash_cli.engine.oracle import OracleDrafter
 from dflash_cli.engine.state import DecodeState
 
 
@@ -22,24 +20,6 @@ def pair(request, tiny_models):
     if fast:
         assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
     return pair
-
-
-def hf_greedy(target, prompt, max_new_tokens, eos=None):
-    """transformers' own greedy generate: the reference output."""
-    ids = torch.tensor([prompt], device=target.device)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def random_prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 140) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
-
-
-def oracle_for(pair, prompt, n_new, acceptance=1.0, seed=0):
-    reference = prompt + hf_greedy(pair.target, prompt, n_new + 20)
-    return OracleDrafter(pair.drafter, reference, acceptance=acceptance, seed=seed, vocab_size=160)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 8])

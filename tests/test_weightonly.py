@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import VOCAB
-from test_speculative import random_prompts
+from support.speculation import assert_speculative_equals_plain, random_prompts
+from support.weightonly import linear, pairs, q4_1_bytes  # noqa: F401 (pairs: a fixture)
 from torch import nn
 
 from dflash_cli.engine.device import cpu_auto_quant
@@ -27,14 +28,6 @@ from dflash_cli.engine.weightonly import (
     write_q4_codes,
 )
 from dflash_cli.models.smollm2 import read_q4_1_blocks
-
-
-def linear(out_features: int, in_features: int, seed: int, bias: bool = False) -> nn.Linear:
-    torch.manual_seed(seed)
-    m = nn.Linear(in_features, out_features, bias=bias)
-    with torch.no_grad():
-        m.weight.normal_(0, 0.05)
-    return m
 
 
 def bf16_rows(n: int, width: int) -> torch.Tensor:
@@ -112,17 +105,6 @@ def test_what_cannot_be_quantized_stays_as_it_is():
     assert quantize_linears([linear(8, 48, seed=6)], "q8") is not None  # per channel: any width
 
 
-def q4_1_bytes(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """GGUF Q4_1 blocks as llama.cpp writes them: d, m (fp16), then 16 bytes, weights 0-15 in the low
-    nibbles and 16-31 in the high ones."""
-    rows, cols = codes.shape
-    blocks = codes.reshape(rows, cols // 32, 32).astype(np.uint8)
-    qs = blocks[..., :16] | (blocks[..., 16:] << 4)
-    head = np.concatenate([d.astype(np.float16)[..., None].view(np.uint8),
-                           m.astype(np.float16)[..., None].view(np.uint8)], axis=-1)
-    return np.concatenate([head.reshape(rows, cols // 32, 4), qs], axis=-1).reshape(rows, -1)
-
-
 def test_gguf_q4_1_blocks_keep_their_codes_and_values(tmp_path):
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 16, size=(16, 64))
@@ -156,19 +138,6 @@ def test_a_damaged_codes_file_is_a_checkpoint_error(tmp_path):
         read_q4_codes(path)  # 16 bytes are 32 codes: one group, not two
 
 
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    from conftest import drafter_config, save_random_drafter, save_target, target_config
-
-    root = tmp_path_factory.mktemp("weightonly")
-    out = {}
-    for family in ("qwen3", "llama"):
-        cfg = target_config(family)
-        out[family] = (save_target(root / family, cfg, seed=1, scale=3.0),
-                       save_random_drafter(root / f"{family}-drafter", drafter_config(cfg), seed=2))
-    return out
-
-
 def quantized_pair(pairs, family, kind, dtype="bfloat16", context=400):
     pair = load_pair(*pairs[family], device="cpu", dtype=dtype, quant=kind)
     assert pair.target.enable_fast_path(context, pad_to=pair.drafter.block_size) is None
@@ -185,24 +154,6 @@ def test_greedy_speculative_equals_greedy_plain_decoding_of_the_same_quantized_t
     pair = quantized_pair(pairs, family, kind)
     assert pair.target.fast.row_exact and pair.target.fast.dtype == torch.bfloat16
     assert_speculative_equals_plain(pair, random_prompts, (2, 4, 8), max_new_tokens=30)
-
-
-def assert_speculative_equals_plain(pair, make_prompts, block_sizes, *, max_new_tokens: int) -> None:
-    """Greedy speculative decoding commits the plain greedy reply, with long accepted prefixes (an oracle that
-    knows the reply drafts it right 80% of the time) and with the pair's own random drafter, at every block
-    size; `make_prompts(2, seed=block_size)` gives the prompts."""
-    for block_size in block_sizes:
-        for prompt in make_prompts(2, seed=block_size):
-            plain = generate(pair.target, None, prompt, max_new_tokens=max_new_tokens, stop_ids=[]).tokens
-            oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=0.8, seed=block_size,
-                                   vocab_size=VOCAB)
-            got = generate(pair.target, oracle, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
-                           stop_ids=[])
-            assert got.tokens == plain
-            assert got.stats.accepted > 0
-            drafted = generate(pair.target, pair.drafter, prompt, max_new_tokens=max_new_tokens,
-                               block_size=block_size, stop_ids=[])
-            assert drafted.tokens == plain
 
 
 def test_a_stop_inside_a_block_and_a_second_turn_match_plain_decoding(pairs):

@@ -1,0 +1,47 @@
+"""What speculative decoding is checked against: transformers' greedy reply, oracle drafters, random prompts."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from conftest import VOCAB
+
+from dflash_cli.engine.generate import generate
+from dflash_cli.engine.oracle import OracleDrafter
+
+
+def hf_greedy(target, prompt, max_new_tokens, eos=None):
+    """transformers' own greedy generate: the reference output."""
+    ids = torch.tensor([prompt], device=target.device)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(n, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 140) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def oracle_for(pair, prompt, n_new, acceptance=1.0, seed=0):
+    reference = prompt + hf_greedy(pair.target, prompt, n_new + 20)
+    return OracleDrafter(pair.drafter, reference, acceptance=acceptance, seed=seed, vocab_size=160)
+
+
+def assert_speculative_equals_plain(pair, make_prompts, block_sizes, *, max_new_tokens: int) -> None:
+    """Greedy speculative decoding commits the plain greedy reply, with long accepted prefixes (an oracle that
+    knows the reply drafts it right 80% of the time) and with the pair's own random drafter, at every block
+    size; `make_prompts(2, seed=block_size)` gives the prompts."""
+    for block_size in block_sizes:
+        for prompt in make_prompts(2, seed=block_size):
+            plain = generate(pair.target, None, prompt, max_new_tokens=max_new_tokens, stop_ids=[]).tokens
+            oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=0.8, seed=block_size,
+                                   vocab_size=VOCAB)
+            got = generate(pair.target, oracle, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
+                           stop_ids=[])
+            assert got.tokens == plain
+            assert got.stats.accepted > 0
+            drafted = generate(pair.target, pair.drafter, prompt, max_new_tokens=max_new_tokens,
+                               block_size=block_size, stop_ids=[])
+            assert drafted.tokens == plain
