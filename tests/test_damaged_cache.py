@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_hub import DRAFTER, TARGET, fake, online, server  # noqa: F401 (shared fixtures)
-from test_models_cmd import env, invoke, repo_files  # noqa: F401 (shared fixtures)
+from support.hub_fixtures import DRAFTER, TARGET, fake, online, server  # noqa: F401 (shared fixtures)
+from support.models_cli import env, invoke, repo_files  # noqa: F401 (shared fixtures)
 
 
 def _storage(cache: Path, repo_id: str) -> Path:

@@ -18,6 +18,7 @@ from conftest import (
     target_config,
 )
 from safetensors.torch import load_file, save_file
+from support.hf_configs import DATA
 
 from dflash_cli.engine.dflash2 import CandidateSelector, DFlash2Drafter, DynamicConv
 from dflash_cli.engine.drafter import DrafterConfig, block_mask
@@ -26,7 +27,6 @@ from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_drafter, load_pair, save_drafter
 from dflash_cli.engine.sampling import Sampler
 
-DATA = Path(__file__).parent / "data" / "hf-configs"
 FIXTURE = DATA / "z-lab__dflash2-muse-glimmer-fixture"
 
 

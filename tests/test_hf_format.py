@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import dflash2_config, drafter_config, random_drafter, save_target, target_config
 from safetensors.torch import load_file, save_file
+from support.hf_configs import DATA
 
 from dflash_cli.engine.drafter import DrafterConfig
 from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_drafter, load_pair, save_drafter
 
-DATA = Path(__file__).parent / "data" / "hf-configs"
 CASES = {
     "full attention": dict(),
     # a window wider than the test's sequences: transformers' bidirectional window admits |q - k| <= window

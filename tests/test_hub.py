@@ -5,61 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from pathlib import Path
 
 import pytest
-from conftest import save_tiny_pair
-from hub_server import FakeHub
+from support.hub_fixtures import DRAFTER, JUNK, TARGET, cache, fake, online, read_folder, repo_files, server  # noqa: F401
 
 from dflash_cli.models import cache as hub_cache
 from dflash_cli.models import folders, hub
-
-TARGET = "tiny-org/qwen3-tiny"
-DRAFTER = "tiny-org/qwen3-tiny-dflash"
-JUNK = {"model.py": b"raise SystemExit('never run me')\n", "pytorch_model.bin": b"\x80\x04pickle" * 50}
-
-
-def _read_folder(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def repo_files(tmp_path_factory) -> dict[str, dict[str, bytes]]:
-    root = tmp_path_factory.mktemp("hub-src")
-    target, drafter = save_tiny_pair(root)
-    return {TARGET: {**_read_folder(target), **JUNK}, DRAFTER: {**_read_folder(drafter), **JUNK}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    fake = FakeHub()
-    fake.start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-def fake(server, repo_files):
-    server.repos.clear()
-    server.reset_requests()
-    for repo_id, files in repo_files.items():
-        server.add_revision(repo_id, files)
-    return server
-
-
-@pytest.fixture
-def online(monkeypatch):
-    """conftest sets HF_HUB_OFFLINE=1 for every test; these tests talk to the loopback server."""
-    from huggingface_hub import constants
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-
-
-@pytest.fixture
-def cache(tmp_path) -> Path:
-    return tmp_path / "hub-cache"
 
 
 def _pull(fake, repo_id, cache, **kw):

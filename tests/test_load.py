@@ -10,12 +10,11 @@ import pytest
 import torch
 from conftest import drafter_config, save_random_drafter, save_target, target_config
 from safetensors.torch import load_file, save_file
+from support.hf_configs import DATA
 
 from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError, UnsupportedModelError
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_drafter, load_pair, load_target
-
-DATA = Path(__file__).parent / "data" / "hf-configs"
 
 
 def copy_drafter(src: Path, dst: Path) -> Path:

@@ -7,41 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from conftest import save_tiny_pair
-from test_hub import DRAFTER, JUNK, TARGET, _read_folder, fake, online, server  # noqa: F401 (shared fixtures)
-
-from dflash_cli.ui.cli import cli
-
-OTHER_T, OTHER_D = "other-org/qwen3-tiny", "other-org/qwen3-tiny-dflash"
-
-
-@pytest.fixture(scope="module")
-def repo_files(tmp_path_factory) -> dict[str, dict[str, bytes]]:
-    root = tmp_path_factory.mktemp("hub-src")
-    target, drafter = save_tiny_pair(root)
-    t, d = {**_read_folder(target), **JUNK}, {**_read_folder(drafter), **JUNK}
-    return {TARGET: t, DRAFTER: d, OTHER_T: t, OTHER_D: d}
-
-
-@pytest.fixture
-def env(tmp_path, monkeypatch) -> Path:
-    """A private Hub cache and a config file naming two user pairs."""
-    cache = tmp_path / "hub-cache"
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.delenv("HF_ENDPOINT", raising=False)
-    monkeypatch.delenv("DFLASH_QUANT", raising=False)
-    config = tmp_path / "config.toml"
-    config.write_text(f'[pairs.tiny]\ntarget = "{TARGET}"\ndrafter = "{DRAFTER}"\nblock_size = 8\n'
-                      f'notes = "a tiny test pair"\n\n'
-                      f'[pairs.other]\ntarget = "{OTHER_T}"\ndrafter = "{OTHER_D}"\n')
-    monkeypatch.setenv("DFLASH_CONFIG", str(config))
-    return cache
-
-
-def invoke(*args: str, endpoint: str | None = None, input: str | None = None):
-    extra = ["--endpoint", endpoint] if endpoint and args[0] in ("pull", "show") else []
-    return CliRunner().invoke(cli, [*args, *extra], input=input)
+from support.hf_configs import DATA
+from support.hub_fixtures import DRAFTER, TARGET, fake, online, server  # noqa: F401 (shared fixtures)
+from support.models_cli import OTHER_D, OTHER_T, env, invoke, repo_files  # noqa: F401 (shared fixtures)
 
 
 def _snapshot_files(cache: Path, repo_id: str) -> set[str]:
@@ -361,7 +329,6 @@ def test_show_and_list_the_built_in_model_before_and_after_its_first_run(env, tm
 
 # -- issue 27: the new pairs, offline (the loopback Hub serves the stored configs) ----------------------------
 
-DATA = Path(__file__).parent / "data" / "hf-configs"
 
 
 def _stored(name: str) -> bytes:
@@ -399,7 +366,7 @@ def _drafter(hidden: int, layers: int, inter: int, heads: int, kv: int, head_dim
 
 
 def _qwen3_coder_next() -> bytes:
-    from test_plan import QWEN3_CODER_NEXT
+    from support.hf_configs import QWEN3_CODER_NEXT
 
     return json.dumps(QWEN3_CODER_NEXT).encode()
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.hf_configs import DATA, QWEN3_CODER_NEXT, cfg
 
 from dflash_cli.engine.hf_config import drafter_block_size
 from dflash_cli.models.memory import params, split
@@ -21,8 +22,6 @@ from dflash_cli.models.memory.sizes import (
     target_weight_bytes,
 )
 
-DATA = Path(__file__).parent / "data" / "hf-configs"
-
 # z-lab/Qwen3-8B-DFlash-b16 @9b41424b: only these fields are published (SOURCES.md, "Partial")
 QWEN3_8B_DRAFTER = {
     "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
@@ -32,10 +31,6 @@ QWEN3_8B_DRAFTER = {
     "vocab_size": 151936, "sliding_window": None, "use_sliding_window": False,
     "num_target_layers": 36,
 }
-
-
-def cfg(name: str) -> dict:
-    return json.loads((DATA / name / "config.json").read_text())
 
 
 def within(estimate: float, real: float, tol: float = 0.10) -> bool:
@@ -513,19 +508,7 @@ def test_gemma_4_31b_by_hand():
     assert target_weight_bytes(cfg("nvidia__Gemma-4-31B-IT-NVFP4")).approximate
 
 
-# Qwen/Qwen3-Coder-Next: no exact copy of its config was found; these are the fields SOURCES.md lists
-# ("New pairs"), in transformers' Qwen3NextConfig names. No layer_types: full_attention_interval decides.
-QWEN3_CODER_NEXT = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
-    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
-    "partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 512, "num_experts_per_tok": 10,
-    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "intermediate_size": 5120,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 151936,
-    "max_position_embeddings": 262144, "rope_theta": 5000000, "tie_word_embeddings": False,
-}
-
-
+# Qwen/Qwen3-Coder-Next: QWEN3_CODER_NEXT (support/hf_configs.py) holds the fields SOURCES.md lists.
 def test_qwen3_next_layers_follow_the_interval_and_its_attention_is_gated():
     from dflash_cli.models.memory.params import count_target, target_layer_kinds
 

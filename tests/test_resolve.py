@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import drafter_config, save_random_drafter, target_config
-from test_hub import DRAFTER, TARGET, _read_folder, cache, fake, online, repo_files, server  # noqa: F401
+from support.hub_fixtures import DRAFTER, TARGET, cache, fake, online, read_folder, repo_files, server  # noqa: F401
 
 from dflash_cli.engine.errors import CheckpointError, IncompatiblePairError, UnsupportedModelError
 from dflash_cli.models.cache import NotDownloadedError
@@ -44,7 +44,7 @@ def test_alias_downloads_the_pair_on_first_use_then_works_offline(fake, online, 
 
 def test_a_mismatched_pair_is_refused_before_any_weights_download(fake, online, config, tmp_path):
     wide = save_random_drafter(tmp_path / "wide", drafter_config(target_config(hidden_size=96)))
-    fake.add_revision(WIDE, _read_folder(wide))
+    fake.add_revision(WIDE, read_folder(wide))
     fake.reset_requests()
     with pytest.raises(IncompatiblePairError, match="hidden size 96"):
         resolve_pair("mismatched", endpoint=fake.endpoint)

@@ -86,7 +86,7 @@ def test_constant_groups_survive_4_bits():
 
 
 def test_the_planner_counts_the_8bit_lm_head_copy():
-    from test_plan import cfg
+    from support.hf_configs import cfg
 
     from dflash_cli.models.memory.sizes import target_weight_bytes
 
@@ -235,7 +235,7 @@ def test_weight_only_targets_compute_in_bf16_unless_told_otherwise():
 
 
 def test_auto_quant_in_the_preflight_picks_the_cpus_format(monkeypatch):
-    from test_plan import cfg
+    from support.hf_configs import cfg
 
     from dflash_cli.engine import device, native
     from dflash_cli.models.memory.preflight import MemoryBudget, preflight_memory
