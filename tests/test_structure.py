@@ -1,5 +1,6 @@
 """The shape of the package: no import cycles, no private names imported across modules, floors that
-import downwards only (ui/ may use models/ and engine/, never the reverse)."""
+import downwards only (ui/ may use models/ and engine/, never the reverse); test modules share through
+tests/support/, never by importing each other."""
 
 from __future__ import annotations
 
@@ -141,3 +142,16 @@ def test_commands_get_options_not_click_dictionaries():
         params = {p.name for p in cli.commands[command].params}
         local_only = {"engine", "timeout"} if command == "serve" else set()
         assert fields - local_only <= params, (command, fields - local_only - params)
+
+
+def imported_module_names(tree: ast.Module) -> set[str]:
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    return names | {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+
+
+def test_test_modules_share_through_support_not_each_other():
+    tests = Path(__file__).resolve().parent
+    borrowed = {(path.name, module) for path in tests.rglob("*.py")
+                for module in imported_module_names(ast.parse(path.read_text(encoding="utf-8")))
+                if module.split(".")[0].startswith("test_")}
+    assert borrowed == set()
