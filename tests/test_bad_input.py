@@ -323,9 +323,9 @@ def test_the_opening_of_a_block_is_not_saved_to_the_history(tmp_path):
 def test_the_smollm2_conversion_draws_no_progress_bar(capfd):
     from tqdm.auto import tqdm  # what transformers' GGUF reader draws its bar with
 
-    from dflash_cli.models.smollm2 import _quiet_transformers
+    from dflash_cli.models.smollm2_convert import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
             pass
     assert capfd.readouterr().err == ""

@@ -349,13 +349,13 @@ def test_a_complete_conversion_is_used_when_its_marker_cannot_be_refreshed(tmp_p
     import torch
     from safetensors.torch import save_file
 
-    from dflash_cli.models import smollm2
+    from dflash_cli.models import smollm2, smollm2_convert
 
     _needs_the_wheel()
     gguf = smollm2.gguf_path()
     target = smollm2.smollm2_dir(tmp_path)
     target.mkdir(parents=True)
-    for name in smollm2._REQUIRED_FILES:
+    for name in smollm2_convert.REQUIRED_FILES:
         if name.endswith(".safetensors"):
             save_file({"w": torch.zeros(2)}, str(target / name))
         else:

@@ -25,7 +25,7 @@ from dflash_cli.engine.int8act import (
 )
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.weightonly import Q4Codes, quantize_linears
-from dflash_cli.models.smollm2 import read_q4_1_blocks
+from dflash_cli.models.smollm2_convert import read_q4_1_blocks
 
 pytestmark = pytest.mark.skipif(native.available_without_building() is not None,
                                 reason=f"no AVX2 kernels here: {native.available_without_building()}")

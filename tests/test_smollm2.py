@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import dflash_cli
-from dflash_cli.models import smollm2
+from dflash_cli.models import smollm2, smollm2_convert
 from dflash_cli.models.smollm2 import (
     INSTALL_HINT,
     SmolLM2NotInstalled,
@@ -84,7 +84,7 @@ def test_the_ggufs_own_4bit_codes_are_kept_and_run_by_q4(converted, monkeypatch)
     from dflash_cli.engine.weightonly import Q4_CODES_FILE, read_q4_codes
 
     codes = read_q4_codes(converted.folder / Q4_CODES_FILE)
-    assert len(codes) == 210 and smollm2._check_q4_codes(converted.folder) == []
+    assert len(codes) == 210 and smollm2_convert.check_q4_codes(converted.folder) == []
     # a flipped code is caught by the same check
     from safetensors.torch import load_file, save_file
 
@@ -96,7 +96,7 @@ def test_the_ggufs_own_4bit_codes_are_kept_and_run_by_q4(converted, monkeypatch)
     broken.mkdir(exist_ok=True)
     save_file(tensors, str(broken / Q4_CODES_FILE))
     (broken / "model.safetensors").symlink_to(converted.folder / "model.safetensors")
-    assert "model.layers.3.mlp.down_proj" in " ".join(smollm2._check_q4_codes(broken))
+    assert "model.layers.3.mlp.down_proj" in " ".join(smollm2_convert.check_q4_codes(broken))
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(converted.cache))
     runtime = dflash_cli.load("demo", quant="q4", device="cpu")
@@ -328,7 +328,7 @@ def test_complete_folder_is_used_even_without_the_wheel(monkeypatch, tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    for name in smollm2._REQUIRED_FILES:
+    for name in smollm2_convert.REQUIRED_FILES:
         if name.endswith(".safetensors"):  # whole files, as their headers say
             save_file({"w": torch.zeros(2)}, str(target / name))
         else:

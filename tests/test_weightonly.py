@@ -27,7 +27,7 @@ from dflash_cli.engine.weightonly import (
     read_q4_codes,
     write_q4_codes,
 )
-from dflash_cli.models.smollm2 import read_q4_1_blocks
+from dflash_cli.models.smollm2_convert import read_q4_1_blocks
 
 
 def bf16_rows(n: int, width: int) -> torch.Tensor:
