@@ -38,7 +38,8 @@ class SettingError(InvalidSettingError):
     The message is a template in which {device}, {device_map} and {max_memory} stand for the settings at fault,
     the first of `settings` being the one to fix. Raised, it reads with the flags' names (`flag_message`
     instead, where given: the words a flag has always had). The command line, which alone knows where each
-    value came from, renders it naming the flag, the DFLASH_* variable or the config file's line (ui/common.py).
+    value came from, renders it naming the flag, the DFLASH_* variable or the config file's line
+    (ui/common.py, setting_message).
     """
 
     def __init__(self, template: str, hint: str | None = None, *, settings: tuple[str, ...],

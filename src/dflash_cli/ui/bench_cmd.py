@@ -5,12 +5,12 @@ from __future__ import annotations
 import click
 
 from dflash_cli import settings as S
-from dflash_cli.ui.common import (
+from dflash_cli.ui.common import guarded
+from dflash_cli.ui.options import (
     block_size_option,
     color_option,
     debug_option,
     engine_option,
-    guarded,
     max_tokens_option,
     model_options,
     model_options_of,

@@ -527,7 +527,7 @@ def is_transcript(path: Path) -> bool:
 
 
 def run_chat(out: Output, command: Any, *, history: bool, stdin: Any = None, stdout: Any = None) -> int:
-    """The `chat` command's body (`command`: ui.common.CommandOptions): refuses non-terminals (exit 2), opens
+    """The `chat` command's body (`command`: ui.options.CommandOptions): refuses non-terminals (exit 2), opens
     the model, runs the REPL."""
     import dataclasses
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from dflash_cli.ui.common import color_option, debug_option, run_plain
+from dflash_cli.ui.common import run_plain
+from dflash_cli.ui.options import color_option, debug_option
 
 
 @click.command()

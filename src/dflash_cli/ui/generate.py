@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def run_generate(out: Output, command: Any, prompt: str, *, compare: bool, as_json: bool) -> int:
-    """Streams one reply (`command`: ui.common.CommandOptions). Returns the exit code (0, or 130 when
+    """Streams one reply (`command`: ui.options.CommandOptions). Returns the exit code (0, or 130 when
     interrupted)."""
     shown = command.output
     quiet = shown.quiet or (as_json and not shown.verbose)  # --json -v: the JSON, and -v's lines on stderr

@@ -6,14 +6,8 @@ import sys
 
 import click
 
-from dflash_cli.ui.common import (
-    command_options,
-    engine_option,
-    guarded,
-    model_options,
-    output_options,
-    sampling_options,
-)
+from dflash_cli.ui.common import guarded
+from dflash_cli.ui.options import command_options, engine_option, model_options, output_options, sampling_options
 
 
 @click.command()

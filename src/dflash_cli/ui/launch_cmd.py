@@ -15,8 +15,9 @@ import click
 
 from dflash_cli.engine.errors import DFlashError, InvalidSettingError
 from dflash_cli.runtime.launch import ENGINES
-from dflash_cli.ui.common import common_options, echo, registry, run_plain
+from dflash_cli.ui.common import echo, registry, run_plain
 from dflash_cli.ui.errors import EXIT_OK
+from dflash_cli.ui.options import common_options
 
 
 def serve_pair(value: str, block_size: int | None) -> tuple[Any, Any]:

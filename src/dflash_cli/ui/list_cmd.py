@@ -12,8 +12,9 @@ from typing import Any
 import click
 
 from dflash_cli.models.cache import builtin_folders, builtin_problem, folder_size
-from dflash_cli.ui.common import cell, common_options, echo, registry, run_plain, table
+from dflash_cli.ui.common import cell, echo, registry, run_plain, table
 from dflash_cli.ui.errors import EXIT_OK
+from dflash_cli.ui.options import common_options
 
 
 def _roles(registry: dict[str, Any]) -> dict[str, tuple[str, str]]:

@@ -12,9 +12,10 @@ from typing import Any
 import click
 
 from dflash_cli.engine.errors import CheckpointError
-from dflash_cli.ui.common import common_options, echo, endpoint_option, registry, run_plain, table
+from dflash_cli.ui.common import echo, registry, run_plain, table
 from dflash_cli.ui.download_progress import make_tqdm_class, progress_enabled, rich_progress
 from dflash_cli.ui.errors import EXIT_OK
+from dflash_cli.ui.options import common_options, endpoint_option
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ from typing import Any
 
 import click
 
-from dflash_cli.ui.common import common_options, registry, run_plain
+from dflash_cli.ui.common import registry, run_plain
 from dflash_cli.ui.errors import EXIT_OK, EXIT_USAGE
+from dflash_cli.ui.options import common_options
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from typing import Any, NoReturn
 
 import click
 
-from dflash_cli.ui.common import command_options, common_options, guarded, model_options, sampling_options
+from dflash_cli.ui.common import guarded
+from dflash_cli.ui.options import command_options, common_options, model_options, sampling_options
 
 INSTALL = "pip install 'dflash-cli[serve]' (starlette and uvicorn)"
 
@@ -73,7 +74,7 @@ def is_loopback(host: str) -> bool:
 
 
 def run_serve(out: Any, command: Any, *, host: str, port: int, api_key: str | None, max_queue: int) -> NoReturn:
-    """`serve`'s body (`command`: ui.common.CommandOptions; its sampling settings are the requests' defaults)."""
+    """`serve`'s body (`command`: ui.options.CommandOptions; its sampling settings are the requests' defaults)."""
     try:
         import uvicorn
 

@@ -11,18 +11,9 @@ import click
 from dflash_cli import settings as S
 from dflash_cli.engine.dtypes import QUANT_CHOICES
 from dflash_cli.engine.errors import CheckpointError
-from dflash_cli.ui.common import (
-    cell,
-    common_options,
-    config_values,
-    device_map_option,
-    echo,
-    endpoint_option,
-    max_memory_option,
-    registry,
-    run_plain,
-)
+from dflash_cli.ui.common import cell, config_values, echo, registry, run_plain
 from dflash_cli.ui.errors import EXIT_OK
+from dflash_cli.ui.options import common_options, device_map_option, endpoint_option, max_memory_option
 
 DEFAULT_SHOW_QUANT = "bf16"
 

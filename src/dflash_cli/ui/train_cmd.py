@@ -14,7 +14,8 @@ import click
 
 from dflash_cli.engine.dtypes import DTYPE_CHOICES
 from dflash_cli.train.config import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, DEFAULT_STEPS, FORMATS, TrainConfig, bound
-from dflash_cli.ui.common import FiniteFloatRange, debug_option, guarded
+from dflash_cli.ui.common import guarded
+from dflash_cli.ui.options import FiniteFloatRange, debug_option
 
 
 def _ints(name: str) -> click.IntRange:
