@@ -1,4 +1,4 @@
-"""Fixtures for tests that talk to the loopback FakeHub: a tiny pair published under two repo ids (with code
+"""Fixtures for tests that talk to the loopback FakeHub: a tiny target and drafter, each in its own repo (with code
 and pickle files beside it that must never be downloaded), the server, an online environment, a cache."""
 
 from __future__ import annotations

