@@ -4,6 +4,8 @@ tiny Qwen3 and Llama targets, the per-CPU choice, and what happens when the kern
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -172,16 +174,25 @@ def test_kernels_build_once_into_the_cache_and_a_damaged_library_is_built_again(
         native.reset_for_tests()
         again = native.library(heard.append)
         assert again is not None and again.seconds == 0 and len(heard) == 1  # loaded, not built
-        # a damaged file where the library belongs (a second cache, so that nothing has it loaded)
-        monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "second"))
-        damaged = tmp_path / "second" / built.path.relative_to(tmp_path / "first")
-        damaged.parent.mkdir(parents=True)
-        damaged.write_bytes(b"not a library")
-        native.reset_for_tests()
-        rebuilt = native.library()
-        assert rebuilt is not None and rebuilt.seconds > 0 and rebuilt.path == damaged
-        layer = quantize_linears([linear(16, 32, seed=0)], "q8a8")
-        assert layer is not None and layer(torch.randn(2, 32)).shape == (2, 16)
+        whole = built.path.read_bytes()
+        foreign = next(Path(line.split()[-1]) for line in Path("/proc/self/maps").read_text().splitlines()
+                       if "/libm.so" in line or "/libm-" in line)  # the C math library this process runs
+        # where the library belongs (a new cache each time, so that nothing has that path loaded): random
+        # bytes; the library cut short, with its manifest (a full disk: opening it would be a SIGBUS); a
+        # library that is not ours (it lacks our symbols); each is built again, never opened
+        for n, damage in enumerate([b"not a library", whole[:len(whole) // 2], foreign.read_bytes()]):
+            monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / f"damaged{n}"))
+            damaged = tmp_path / f"damaged{n}" / built.path.relative_to(tmp_path / "first")
+            damaged.parent.mkdir(parents=True)
+            damaged.write_bytes(damage)
+            if n == 1:
+                native.manifest_path(damaged).write_bytes(native.manifest_path(built.path).read_bytes())
+            native.reset_for_tests()
+            rebuilt = native.library()
+            assert rebuilt is not None and rebuilt.seconds > 0 and rebuilt.path == damaged, native.unavailable()
+            assert native.is_intact(damaged) and damaged.read_bytes() != damage
+            layer = quantize_linears([linear(16, 32, seed=0)], "q8a8")
+            assert layer is not None and layer(torch.randn(2, 32)).shape == (2, 16)
     finally:
         native.reset_for_tests()
 

@@ -3,7 +3,9 @@ loaded through ctypes.
 
 Only where the CPU has AVX2 and FMA. The library is kept in the cache folder under a key of the source, the
 compiler's version and the CPU's flags, so a first start pays one compile (3.2 s on 2 AVX2 cores) and later
-starts load it. It links the OpenMP runtime torch has already loaded (the same `libgomp.so.1`), so its
+starts load it. Beside it a manifest records its size and SHA-256 at build time; a library that does not match
+(cut short by a full disk, or another file put there) is never opened, since mapping a truncated library
+kills the process with SIGBUS: it is built again. It links the OpenMP runtime torch has already loaded (the same `libgomp.so.1`), so its
 threads are torch's threads and `torch.set_num_threads` governs both. Without a compiler, or on another
 CPU, `library()` is None and `unavailable()` says why; callers keep their other formats.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -126,6 +129,24 @@ def _why_not_here(flags: set[str] | None = None, cc: str | None | bool = False) 
     return None
 
 
+def manifest_path(library_path: Path) -> Path:
+    return library_path.with_name(library_path.name + ".json")
+
+
+def _fingerprint(path: Path) -> dict[str, object]:
+    data = path.read_bytes()
+    return {"abi": ABI_VERSION, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def is_intact(library_path: Path) -> bool:
+    """Whether the file at `library_path` is the library built there: its size and hash as recorded at build."""
+    try:
+        recorded = json.loads(manifest_path(library_path).read_text())
+        return isinstance(recorded, dict) and recorded == _fingerprint(library_path)
+    except (OSError, ValueError):
+        return False
+
+
 def _build(cc: str, out: Path) -> float:
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -136,7 +157,12 @@ def _build(cc: str, out: Path) -> float:
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no message"])[0]
             raise RuntimeError(f"{cc} failed: {first[:200]}")
-        os.replace(made, out)  # whole or not at all: a second process never loads a half-written library
+        manifest = Path(tmp) / "manifest.json"
+        manifest.write_text(json.dumps(_fingerprint(made)))
+        # whole or not at all: a second process never loads a half-written library, and until the manifest
+        # lands beside the new library it rebuilds rather than trusts it
+        os.replace(made, out)
+        os.replace(manifest, manifest_path(out))
     return time.perf_counter() - started
 
 
@@ -175,16 +201,15 @@ def _make(on_status: Callable[[str], None] | None) -> Built | str:
     assert cc is not None
     path = cache_folder() / _key(cc) / "libdflash_int8.so"
     seconds = 0.0
-    if not path.exists():
+    if not is_intact(path):  # not built yet, or damaged or replaced since: never opened
         if on_status is not None:
             on_status(f"Building the 8-bit-activation kernels for this CPU with {cc} (once, a few seconds) ...")
         seconds = _build(cc, path)
     try:
-        lib = _load(path)
-    except (OSError, AttributeError, RuntimeError):
-        seconds = _build(cc, path)  # a damaged or foreign file in the cache: build it again
-        lib = _load(path)
-    return Built(lib, path, seconds)
+        return Built(_load(path), path, seconds)
+    except (OSError, AttributeError, RuntimeError) as error:
+        # the file was ours and intact, and still did not load: a second build would not differ
+        raise RuntimeError(f"{path} does not load ({error}); remove {path.parent} to build it again") from None
 
 
 def unavailable() -> str | None:
