@@ -8,7 +8,12 @@ the prefill excluded:
 - dflash-cli plain and speculative decoding of the demo target in fp32, bf16, q8 and q4 (the drafter
   unchanged, 16/32-bit), with tau, the speedup over our own plain decoding in the same format, and whether
   the speculative output equals our plain output (it must);
-- the unit costs of each format: a 1-token decode and an 8-token verify (the demo's block), in ms.
+- the unit costs of each format: a 1-token decode and an 8-token verify (the demo's block), and a draft of
+  a block (measured inside the speculative runs), in ms.
+
+`--busy N` keeps N other processes spinning for the whole run (a user's laptop with something else on), and
+`--fixed-threads T` adds for each format a row forced to T threads (`--threads T`), beside the default that
+chooses its threads from the free cores.
 
     .venv/bin/python benchmarks/cpu_formats.py                       # math prompts, 128 tokens, about 4 min
     .venv/bin/python benchmarks/cpu_formats.py --sets math code chat --limit 4 --json out.json
@@ -100,29 +105,44 @@ def unit_costs(target, repeats: int = 30) -> tuple[float, float]:
     return timed(1), timed(8)
 
 
-def run_format(name: str, spec: dict, prompts, new_tokens: int, debug_same: bool = False) -> dict:
+def run_format(name: str, spec: dict, prompts, new_tokens: int, debug_same: bool = False,
+               threads: int | None = None) -> dict:
     import dflash_cli
 
     started = time.perf_counter()
-    runtime = dflash_cli.load("demo", dtype=spec["dtype"], quant=spec["quant"], device="cpu")
+    runtime = dflash_cli.load("demo", dtype=spec["dtype"], quant=spec["quant"], device="cpu", threads=threads)
     load_s = time.perf_counter() - started
     dflash_cli.generate(runtime, prompts[0][1], max_new_tokens=16)  # warm-up, both loops
     dflash_cli.generate(runtime, prompts[0][1], max_new_tokens=16, block_size=1)
-    plain, spec_rates, taus, same = [], [], [], 0
+    plain, spec_rates, taus, same, drafts = [], [], [], 0, []
     for _, ids in prompts:
         p = dflash_cli.generate(runtime, ids, max_new_tokens=new_tokens, block_size=1)
         s = dflash_cli.generate(runtime, ids, max_new_tokens=new_tokens)
         plain.append(p.stats.decode_tokens_per_second)
         spec_rates.append(s.stats.decode_tokens_per_second)
         taus.append(s.stats.acceptance_length)
+        drafted_rounds = sum(s.stats.block_rounds[1:]) if s.stats.adaptive else s.stats.steps
+        if drafted_rounds:
+            drafts.append(s.stats.draft_seconds / drafted_rounds * 1000)
         same += p.tokens == s.tokens
         if p.tokens != s.tokens and debug_same:
             at = next(i for i, (x, y) in enumerate(zip(p.tokens + [-1], s.tokens + [-2])) if x != y)
             print(f"differs at token {at} of {len(p.tokens)} (prompt {len(ids)} tokens)", file=sys.stderr)
     dec1, ver8 = unit_costs(runtime.target)
+    if threads:
+        name += f", --threads {threads}"
     return dict(format=name, dtype=runtime.dtype, forward=runtime.forward, load_seconds=load_s,
+                draft_ms=statistics.median(drafts) if drafts else None,
+                threads=runtime.target.threads.describe() if runtime.target.threads else None,
                 plain_tok_s=statistics.median(plain), spec_tok_s=statistics.median(spec_rates),
                 tau=statistics.mean(taus), identical=f"{same}/{len(prompts)}", decode_1_ms=dec1, verify_8_ms=ver8)
+
+
+def spinner():
+    """Another process keeping one core busy until killed."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def before_row(args) -> dict:
@@ -146,6 +166,9 @@ def main() -> None:
     ap.add_argument("-n", "--new-tokens", type=int, default=128)
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    ap.add_argument("--busy", type=int, default=0, help="other processes kept spinning during the run")
+    ap.add_argument("--fixed-threads", type=int, default=None,
+                    help="also run each format forced to this many threads")
     ap.add_argument("--json", type=Path, help="also write every number here")
     ap.add_argument("--before", type=Path, help="a checkout of an earlier version: its default format (the "
                     "API's dtype and quant defaults) is measured too, in a subprocess, as the first row")
@@ -164,28 +187,44 @@ def main() -> None:
         return
     print(f"CPU: {cpu_line()}", flush=True)
     print(f"{len(prompts)} prompts ({', '.join(args.sets)}), {args.new_tokens} new tokens, greedy, "
-          f"chat template; {time.strftime('%Y-%m-%d')}", flush=True)
-    rates, note = llama_cpp_rows(prompts, args.new_tokens, threads)
-    base = statistics.median(rates) if rates else None
-    rows = [before_row(args) for _ in [args.before] if args.before]
-    rows += [run_format(name, FORMATS[name], prompts, args.new_tokens, args.debug_same) for name in args.formats]
+          f"chat template; {time.strftime('%Y-%m-%d')}"
+          + (f"; {args.busy} other process(es) spinning throughout" if args.busy else ""), flush=True)
+    spinners = [spinner() for _ in range(args.busy)]
+    try:
+        rates, note = llama_cpp_rows(prompts, args.new_tokens, threads)
+        base = statistics.median(rates) if rates else None
+        rows = [before_row(args) for _ in [args.before] if args.before]
+        for name in args.formats:
+            rows.append(run_format(name, FORMATS[name], prompts, args.new_tokens, args.debug_same))
+            if args.fixed_threads:
+                rows.append(run_format(name, FORMATS[name], prompts, args.new_tokens, args.debug_same,
+                                       threads=args.fixed_threads))
+    finally:
+        for s in spinners:
+            s.kill()
 
     def vs(x: float) -> str:
         return f"{x / base:.2f}x" if base else "-"
 
     print()
     print("| engine, format | plain tok/s | vs llama.cpp | DFlash tok/s | vs llama.cpp | tau | DFlash/plain |"
-          " same output | decode 1 ms | verify 8 ms | verify/decode | load s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          " same output | decode 1 ms | verify 8 ms | verify/decode | draft ms | draft/decode | load s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     if base:
-        print(f"| llama.cpp {note} | {base:.1f} | 1.00x | | | | | | | | | |")
+        print(f"| llama.cpp {note} | {base:.1f} | 1.00x | | | | | | | | | | | |")
     else:
-        print(f"| llama.cpp: {note} | | | | | | | | | | | |")
+        print(f"| llama.cpp: {note} | | | | | | | | | | | | | |")
     for r in rows:
+        draft = r.get("draft_ms")
+        drafting = f"{draft:.1f} | {draft / r['decode_1_ms']:.2f}x" if draft else "- | -"
         print(f"| dflash-cli {r['format']} ({r['dtype']}) | {r['plain_tok_s']:.1f} | {vs(r['plain_tok_s'])} | "
               f"{r['spec_tok_s']:.1f} | {vs(r['spec_tok_s'])} | {r['tau']:.2f} | "
               f"{r['spec_tok_s'] / r['plain_tok_s']:.2f}x | {r['identical']} | {r['decode_1_ms']:.1f} | "
-              f"{r['verify_8_ms']:.1f} | {r['verify_8_ms'] / r['decode_1_ms']:.2f}x | {r['load_seconds']:.1f} |")
+              f"{r['verify_8_ms']:.1f} | {r['verify_8_ms'] / r['decode_1_ms']:.2f}x | {drafting} | "
+              f"{r['load_seconds']:.1f} |")
+    for r in rows:
+        if r.get("threads"):
+            print(f"threads, {r['format']}: {r['threads']}")
     if args.json:
         args.json.write_text(json.dumps(dict(cpu=cpu_line(), llama_cpp=dict(rates=rates, note=note), rows=rows,
                                              sets=args.sets, new_tokens=args.new_tokens), indent=2) + "\n")

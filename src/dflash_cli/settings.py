@@ -48,6 +48,7 @@ ENV = {
     "timeout": "DFLASH_TIMEOUT",
     "device_map": "DFLASH_DEVICE_MAP",
     "max_memory": "DFLASH_MAX_MEMORY",
+    "threads": "DFLASH_THREADS",
 }
 API_KEY_ENV = "DFLASH_API_KEY"  # the bearer token for --engine (vLLM and SGLang --api-key)
 DEBUG_ENV = "DFLASH_DEBUG"
@@ -101,6 +102,7 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
     "system": str, "color": str, "provenance": bool, "max_context": int, "compile": str,
     "hide_thinking": bool, "engine": str, "device_map": str, "max_memory": str, "timeout": (int, float),
+    "threads": int,
 }
 
 
@@ -131,7 +133,7 @@ class Config:
         """click's default_map: config values become option defaults (flags and env vars still win)."""
         model_keys = {k: v for k, v in self.values.items()
                       if k in ("model", "draft", "quant", "dtype", "device", "max_context", "block_size", "color",
-                               "compile", "engine", "device_map", "max_memory", "timeout")}
+                               "compile", "engine", "device_map", "max_memory", "timeout", "threads")}
         return {"generate": dict(self.values), "chat": dict(self.values), "bench": model_keys}
 
 

@@ -26,6 +26,7 @@ from dflash_cli.engine.sampling import Sampler
 from dflash_cli.engine.speculative import Round, speculative_rounds
 from dflash_cli.engine.state import DecodeState
 from dflash_cli.engine.target import Target
+from dflash_cli.engine.threads import ThreadGovernor
 
 
 def default_stop_ids(target: Target, tokenizer: Any = None) -> list[int]:
@@ -54,9 +55,11 @@ class _Tally:
     """Mutable counters behind the frozen GenerationStats snapshots."""
 
     def __init__(self, prompt_tokens: int, prefilled: int, block_size: int, device: torch.device,
-                 adaptive: bool = False):
+                 adaptive: bool = False, threads: ThreadGovernor | None = None):
         self.prompt_tokens, self.prefilled, self.block_size, self.device = prompt_tokens, prefilled, block_size, device
         self.adaptive = adaptive
+        self.threads = threads
+        self.threads_before = threads.changes if threads is not None else 0
         self.block_rounds = [0] * block_size  # [n-1] = rounds run with n slots
         self.last_block = 0
         self.prefill_seconds = self.decode_seconds = self.draft_seconds = self.verify_seconds = 0.0
@@ -91,7 +94,8 @@ class _Tally:
             committed_histogram=tuple(self.histogram), position_drafted=tuple(self.pos_drafted),
             position_accepted=tuple(self.pos_accepted), peak_memory_bytes=memory.peak_bytes,
             peak_memory_kind=memory.kind, adaptive=self.adaptive, block_rounds=tuple(self.block_rounds),
-            last_block=self.last_block,
+            last_block=self.last_block, threads=self.threads.threads if self.threads is not None else 0,
+            thread_changes=self.threads.changes - self.threads_before if self.threads is not None else 0,
             finish_reason=finish_reason)
 
 
@@ -138,13 +142,17 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         decoder = StreamDecoder(tokenizer)
 
     reset_peak_memory(target.device)
+    threads = target.threads
     try:
         t0 = time.perf_counter()
+        if threads is not None:
+            threads.check(force=True)  # the window since the last reply (or the load) says what is free now
         logits, reused = state.prefill(list(prompt))
         first = sample(logits, len(prompt))  # (1,) the token at position len(prompt)
         first_id = first.tolist()
         state.commit(first_id, None, anchor=first)
-        tally = _Tally(len(prompt), len(prompt) - reused, block, target.device, adaptive=controller is not None)
+        tally = _Tally(len(prompt), len(prompt) - reused, block, target.device, adaptive=controller is not None,
+                       threads=threads)
         tally.prefill_seconds = time.perf_counter() - t0
         tally.generated = 1
 
@@ -173,6 +181,8 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
                        r.draft_seconds, r.verify_seconds, tally.snapshot(finish), finish)
             if finish:
                 return
+            if threads is not None:
+                threads.check()  # before the next round: another process may have taken a core, or left one
     finally:
         state.repair()
 

@@ -3,10 +3,11 @@ loaded through ctypes.
 
 Only where the CPU has AVX2 and FMA. The library is kept in the cache folder under a key of the source, the
 compiler's version and the CPU's flags, so a first start pays one compile (3.2 s on 2 AVX2 cores) and later
-starts load it. Beside it a manifest records its size and SHA-256 at build time; a library that does not match
-(cut short by a full disk, or another file put there) is never opened, since mapping a truncated library
-kills the process with SIGBUS: it is built again. It links the OpenMP runtime torch has already loaded (the same `libgomp.so.1`), so its
-threads are torch's threads and `torch.set_num_threads` governs both. Without a compiler, or on another
+starts load it. Beside it a manifest records its size and SHA-256 at build time; a library that does not
+match (cut short by a full disk, or another file put there) is never opened, since mapping a truncated
+library kills the process with SIGBUS: it is built again. It links the OpenMP runtime torch has already
+loaded (the same `libgomp.so.1`), so its threads are torch's threads and `torch.set_num_threads` governs
+both (engine/threads.py sets it). Without a compiler, or on another
 CPU, `library()` is None and `unavailable()` says why; callers keep their other formats.
 """
 

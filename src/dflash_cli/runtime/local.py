@@ -142,7 +142,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
                  device_map: str | None = None, max_memory: str | dict[str, int] | None = None,
                  placement: Placement | None = None, on_status: Status | None = None,
                  on_notice: Status | None = None, before_weights: Callable[[Any], None] | None = None,
-                 quant_auto: bool = False) -> LocalRuntime:
+                 quant_auto: bool = False, threads: int | None = None) -> LocalRuntime:
     """Loads a target folder (and drafter folder), checking the pair before any weights load.
 
     Names, repo ids and built-in models become folders before this (`open_runtime`, models/resolve.py).
@@ -156,11 +156,13 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     `placement`: those three already resolved (engine/placement.py), in their place.
     `quant_auto`: `quant` was --quant auto's choice, so a weight-only one (q4/q8) that cannot run here
     (compile off, a target off the fast path) falls back to unquantized with a notice instead of an error.
+    `threads`: the CPU thread count of a target on the CPU (None: chosen while generating, engine/threads.py).
     """
     from dflash_cli.engine.device import pick_dtype
     from dflash_cli.engine.dtypes import plan_dtype
     from dflash_cli.engine.load import load_pair
     from dflash_cli.engine.placement import resolve_placement
+    from dflash_cli.engine.threads import ThreadGovernor
 
     target_dir, drafter_dir = Path(model).expanduser(), Path(draft).expanduser() if draft else None
     for what, folder in (("model", target_dir), ("drafter", drafter_dir)):
@@ -173,6 +175,10 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     if placement is None:  # bad settings fail before anything loads
         placement = resolve_placement(device, device_map, max_memory)
     dev, split = placement.device, placement.split
+    # made now: the load is its first window on what the rest of the machine keeps busy
+    governor = ThreadGovernor(threads) if dev.type == "cpu" or threads else None
+    if governor is not None:
+        governor.check()
     quant = None if quant in (None, "none") else quant
     built_note = ""
     if quant in ("q4a8", "q8a8") and dev.type == "cpu":
@@ -189,6 +195,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
                                bnb_quant=quant if quant in ("int8", "nf4") else None,
                                on_status=on_status, on_notice=on_notice, quant_auto=quant_auto)
     forward += built_note
+    pair.target.threads = governor
     if quant in ("q4", "q8", "q4a8", "q8a8") and pair.target.weight_quant is None:  # --quant auto fell back
         quant = None
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed

@@ -256,7 +256,7 @@ def check_cpu() -> list[Check]:
         value += f", torch uses {torch.get_num_threads()} thread(s)"
     except Exception:
         pass
-    checks = [Check("cpu cores", value, data={"logical": logical, "usable": usable})]
+    checks = [Check("cpu cores", value, data={"logical": logical, "usable": usable}), _check_threads()]
 
     total, available = system_memory()
     checks.append(Check("system memory", _fmt_bytes(total) if total is not None else "unknown", data=total))
@@ -287,6 +287,31 @@ def check_cpu() -> list[Check]:
     except Exception as error:  # engine import needs torch
         checks.append(Check("cpu format", f"unknown ({type(error).__name__})", data=None))
     return checks
+
+
+def _check_threads() -> Check:
+    """The thread count a CPU generation would start with now, from what other processes keep busy."""
+    from dflash_cli import settings as S
+
+    forced = os.environ.get(S.ENV["threads"])
+    try:
+        from dflash_cli.engine.threads import ThreadGovernor
+
+        governor = ThreadGovernor(apply=lambda n: None)
+        chosen = governor.measure()
+    except Exception as error:  # engine import needs torch
+        return Check("cpu threads", f"unknown ({type(error).__name__})", data=None)
+    busy = governor.others_busy
+    value = (f"{chosen} of {len(governor.cpus)} usable (auto: other processes keep "
+             + (f"{busy:.1f} core(s) busy now" if busy is not None else "an unknown share busy")
+             + "; re-checked every half second while generating)")
+    if forced:
+        value = f"{forced} ({S.ENV['threads']}); auto would take {value}"
+    status = WARN if busy is not None and chosen < governor.most else OK
+    hint = "other processes keep cores busy: generation runs on fewer threads until they finish" \
+        if status == WARN else None
+    data = {"auto": chosen, "others_busy": busy, "forced": int(forced) if forced and forced.isdigit() else None}
+    return Check("cpu threads", value, status, hint, data=data)
 
 
 def check_bitsandbytes() -> list[Check]:

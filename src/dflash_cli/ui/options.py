@@ -93,6 +93,9 @@ model_options = apply_all([
                  help="cuda, cuda:N, cpu or auto."),
     device_map_option(),
     max_memory_option(),
+    click.option("--threads", type=click.IntRange(min=1), default=None, envvar=S.ENV["threads"], show_envvar=True,
+                 help="CPU threads to run on [default: one per core that other processes leave free, re-checked "
+                      "every half second while generating; -v shows the count]."),
     click.option("--compile", "compile", type=click.Choice(["auto", "on", "off"]), default=S.DEFAULT_COMPILE,
                  envvar=S.ENV["compile"], show_envvar=True, show_default=True,
                  help="Compile the decode and verify forwards (auto: CUDA graphs on GPUs; not on CPUs, where it "

@@ -96,6 +96,10 @@ def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: 
         speedup = stats.decode_tokens_per_second / baseline.decode_tokens_per_second
         rows += [("plain eval rate", f"{baseline.decode_tokens_per_second:.2f} tokens/s"),
                  ("speedup", f"{speedup:.2f}x (measured against plain decoding)")]
+    if getattr(stats, "threads", 0):
+        changed = stats.thread_changes
+        rows.append(("cpu threads", f"{stats.threads}" + (f" (changed {changed} time(s) as other processes took or "
+                                                          "freed cores)" if changed else "")))
     if stats.peak_memory_bytes is not None:
         rows.append(("peak memory", f"{fmt_bytes(stats.peak_memory_bytes)} ({stats.peak_memory_kind})"))
     width = max(len(k) for k, _ in rows) + 1
@@ -143,4 +147,6 @@ def _stats_json(stats: Any) -> dict[str, Any]:
         "decode_tokens_per_second": stats.decode_tokens_per_second,
         "peak_memory_bytes": stats.peak_memory_bytes,
         "peak_memory_kind": stats.peak_memory_kind,
+        "threads": getattr(stats, "threads", 0) or None,
+        "thread_changes": getattr(stats, "thread_changes", 0),
     }
