@@ -14,7 +14,13 @@ import torch
 from click.testing import CliRunner
 from conftest import drafter_config, save_random_drafter, target_config
 
-from dflash_cli.engine.threads import CpuTimes, ThreadGovernor, read_cpu_times, threads_for, usable_cpus
+from dflash_cli.engine.cpu.threads import (
+    CpuTimes,
+    ThreadGovernor,
+    read_cpu_times,
+    threads_for,
+    usable_cpus,
+)
 from dflash_cli.ui.cli import cli
 
 

@@ -10,6 +10,7 @@ import torch
 
 from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.baseline import baseline_rounds
+from dflash_cli.engine.cpu.threads import ThreadGovernor
 from dflash_cli.engine.device import peak_memory, reset_peak_memory
 from dflash_cli.engine.drafter import Drafter
 from dflash_cli.engine.errors import InvalidSettingError
@@ -26,7 +27,6 @@ from dflash_cli.engine.sampling import Sampler
 from dflash_cli.engine.speculative import Round, speculative_rounds
 from dflash_cli.engine.state import DecodeState
 from dflash_cli.engine.target import Target
-from dflash_cli.engine.threads import ThreadGovernor
 
 
 def default_stop_ids(target: Target, tokenizer: Any = None) -> list[int]:

@@ -7,7 +7,7 @@ starts load it. Beside it a manifest records its size and SHA-256 at build time;
 match (cut short by a full disk, or another file put there) is never opened, since mapping a truncated
 library kills the process with SIGBUS: it is built again. It links the OpenMP runtime torch has already
 loaded (the same `libgomp.so.1`), so its threads are torch's threads and `torch.set_num_threads` governs
-both (engine/threads.py sets it). Without a compiler, or on another
+both (engine/cpu/threads.py sets it). Without a compiler, or on another
 CPU, `library()` is None and `unavailable()` says why; callers keep their other formats.
 """
 

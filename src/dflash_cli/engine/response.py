@@ -33,7 +33,7 @@ class GenerationStats:
     adaptive: bool = False  # block sizes chosen per round (see engine/adaptive.py)
     block_rounds: tuple[int, ...] = ()  # [n-1] = rounds run with n slots (1 = drafting paused)
     last_block: int = 0  # slots of the latest round: the current adaptive choice
-    threads: int = 0  # CPU threads of the latest round (engine/threads.py); 0: not chosen here (a GPU, a server)
+    threads: int = 0  # CPU threads of the latest round (engine/cpu/threads.py); 0: not chosen here (a GPU, a server)
     thread_changes: int = 0  # times the thread count changed during this generation (a core taken or freed)
     finish_reason: str | None = None
     # a remote engine (runtime/remote.py): whether it reported speculative counters, and the tokens it streamed

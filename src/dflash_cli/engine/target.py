@@ -19,8 +19,8 @@ from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.linear_attention import is_linear_attention
 
 if TYPE_CHECKING:
+    from dflash_cli.engine.cpu.threads import ThreadGovernor
     from dflash_cli.engine.fast import FastPath
-    from dflash_cli.engine.threads import ThreadGovernor
 
 
 def decoder_layers(model: HFModule) -> nn.ModuleList:
@@ -122,7 +122,7 @@ class Target:
         self.offload_dir: Any = None  # a TemporaryDirectory holding disk-offloaded weights, if any
         self.weight_quant: str | None = None  # "q4"/"q8"/"q4a8"/"q8a8": the fast path runs the linears quantized
         self.q4_codes_file: Any = None  # a Path of ready 4-bit codes (weightonly.Q4_CODES_FILE), if any
-        # on a CPU, the thread count of its generations (engine/threads.py); None: torch's default, untouched
+        # on a CPU, the thread count of its generations (engine/cpu/threads.py); None: torch's default, untouched
         self.threads: ThreadGovernor | None = None
         # linear-attention (Qwen3.5) layers: transformers' cache cannot roll their state back, ours can
         self.hybrid = any(is_linear_attention(layer) for layer in self.layers)

@@ -156,13 +156,13 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     `placement`: those three already resolved (engine/placement.py), in their place.
     `quant_auto`: `quant` was --quant auto's choice, so a weight-only one (q4/q8) that cannot run here
     (compile off, a target off the fast path) falls back to unquantized with a notice instead of an error.
-    `threads`: the CPU thread count of a target on the CPU (None: chosen while generating, engine/threads.py).
+    `threads`: the CPU thread count of a target on the CPU (None: chosen while generating, engine/cpu/threads.py).
     """
+    from dflash_cli.engine.cpu.threads import ThreadGovernor
     from dflash_cli.engine.device import pick_dtype
     from dflash_cli.engine.dtypes import plan_dtype
     from dflash_cli.engine.load import load_pair
     from dflash_cli.engine.placement import resolve_placement
-    from dflash_cli.engine.threads import ThreadGovernor
 
     target_dir, drafter_dir = Path(model).expanduser(), Path(draft).expanduser() if draft else None
     for what, folder in (("model", target_dir), ("drafter", drafter_dir)):

@@ -295,7 +295,7 @@ def _check_threads() -> Check:
 
     forced = os.environ.get(S.ENV["threads"])
     try:
-        from dflash_cli.engine.threads import ThreadGovernor
+        from dflash_cli.engine.cpu.threads import ThreadGovernor
 
         governor = ThreadGovernor(apply=lambda n: None)
         chosen = governor.measure()
