@@ -212,16 +212,45 @@ def test_bf16_weights_run_the_fast_path_losslessly_on_any_cpu(pairs):
         assert generate(pair.target, oracle, prompt, max_new_tokens=24, stop_ids=[]).tokens == plain
 
 
-@pytest.mark.parametrize("capability, fast_bf16, native_missing, expected", [
-    ("AVX512", True, None, "q4"), ("AVX2", True, None, "q4"), ("AVX512", False, None, "q4a8"),
-    ("AVX2", False, None, "q4a8"), ("AVX2", False, "no C compiler (cc or gcc) on the PATH", None),
-    ("DEFAULT", False, None, None), ("DEFAULT", True, None, None), ("NO AVX", False, None, None),
+NO_CC = "no C compiler (cc or gcc) on the PATH"
+
+
+@pytest.mark.parametrize("capability, fast_bf16, native_missing, timings, expected", [
+    ("AVX512", True, None, {"q4a8": 5.0, "q4": 9.0}, "q4a8"), ("AVX512", True, None, {"q4a8": 9.0, "q4": 5.0}, "q4"),
+    ("AVX2", True, NO_CC, None, "q4"), ("AVX512", False, None, None, "q4a8"), ("AVX2", False, None, None, "q4a8"),
+    ("AVX2", False, NO_CC, None, None), ("DEFAULT", False, None, None, None), ("DEFAULT", True, None, None, None),
+    ("NO AVX", False, None, None, None),
 ])
-def test_auto_quant_on_a_cpu_follows_what_it_reports(capability, fast_bf16, native_missing, expected):
-    chosen, why = cpu_auto_quant(capability, fast_bf16, native_missing)
-    assert chosen == expected
-    assert capability in why
-    assert ("without native bf16" in why) == (capability in ("AVX512", "AVX2") and not fast_bf16)
+def test_auto_quant_on_a_cpu_measures_where_two_formats_can_run(tmp_path, monkeypatch, capability, fast_bf16,
+                                                               native_missing, timings, expected):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    measured: list[int] = []
+
+    def measure():
+        measured.append(1)
+        return dict(timings)
+
+    for _ in range(2):
+        chosen, why = cpu_auto_quant(capability, fast_bf16, native_missing, measure=measure)
+        assert chosen == expected
+        assert capability in why
+        assert ("without native bf16" in why) == (capability in ("AVX512", "AVX2") and not fast_bf16)
+        assert ("measured fastest" in why) == (timings is not None)
+    assert len(measured) == (timings is not None)  # once per CPU: then read from the cache folder
+
+
+def test_the_measurement_runs_both_formats_for_real_and_is_kept(tmp_path, monkeypatch):
+    from dflash_cli.engine import native
+    from dflash_cli.engine.cpu import choice
+
+    if native.available_without_building() is not None:
+        pytest.skip(f"no q4a8 kernels here: {native.available_without_building()}")
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    timings = choice.measured_formats(lambda: choice.measure_formats(repeats=1))
+    assert set(timings) == set(choice.CANDIDATES) and all(t > 0 for t in timings.values())
+    assert choice.measured_formats(lambda: {}) == timings  # kept
+    choice.measurement_file().write_text("{not json")  # damaged: measured again, never an error
+    assert choice.measured_formats(lambda: {"q4": 1.0}) == {"q4": 1.0}
 
 
 def test_weight_only_targets_compute_in_bf16_unless_told_otherwise():
@@ -238,12 +267,15 @@ def test_auto_quant_in_the_preflight_picks_the_cpus_format(monkeypatch):
     from support.hf_configs import cfg
 
     from dflash_cli.engine import device, native
+    from dflash_cli.engine.cpu import choice
     from dflash_cli.models.memory.preflight import MemoryBudget, preflight_memory
 
     budget = MemoryBudget(64 * 2**30, 4096, "bf16", "system memory", "cpu")
     smol = cfg("HuggingFaceTB__SmolLM2-135M-Instruct")
     monkeypatch.setattr(device, "cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(choice, "measure_formats", lambda: {"q4a8": 2.0, "q4": 1.0})
+    monkeypatch.setattr(native, "available_without_building", lambda: None)
     assert preflight_memory(smol, None, "auto", budget, "smol") == "q4"
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setattr(native, "available_without_building", lambda: None)
@@ -283,11 +315,13 @@ def test_auto_falls_back_to_unquantized_where_q4_cannot_run(tiny_target_dir, mon
     from click.testing import CliRunner
 
     from dflash_cli.engine import device
+    from dflash_cli.engine.cpu import choice
     from dflash_cli.models.memory import preflight
     from dflash_cli.ui.cli import cli
 
     monkeypatch.setattr(device, "cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(choice, "measure_formats", lambda: {"q4": 1.0, "q4a8": 2.0})  # q4 measured faster
     args = ["generate", "-m", str(tiny_target_dir), "--quant", "auto", "-n", "6", "--no-chat-template", "hello"]
     picked = CliRunner().invoke(cli, args)
     assert picked.exit_code == 0, picked.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,30 +67,40 @@ def cpu_capability() -> str:
 
 
 def cpu_auto_quant(capability: str | None = None, fast_bf16: bool | None = None,
-                   native_missing: str | None | bool = False) -> tuple[str | None, str]:
-    """`--quant auto` on a CPU: the fastest lossless target format measured for this kind of CPU, and why.
+                   native_missing: str | None | bool = False,
+                   measure: Callable[[], dict[str, float]] | None = None) -> tuple[str | None, str]:
+    """`--quant auto` on a CPU: the fastest lossless target format on this CPU, and why.
 
-    With native bf16 (AVX512-BF16, AMX), 4-bit weight-only q4 on torch's int4 kernel: lossless with bf16
-    activations and the fastest format measured there. Without it (most laptops and desktops: AVX2 only),
-    q4a8 on the project's own AVX2 kernels (engine/int8act.py: 8-bit activations, fp32 around them, whole
-    layers in one C call), 2.5-6x packed fp32 and torch's q4 on such a CPU (benchmarks/README.md, "CPU
-    formats"); where they cannot be built (no C compiler), packed fp32, as before. `native_missing`: why
-    the kernels cannot be had (None: they can; default: asked of engine/native.py, without compiling)."""
+    Without native bf16 (most laptops and desktops: AVX2 only), q4a8 on the project's own kernels
+    (engine/int8act.py: 8-bit activations, fp32 around them, whole layers in one C call), 2.5-6x packed fp32
+    and torch's q4 on such CPUs (benchmarks/README.md, "CPU formats"). With native bf16 (AVX512-BF16, AMX)
+    torch's int4 kernel (q4) is a candidate too, and the faster of the two is measured once on this CPU
+    (engine/cpu/choice.py; `measure` stands in for it in tests). Where the kernels cannot be built (no C
+    compiler), q4 with native bf16, else packed fp32. `native_missing`: why the kernels cannot be had
+    (None: they can; default: asked of engine/native.py, without compiling)."""
     capability = capability or cpu_capability()
     fast_bf16 = cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16
-    if capability in ("AVX2", "AVX512") and fast_bf16:
-        return "q4", f"{capability} CPU with native bf16: 4-bit weight-only linears decode fastest"
-    if capability in ("AVX2", "AVX512"):
-        if native_missing is False:
-            from dflash_cli.engine.native import available_without_building
+    if capability not in ("AVX2", "AVX512"):
+        return None, f"{capability} CPU: no vectorised 4-bit kernel here, so 16/32-bit packed weights"
+    if native_missing is False:
+        from dflash_cli.engine.native import available_without_building
 
-            native_missing = available_without_building()
-        if native_missing is None:
-            return "q4a8", (f"{capability} CPU without native bf16: 4-bit weights times 8-bit activations on "
-                            "this project's AVX2 kernels decode fastest")
-        return None, (f"{capability} CPU without native bf16: packed fp32 (the q4a8 kernels are not available: "
-                      f"{native_missing})")
-    return None, f"{capability} CPU: no vectorised 4-bit kernel here, so 16/32-bit packed weights"
+        native_missing = available_without_building()
+    if fast_bf16 and native_missing is None:
+        from dflash_cli.engine.cpu.choice import describe, fastest, measured_formats
+
+        timings = measured_formats(measure)
+        chosen = fastest(timings) or "q4a8"
+        return chosen, (f"{capability} CPU with native bf16: {chosen} measured fastest here (a decode and an "
+                        f"8-row verify of 4 layers' linears: {describe(timings)})")
+    if fast_bf16:
+        return "q4", (f"{capability} CPU with native bf16: 4-bit weight-only linears (the q4a8 kernels are not "
+                      f"available: {native_missing})")
+    if native_missing is None:
+        return "q4a8", (f"{capability} CPU without native bf16: 4-bit weights times 8-bit activations on "
+                        "this project's kernels decode fastest")
+    return None, (f"{capability} CPU without native bf16: packed fp32 (the q4a8 kernels are not available: "
+                  f"{native_missing})")
 
 
 def pick_dtype(name: str | None, device: torch.device, quant: str | None = None) -> torch.dtype:
