@@ -13,8 +13,9 @@ from support.speculation import assert_speculative_equals_plain, random_prompts
 from support.weightonly import linear, pairs, q4_1_bytes  # noqa: F401 (pairs: a fixture)
 
 from dflash_cli.engine import native
-from dflash_cli.engine.errors import InvalidSettingError
+from dflash_cli.engine.errors import InvalidSettingError, UnsupportedModelError
 from dflash_cli.engine.fused import fuse_drafter
+from dflash_cli.engine.generate import generate
 from dflash_cli.engine.int8act import (
     Q4A8Linear,
     Q8A8Linear,
@@ -122,6 +123,30 @@ def test_greedy_speculative_equals_greedy_plain_decoding_on_the_c_layers(pairs, 
     pair = a8_pair(pairs, family, kind)
     assert pair.target.fast._module(True, False).fused is not None  # every layer one C call
     assert_speculative_equals_plain(pair, random_prompts, (2, 4, 8), max_new_tokens=30)
+
+
+def test_the_dense_weights_are_freed_once_quantized_and_a_second_fast_path_refuses(pairs):
+    from dflash_cli.engine.target import decoder_layers
+
+    model_bytes = None
+    for quant in (None, "q4a8"):
+        pair = load_pair(*pairs["qwen3"], device="cpu", quant=quant)
+        layers = decoder_layers(pair.target.model)
+        dense = sum(m.weight.numel() * 4 for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        if quant is None:
+            model_bytes = dense
+            continue
+        assert dense == model_bytes
+        assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
+        assert pair.target.fast.freed_bytes == dense  # every decoder linear: q|k|v, o, gate|up, down
+        assert all(m.weight.numel() == 0 for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        assert pair.target.model.get_input_embeddings().weight.numel() > 0  # what still runs dense stays
+        prompt = random_prompts(1, seed=3)[0]
+        assert len(generate(pair.target, pair.drafter, prompt, max_new_tokens=12, stop_ids=[]).tokens) == 12
+        pair.target.disable_fast_path()
+        assert "freed" in pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size)
+        with pytest.raises(UnsupportedModelError, match="dense weights were freed"):
+            generate(pair.target, None, prompt, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

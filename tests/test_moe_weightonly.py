@@ -20,6 +20,7 @@ from support.hybrid_models import save_family
 from support.speculation import assert_speculative_equals_plain, hf_greedy
 from torch import nn
 
+from dflash_cli.engine.fast_layers import fast_path_unsupported
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair, load_target
 from dflash_cli.engine.moe import WeightOnlyExperts, each_row, quantize_experts
@@ -117,18 +118,20 @@ def test_every_expert_is_quantized_on_the_q4_loading_path(folders, family, kind)
         assert len(experts.gate_up) == len(experts.down) == experts.num_experts > 2
         assert all(type(layer) is LINEAR[kind] for layer in [*experts.gate_up, *experts.down])
     assert not [name for name, _ in model.named_parameters() if ".experts." in name]  # no 16-bit expert left
-    assert param_bytes(model) == before - dense  # freed
+    assert param_bytes(model) == before - dense - fast.freed_bytes  # freed, and the dense linears quantized too
     codes = sum(held_bytes(layer) for m in layers for layer in [*m.experts.gate_up, *m.experts.down])
     assert codes < dense * (0.35 if kind == "q4" else 0.6)  # 4/8 bits and their scales, against 16
     if family in SHARED_EXPERT:  # the shared expert as the dense MLPs: gate|up and down
         moe = [p for p in fast.projections if "shared_gate_up" in p]
         assert len(moe) == len(layers)
         assert all(type(p["shared_gate_up"]) is LINEAR[kind] and type(p["shared_down"]) is LINEAR[kind] for p in moe)
-    # quantizing again (a second FastPath on the model) finds them done; transformers' forward runs them
+    # quantizing again finds them done; the dense linears the fast path quantized are freed too, so a second
+    # fast path or transformers' forward refuses rather than computes with nothing
     assert quantize_experts(model, kind) == len(layers)
+    assert fast.freed_bytes > 0 and fast_path_unsupported(model).startswith("its dense weights were freed")
     if not pair.target.hybrid:
-        with torch.inference_mode():
-            assert torch.isfinite(model(torch.tensor([[5, 6, 7]])).logits).all()
+        with torch.inference_mode(), pytest.raises(RuntimeError):
+            model(torch.tensor([[5, 6, 7]]))
 
 
 @pytest.mark.parametrize("family, kind", [(f, "q4") for f in FAMILIES] + [("qwen3_moe", "q8"), ("wide", "q4"),

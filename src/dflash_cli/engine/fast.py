@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_cli.engine.fast_layers import first_attention, layer_device, layer_projections
+from dflash_cli.engine.fast_layers import first_attention, free_dense_weights, layer_device, layer_projections
 from dflash_cli.engine.hf_config import PREFILL_CHUNK
 from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.int8act import INT8_ACT_QUANTS
@@ -113,8 +113,10 @@ class FastPath:
         # and a verify would change their codes, so they attend row-exact in fp32 too)
         self.row_exact = bool(weights) and self.device.type == "cpu" and (
             self.dtype != torch.float32 or weights in INT8_ACT_QUANTS)
-        self.projections = nn.ModuleList(layer_projections(layer, pack, weights, codes)
+        replaced: list[nn.Module] = []
+        self.projections = nn.ModuleList(layer_projections(layer, pack, weights, codes, replaced)
                                          for layer in model.get_decoder().layers)
+        self.freed_bytes = free_dense_weights(replaced)
         self.codes_used = len(set(used))  # linears that run the checkpoint's own codes
         head = model.get_output_embeddings()
         # keep_source: a draft vocabulary takes its rows from the dense head (drafter.draft_head). Under q4 the

@@ -38,6 +38,8 @@ def fast_path_unsupported(model: HFModule) -> str | None:
     model_type = getattr(config, "model_type", None)
     if any(p.device.type == "meta" for p in model.parameters()):
         return "layers offloaded to cpu/disk (accelerate copies their weights in on every forward)"
+    if freed_weights(model):
+        return "its dense weights were freed by an earlier quantized fast path (load it again)"
     supported = FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES + GEMMA_FAMILIES
     if model_type not in supported:
         return f"model type {model_type!r} (fast path: {', '.join(supported)})"
@@ -79,23 +81,47 @@ def _gemma_unsupported(text_config: Any) -> str | None:
     return None
 
 
+def free_dense_weights(linears: list[nn.Module]) -> int:
+    """Drops the dense weights of `linears` that run quantized now (their codes are a copy); returns the bytes
+    released. A 4-bit target otherwise holds its full-precision weights beside the codes: 16 GB for a 4B
+    model in fp32. What is left is an empty weight, so that a forward through the module fails loudly (a
+    meta tensor would not: torch's CPU linear returns garbage for one) and `freed_weights` can tell."""
+    freed = 0
+    for linear in {id(m): m for m in linears}.values():
+        weight = getattr(linear, "weight", None)
+        if isinstance(weight, nn.Parameter) and weight.numel():
+            freed += weight.numel() * weight.element_size()
+            linear.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+    return freed
+
+
+def freed_weights(model: nn.Module) -> bool:
+    """Whether an earlier quantized fast path freed some of `model`'s dense weights (free_dense_weights)."""
+    return any(isinstance(m, nn.Linear) and m.weight.numel() == 0 and m.out_features * m.in_features
+               for m in model.modules())
+
+
 def _gated_mlp(mlp: nn.Module) -> bool:
     return all(hasattr(mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
 def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
-                      codes: Callable[[nn.Module], Q4Codes | None] | None = None) -> nn.ModuleDict:
+                      codes: Callable[[nn.Module], Q4Codes | None] | None = None,
+                      replaced: list[nn.Module] | None = None) -> nn.ModuleDict:
     """A layer's linear maps as qkv -> (q, k, v), o (or a linear-attention layer's inputs, out), and a gated
     MLP's gate_up -> (gate, up), down; weight-only quantized when `quant` is q4/q8 (engine/weightonly.py;
     `codes(linear)` may give ready 4-bit codes), else packed by oneDNN (fused where several) when `pack` and
     it works here, else the layer's own modules. Other MLPs (mixtures of experts) run as their own module;
-    under q4/q8 a Qwen MoE block's shared expert, a gated MLP, gets shared_gate_up and shared_down."""
+    under q4/q8 a Qwen MoE block's shared expert, a gated MLP, gets shared_gate_up and shared_down.
+    `replaced` collects the linears quantized here, whose dense weights nothing reads any more."""
 
     def fuse(*linears: nn.Module) -> nn.Module | None:
         made: nn.Module | None = None
         if quant is not None:
             given = [codes(m) for m in linears] if codes is not None else None
             made = quantize_linears(list(linears), quant, codes=given)
+            if made is not None and replaced is not None:
+                replaced.extend(linears)
         if made is None and pack:
             made = PackedLinear.pack(*linears)
         return made

@@ -124,6 +124,8 @@ class Target:
         self.q4_codes_file: Any = None  # a Path of ready 4-bit codes (weightonly.Q4_CODES_FILE), if any
         # on a CPU, the thread count of its generations (engine/cpu/threads.py); None: torch's default, untouched
         self.threads: ThreadGovernor | None = None
+        # set once a quantized fast path freed the dense weights it replaced: transformers' forward cannot run
+        self.dense_freed = False
         # linear-attention (Qwen3.5) layers: transformers' cache cannot roll their state back, ours can
         self.hybrid = any(is_linear_attention(layer) for layer in self.layers)
 
@@ -165,6 +167,7 @@ class Target:
         self.fast = FastPath(self.model, context, pad_to=pad_to, compile_step=compile_step,
                              on_fallback=on_fallback, weights=self.weight_quant, q4_codes=codes)
         self.fast.set_taps(self._taps)
+        self.dense_freed = self.dense_freed or self.fast.freed_bytes > 0
         return None
 
     def disable_fast_path(self) -> None:
@@ -247,6 +250,9 @@ class Target:
         """
         if self.fast is not None:
             return self.fast.forward(ids, cache, start, taps=taps, last_logit_only=last_logit_only)
+        if self.dense_freed:
+            raise UnsupportedModelError(f"{self.name} runs quantized only: its dense weights were freed",
+                                        hint="load it again to run it unquantized")
         if self.hybrid:
             raise UnsupportedModelError(
                 f"{self.name} has linear-attention layers, whose state transformers' cache cannot roll back",
