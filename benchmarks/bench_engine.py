@@ -17,6 +17,11 @@ Examples:
     python benchmarks/bench_engine.py --threads 1           # cpu-small preset, about 2 minutes
     python benchmarks/bench_engine.py --preset qwen3-8b --device cuda --dtype bfloat16 --json out.json
     python benchmarks/bench_engine.py --preset qwen3-8b --device cuda --dtype bfloat16 --quant nf4
+    python benchmarks/bench_engine.py --preset qwen3-1.7b --quant q4a8 --prompts 1 --new-tokens 64 --taus 4 6.5
+
+CPU formats (--quant q4/q8/q4a8/q8a8) run on the fast path only, with the drafter's linears q8a8 under
+q4a8/q8a8 as the CLI runs them, and report the process's resident memory before and after the fast path
+is built beside what the quantized target holds (its codes and scales, the dense tensors left, the caches).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ PRESETS = {  # name -> (folder under HF_CONFIGS read when present, embedded copy
                              num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=32000,
                              max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None,
                              eos_token_id=None)),
+    "qwen3-1.7b": (None, dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True)),
     "qwen3-4b": ("Qwen__Qwen3-4B", dict(_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)),
     "qwen3-8b": ("Qwen__Qwen3-8B", dict(_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)),
     # hybrid: 3 Gated DeltaNet layers per attention layer (the fast path rolls their state back exactly)
@@ -61,6 +68,7 @@ PRESETS = {  # name -> (folder under HF_CONFIGS read when present, embedded copy
 }
 Z_LAB_TAPS, Z_LAB_DEPTH, Z_LAB_MASK_ID = [1, 9, 17, 25, 33], 36, 151669  # z-lab/Qwen3-8B-DFlash-b16
 TAUS = (2.0, 4.0, 6.5)
+CPU_QUANTS = ("q4", "q8", "q4a8", "q8a8")
 PATHS = ("eager", "fast", "compiled")
 
 
@@ -139,6 +147,10 @@ def build_target(cfg: dict, device: torch.device, dtype: torch.dtype, quant: str
         plant_successor(model, seed)
     model.generation_config.eos_token_id = None  # benchmarks run to the length limit
     model.generation_config.pad_token_id = 0
+    if quant in CPU_QUANTS:
+        target = Target(model, name="random-target")
+        target.weight_quant = quant  # the fast path quantizes the linears (engine/fast.py)
+        return target
     if quant != "none":
         from dflash_cli.engine.quant import quantize_linears
 
@@ -425,8 +437,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, help="override the target's depth (quick runs of a big shape)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU / bf16 CPUs)")
-    p.add_argument("--quant", choices=["none", "nf4", "int8"], default="none",
-                   help="bitsandbytes quantization of the target's decoder layers (default none)")
+    p.add_argument("--quant", choices=["none", "nf4", "int8", *CPU_QUANTS], default="none",
+                   help="bitsandbytes quantization of the target's decoder layers (nf4, int8), or a CPU format "
+                        "of the fast path (q4, q8, q4a8, q8a8) (default none)")
     p.add_argument("--prompts", type=int, help="random prompts, results are medians (default 3; 2 quantized on GPU)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt length in tokens (default 128)")
     p.add_argument("--new-tokens", type=int,
@@ -459,7 +472,9 @@ def parse_args(argv=None):
         p.error(f"--target-config {args.target_config}: no such file")
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be >= 1")
-    if args.quant != "none" and importlib.util.find_spec("bitsandbytes") is None:
+    if args.quant in CPU_QUANTS:
+        args.paths, args.no_hf = ["fast"], True  # the fast path frees the dense weights it quantized
+    elif args.quant != "none" and importlib.util.find_spec("bitsandbytes") is None:
         p.error(f"--quant {args.quant} needs bitsandbytes, which is not installed (pip install bitsandbytes)")
     return args
 
@@ -529,6 +544,15 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
             log(f"{path}: this target cannot take the fast path ({reason}); skipped")
             return out
         drafter.static_draft = None
+        if target.weight_quant in ("q4a8", "q8a8") and not getattr(drafter, "native_layers", None):
+            from dflash_cli.engine.fused import fuse_drafter
+            from dflash_cli.engine.int8act import quantize_drafter
+
+            quantize_drafter(drafter)  # as the CLI runs it: the same few rows as the target's, on the same kernels
+            fuse_drafter(drafter)
+        if target.weight_quant:
+            out["memory"] = memory_report(target, drafter)
+            print_memory(out["memory"])
         if path == "compiled":
             compile_path(target, drafter, step, block, out)
         out["attention"] = target.fast.attention_kernel
@@ -575,6 +599,47 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
         if out["cuda_graphs_after"]:
             log(f"[compiled] CUDA graphs after decoding: {out['cuda_graphs_after']}")
     return out
+
+
+def resident_bytes() -> int:
+    """The process's resident set now (Linux), not its peak."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers of `module` (tensors shared between them counted once)."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    for m in module.modules():  # the quantized layers keep their codes as plain tensor attributes
+        for name, value in vars(m).items():  # (`source`: a dense weight the model holds, counted there)
+            if isinstance(value, torch.Tensor) and value.numel() and name != "source":
+                seen[value.data_ptr()] = max(seen.get(value.data_ptr(), 0), value.numel() * value.element_size())
+    return sum(seen.values())
+
+
+def memory_report(target: Target, drafter: DFlashDrafter) -> dict:
+    """What the quantized target holds against the process's resident memory, after the fast path is built."""
+    import gc
+
+    gc.collect()
+    fast = target.fast
+    cache = fast.shared_cache()
+    held = dict(codes=tensor_bytes(fast.projections) + tensor_bytes(fast.lm_head),
+                dense=tensor_bytes(target.model), drafter=tensor_bytes(drafter),
+                caches=sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values]))
+    return dict(held, freed=fast.freed_bytes, resident=resident_bytes(), held_total=sum(held.values()))
+
+
+def print_memory(m: dict) -> None:
+    gib = 2**30
+    print(f"memory: codes+scales {m['codes'] / gib:.2f} GiB, dense tensors left {m['dense'] / gib:.2f} GiB "
+          f"(embeddings, norms; the LM head's source), drafter {m['drafter'] / gib:.2f} GiB, caches "
+          f"{m['caches'] / gib:.2f} GiB: {m['held_total'] / gib:.2f} GiB held; process resident "
+          f"{m['resident'] / gib:.2f} GiB ({m['resident'] / m['held_total']:.2f}x what is held, "
+          f"{m['resident'] / (m['codes'] + m['caches']):.2f}x the codes and caches); freed "
+          f"{m['freed'] / gib:.2f} GiB of dense weights once quantized")
 
 
 def print_paths(paths: dict, block: int) -> None:
@@ -625,7 +690,7 @@ def main(argv=None) -> int:
     n_target = sum(p.numel() for p in target.model.parameters())
     n_drafter = sum(p.numel() for p in drafter.parameters())
     log(f"built in {time.perf_counter() - t0:.1f}s: target {n_target / 1e6:.0f}M, "
-        f"drafter {n_drafter / 1e6:.0f}M params")
+        f"drafter {n_drafter / 1e6:.0f}M params; resident {resident_bytes() / 2**30:.2f} GiB")
 
     if not gpu and hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         log(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: other processes compete "

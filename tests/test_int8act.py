@@ -138,7 +138,9 @@ def test_the_dense_weights_are_freed_once_quantized_and_a_second_fast_path_refus
             continue
         assert dense == model_bytes
         assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
-        assert pair.target.fast.freed_bytes == dense  # every decoder linear: q|k|v, o, gate|up, down
+        head = pair.target.model.get_output_embeddings()
+        # every decoder linear (q|k|v, o, gate|up, down) and the untied LM head, now 8-bit
+        assert pair.target.fast.freed_bytes == dense + head.out_features * head.in_features * 4
         assert all(m.weight.numel() == 0 for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
         assert pair.target.model.get_input_embeddings().weight.numel() > 0  # what still runs dense stays
         prompt = random_prompts(1, seed=3)[0]
@@ -147,6 +149,32 @@ def test_the_dense_weights_are_freed_once_quantized_and_a_second_fast_path_refus
         assert "freed" in pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size)
         with pytest.raises(UnsupportedModelError, match="dense weights were freed"):
             generate(pair.target, None, prompt, max_new_tokens=2)
+
+
+def test_an_untied_head_is_freed_and_a_draft_vocabulary_takes_its_rows_from_the_codes(pairs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target_dir, drafter_dir = pairs["qwen3"]
+    vocab_ids = torch.arange(2, 150, 2)  # sorted, as a checkpoint's draft vocabulary is
+    tensors = load_file(str(drafter_dir / "model.safetensors"))
+    tensors["draft_vocab"] = vocab_ids
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    for name in ("config.json",):
+        (folder / name).write_bytes((drafter_dir / name).read_bytes())
+    save_file(tensors, str(folder / "model.safetensors"))
+    dense_head = load_pair(target_dir, None, device="cpu").target.lm_head.weight.detach()
+    pair = load_pair(target_dir, folder, device="cpu", quant="q4a8")
+    assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
+    head = pair.target.fast.lm_head
+    assert head.source is None and pair.target.lm_head.weight.numel() == 0  # the fp32 head is gone
+    quantize_drafter(pair.drafter)
+    from_codes = pair.drafter.draft_head(head)
+    expected = Q8A8Linear(dense_head[vocab_ids], [len(vocab_ids)], None)  # as it was made from the dense rows
+    x = torch.randn(5, dense_head.shape[1])
+    assert torch.equal(from_codes(x), expected(x))  # re-quantizing its own 8-bit rows changes nothing
+    assert pair.drafter.draft_head(head) is from_codes  # made once
+    assert_speculative_equals_plain(pair, random_prompts, (4, 8), max_new_tokens=20)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

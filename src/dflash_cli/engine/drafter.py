@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_cli.engine.hf_config import DrafterConfig
-from dflash_cli.engine.packed import PackedLinear, dense_weight
+from dflash_cli.engine.packed import PackedLinear, dense_rows, dense_weight
 from dflash_cli.engine.sampling import Sampler
 from dflash_cli.engine.weightonly import quantize_linears
 
@@ -373,29 +373,34 @@ class DFlashDrafter(nn.Module):
         logits = self.postprocess_logits(head(h.to(lm_head_dtype(head) or embed_weight.dtype))).float()  # (keep, V')
         if sampler is None or sampler.greedy:  # the vocabulary is sorted: the same first maximum as over `full`
             return self.draft_vocab[logits.argmax(-1)]
-        full = logits.new_full((logits.shape[0], dense_weight(lm_head).shape[0]), -torch.inf)  # the target's width
+        width = int(getattr(lm_head, "out_features"))  # the target's vocabulary
+        full = logits.new_full((logits.shape[0], width), -torch.inf)
         full[:, self.draft_vocab] = logits  # ids outside the draft vocabulary get probability 0
         return sampler(full, start + 1)
 
     def draft_head(self, lm_head: nn.Module) -> nn.Module:
         """The target's LM head restricted to the draft vocabulary's rows (made once per LM head)."""
         assert self.draft_vocab is not None
+        # a quantized head that kept no dense weight (its codes are the weight): its rows come from the codes
         weight = dense_weight(lm_head)
+        owner: Any = weight if weight is not None else lm_head
+        like = weight if weight is not None else self.draft_vocab.new_empty(0, dtype=torch.float32)
         cached = self._draft_head
         # made again for another head (a weak reference: a freed target's id may be reused), dtype, device
         # or vocabulary
-        if (cached is None or cached[0]() is not weight or cached[1] is not self.draft_vocab
-                or cached[2] != (weight.shape[0], weight.device, weight.dtype)):
-            rows = self.draft_vocab.to(weight.device)
-            sub = nn.Linear(weight.shape[1], len(rows), bias=False, device=weight.device, dtype=weight.dtype)
+        if (cached is None or cached[0]() is not owner or cached[1] is not self.draft_vocab
+                or cached[2] != (lm_head.out_features, like.device, like.dtype)):
+            rows = self.draft_vocab.to(like.device)
+            taken = dense_rows(lm_head, rows)
+            sub = nn.Linear(taken.shape[1], len(rows), bias=False, device=like.device, dtype=like.dtype)
             bias = getattr(lm_head, "bias", None)
             with torch.no_grad():
-                sub.weight.copy_(weight[rows])
+                sub.weight.copy_(taken)
                 if bias is not None:
                     sub.bias = nn.Parameter(bias.detach()[rows].clone(), requires_grad=False)
             sub.requires_grad_(False)
             quantized = quantize_linears([sub], self.head_quant) if self.head_quant else None
-            cached = (weakref.ref(weight), self.draft_vocab, (weight.shape[0], weight.device, weight.dtype),
+            cached = (weakref.ref(owner), self.draft_vocab, (lm_head.out_features, like.device, like.dtype),
                       quantized or PackedLinear.pack(sub) or sub)
             self._draft_head = cached
         return cached[3]

@@ -61,12 +61,15 @@ class FastPath:
         q4_codes: ready 4-bit codes by module name (a GGUF's own), used instead of quantizing those linears.
         slack: how many tokens one forward may write into a sliding-window ring (StaticCache); default the
             longer of a prompt piece (PREFILL_CHUNK) and a padded short call. Longer calls run in pieces.
+        free_dense: drop the dense weights of the linears quantized here (and of an untied LM head under
+            q4a8/q8a8): the model then runs on this path only (Target.enable_fast_path; train's batched
+            generator keeps them, its training reads the LM head).
     """
 
     def __init__(self, model: HFModule, context: int, *, pad_to: int = 1,
                  compile_step: Callable[[nn.Module], Callable[..., Any]] | None = None,
                  on_fallback: Callable[[str], None] | None = None, weights: str | None = None,
-                 q4_codes: dict[str, Q4Codes] | None = None, slack: int | None = None):
+                 q4_codes: dict[str, Q4Codes] | None = None, slack: int | None = None, free_dense: bool = False):
         attn = first_attention(model)
         self.model = model
         self.context = context
@@ -116,7 +119,7 @@ class FastPath:
         replaced: list[nn.Module] = []
         self.projections = nn.ModuleList(layer_projections(layer, pack, weights, codes, replaced)
                                          for layer in model.get_decoder().layers)
-        self.freed_bytes = free_dense_weights(replaced)
+        self.freed_bytes = free_dense_weights(replaced) if free_dense else 0
         self.codes_used = len(set(used))  # linears that run the checkpoint's own codes
         head = model.get_output_embeddings()
         # keep_source: a draft vocabulary takes its rows from the dense head (drafter.draft_head). Under q4 the
@@ -125,11 +128,20 @@ class FastPath:
         head_kind = "q8a8" if weights in INT8_ACT_QUANTS else "q8"
         self.lm_head = ((quantize_linears([head], head_kind, keep_source=True) if weights else None)
                         or (PackedLinear.pack(head, keep_source=True) if pack else None) or head)
+        if (free_dense and weights in INT8_ACT_QUANTS and self.lm_head is not head
+                and head.weight is not self.embed_weight(model)):
+            # an untied head's rows for a draft vocabulary come from its 8-bit codes (dense_rows): free it
+            self.lm_head.source = None
+            self.freed_bytes += free_dense_weights([head])
         self.fallback_reason: str | None = None
         self.taps: list[int] = []
         self._eager: dict[tuple[bool, bool], StaticForward] = {}
         self._compiled: dict[bool, Callable[..., Any]] = {}
         self._shared: StaticCache | None = None
+
+    @staticmethod
+    def embed_weight(model: HFModule) -> torch.Tensor:
+        return model.get_input_embeddings().weight
 
     @property
     def weight_form(self) -> str:

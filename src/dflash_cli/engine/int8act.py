@@ -174,10 +174,14 @@ class Q8A8Linear(Int8ActLinear):
         return out
 
     def dequantize(self) -> torch.Tensor:
-        codes = unpack_q8(self.codes).float()
+        return self.dequantize_rows(torch.arange(self.out_features))
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` of the weight as the kernel multiplies them (fp32), without the others in fp32."""
+        codes = unpack_q8(self.codes)[rows].float()
         out, cols = codes.shape
-        w = (codes.reshape(out, cols // GROUP, GROUP) * unpack_scales(self.d)[..., None]).reshape(out, cols)
-        return w[:self.out_features]
+        d = unpack_scales(self.d)[rows]
+        return (codes.reshape(out, cols // GROUP, GROUP) * d[..., None]).reshape(out, cols)
 
 
 def quantize_act_rows(x: torch.Tensor) -> torch.Tensor:

@@ -72,14 +72,24 @@ class PackedLinear(nn.Module):
         return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
 
 
-def dense_weight(linear: nn.Module) -> torch.Tensor:
-    """The (out, in) weight of a plain or a packed single linear."""
+def dense_weight(linear: nn.Module) -> torch.Tensor | None:
+    """The (out, in) weight of a plain or a packed single linear; None for a quantized one that kept none."""
     weight = getattr(linear, "weight", None)
     if weight is None:  # a packed or weight-only quantized single linear that kept its dense weight
         weight = getattr(linear, "source", None)
+    if weight is None and callable(getattr(linear, "dequantize_rows", None)):
+        return None
     if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
         raise TypeError(f"{type(linear).__name__} has no dense weight to take rows from")
     return weight
+
+
+def dense_rows(linear: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of a linear's (out, in) weight: its dense weight's, or its codes' dequantized."""
+    weight = dense_weight(linear)
+    if weight is None:
+        return getattr(linear, "dequantize_rows")(rows)
+    return weight[rows.to(weight.device)]
 
 
 class Parallel(nn.Module):

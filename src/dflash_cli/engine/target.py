@@ -165,7 +165,7 @@ class Target:
 
             codes = read_q4_codes(self.q4_codes_file)
         self.fast = FastPath(self.model, context, pad_to=pad_to, compile_step=compile_step,
-                             on_fallback=on_fallback, weights=self.weight_quant, q4_codes=codes)
+                             on_fallback=on_fallback, weights=self.weight_quant, q4_codes=codes, free_dense=True)
         self.fast.set_taps(self._taps)
         self.dense_freed = self.dense_freed or self.fast.freed_bytes > 0
         return None
