@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 # Prompts decoded together by default: the fastest width measured on SmolLM2-135M (benchmarks/bench_datagen.py,
 # docs/training.md: 16, 32, 64, 128 rows gave 388, 473, 541, 569 tok/s on one AVX-512 core in bf16).
 DEFAULT_WIDTH = 128
-# Whether 4-bit weight-only linears beat packed bf16 at batch width where cpu_auto_quant picks q4 for decoding
-# (1 row). Measured: they do not (317 against 541 tok/s at 64 rows), since a batch turns the memory-bound
-# decode into compute-bound matmuls, where oneDNN's native bf16 beats PyTorch's int4 kernel.
+# Whether 4-bit weight-only linears beat packed bf16 at batch width where the CPU computes bf16 natively.
+# Measured: they do not (317 against 541 tok/s at 64 rows), since a batch turns the memory-bound decode into
+# compute-bound matmuls, where oneDNN's native bf16 beats PyTorch's int4 kernel.
 Q4_PAYS_AT_WIDTH = False
 # A row's cache, tokens and features take at most this share of the memory free at the start.
 MEMORY_SHARE = 0.25
@@ -65,21 +65,22 @@ def choose_format(target: Target, *, capability: str | None = None, fast_bf16: b
     """The format to generate in, from the target's dtype and what the CPU reports (engine/device.py).
 
     The dtype stays the target's (`train --dtype`; by default bf16 on CPUs that compute it natively, fp32
-    elsewhere): fp32 data keep fp32's precision. A bf16 target runs q4 where `cpu_auto_quant` picks it for
-    decoding and `q4_pays` (measured at batch width); a target loaded with --quant q4/q8 keeps that."""
-    from dflash_cli.engine.device import cpu_auto_quant, cpu_has_fast_bf16
+    elsewhere): fp32 data keep fp32's precision. A bf16 target runs q4 where torch's int4 kernel is vectorised
+    and the CPU computes bf16 natively, if `q4_pays` (measured at batch width); a target loaded with --quant
+    q4/q8 keeps that. (q4a8, decoding's choice on most CPUs, has no batched generator.)"""
+    from dflash_cli.engine.device import cpu_capability, cpu_has_fast_bf16
 
     dtype = target.embed_weight.dtype
     if target.weight_quant:
         return GenFormat(dtype, target.weight_quant, f"the target was loaded with --quant {target.weight_quant}")
     if dtype != torch.bfloat16:
         return GenFormat(dtype, None, f"packed {str(dtype).removeprefix('torch.')}, the target's dtype")
-    quant, why = cpu_auto_quant(capability, fast_bf16)
-    if quant == "q4" and q4_pays:
-        return GenFormat(dtype, "q4", why)
     native = cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16
+    q4_runs = native and (capability or cpu_capability()) in ("AVX2", "AVX512")
+    if q4_runs and q4_pays:
+        return GenFormat(dtype, "q4", "4-bit weight-only linears: native bf16 here, and faster at batch width")
     return GenFormat(dtype, None, "packed bf16" + (" (native bf16 here)" if native else " (emulated here)")
-                     + (": faster than q4 at batch width" if quant == "q4" else ""))
+                     + (": faster than q4 at batch width" if q4_runs else ""))
 
 
 def unsupported(target: Target) -> str | None:
