@@ -255,10 +255,10 @@ def unit_costs(target: Target, drafter: DFlashDrafter, context: int, blocks: lis
     rows = target.fast.capacity + drafter.block_size if target.fast is not None else 256
     dcache, anchor = shared_draft_cache(drafter, rows), ids[0, context:context + 1]
     dcache.crop(0)
-    drafter.draft(hidden[:, :context - p], anchor, context - p, 2, dcache, target.embed_weight, target.lm_head)
+    drafter.draft(hidden[:, :context - p], anchor, context - p, 2, dcache, target.embed_weight, target.logits_head)
 
     def draft(b: int):
-        drafter.draft(hidden[:, context - p:], anchor, context, b, dcache, target.embed_weight, target.lm_head)
+        drafter.draft(hidden[:, context - p:], anchor, context, b, dcache, target.embed_weight, target.logits_head)
         dcache.crop(context - p)
 
     for b in blocks:
