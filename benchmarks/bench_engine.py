@@ -545,8 +545,8 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
             return out
         drafter.static_draft = None
         if target.weight_quant in ("q4a8", "q8a8") and not getattr(drafter, "native_layers", None):
-            from dflash_cli.engine.fused import fuse_drafter
-            from dflash_cli.engine.int8act import quantize_drafter
+            from dflash_cli.engine.cpu.c_layers import fuse_drafter
+            from dflash_cli.engine.cpu.int8act import quantize_drafter
 
             quantize_drafter(drafter)  # as the CLI runs it: the same few rows as the target's, on the same kernels
             fuse_drafter(drafter)

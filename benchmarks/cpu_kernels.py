@@ -22,8 +22,8 @@ FORMATS = ("fp32", "bf16", "q4", "q8", "q4a8", "q8a8")
 
 
 def make(fmt: str, weight: torch.Tensor, head: bool) -> nn.Module | None:
-    from dflash_cli.engine.packed import PackedLinear
-    from dflash_cli.engine.weightonly import quantize_linears
+    from dflash_cli.engine.cpu.packed import PackedLinear
+    from dflash_cli.engine.cpu.weightonly import quantize_linears
 
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""q4a8/q8a8: the project's AVX2 kernels (engine/native/*.c) against dequantized references, bit-exact rows in
+"""q4a8/q8a8: the project's AVX2 kernels (engine/cpu/native/*.c) against dequantized references, bit-exact rows in
 any company, the fused C decoder layer against the op-by-op forward, lossless greedy speculative decoding on
 tiny Qwen3 and Llama targets, the per-CPU choice, and what happens when the kernels cannot be built."""
 
@@ -12,11 +12,9 @@ import torch
 from support.speculation import assert_speculative_equals_plain, random_prompts
 from support.weightonly import linear, pairs, q4_1_bytes  # noqa: F401 (pairs: a fixture)
 
-from dflash_cli.engine import native
-from dflash_cli.engine.errors import InvalidSettingError, UnsupportedModelError
-from dflash_cli.engine.fused import fuse_drafter
-from dflash_cli.engine.generate import generate
-from dflash_cli.engine.int8act import (
+from dflash_cli.engine.cpu import native
+from dflash_cli.engine.cpu.c_layers import fuse_drafter
+from dflash_cli.engine.cpu.int8act import (
     Q4A8Linear,
     Q8A8Linear,
     pack_q4,
@@ -26,8 +24,10 @@ from dflash_cli.engine.int8act import (
     unpack_q4,
     unpack_q8,
 )
+from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
+from dflash_cli.engine.errors import InvalidSettingError, UnsupportedModelError
+from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair
-from dflash_cli.engine.weightonly import Q4Codes, quantize_linears
 from dflash_cli.models.smollm2_convert import read_q4_1_blocks
 
 pytestmark = pytest.mark.skipif(native.available_without_building() is not None,

@@ -20,12 +20,12 @@ from support.hybrid_models import save_family
 from support.speculation import assert_speculative_equals_plain, hf_greedy
 from torch import nn
 
+from dflash_cli.engine.cpu.weightonly import Q4Linear, Q8Linear, quantize_q4
 from dflash_cli.engine.fast_layers import fast_path_unsupported
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair, load_target
 from dflash_cli.engine.moe import WeightOnlyExperts, each_row, quantize_experts
 from dflash_cli.engine.oracle import OracleDrafter
-from dflash_cli.engine.weightonly import Q4Linear, Q8Linear, quantize_q4
 
 LINEAR = {"q4": Q4Linear, "q8": Q8Linear}
 

@@ -7,8 +7,8 @@ import torch
 from conftest import DEVICE
 from torch import nn
 
+from dflash_cli.engine.cpu.packed import PackedLinear, pack_linears
 from dflash_cli.engine.load import load_pair
-from dflash_cli.engine.packed import PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(PackedLinear.pack(nn.Linear(8, 8)) is None,
                                 reason="this torch build has no oneDNN linear")

@@ -81,7 +81,7 @@ def test_the_ggufs_own_4bit_codes_are_kept_and_run_by_q4(converted, monkeypatch)
     weights; --quant q4 runs those codes (nothing quantized again) and decodes losslessly."""
     import torch
 
-    from dflash_cli.engine.weightonly import Q4_CODES_FILE, read_q4_codes
+    from dflash_cli.engine.cpu.weightonly import Q4_CODES_FILE, read_q4_codes
 
     codes = read_q4_codes(converted.folder / Q4_CODES_FILE)
     assert len(codes) == 210 and smollm2_convert.check_q4_codes(converted.folder) == []

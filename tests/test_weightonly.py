@@ -11,13 +11,7 @@ from support.speculation import assert_speculative_equals_plain, random_prompts
 from support.weightonly import linear, pairs, q4_1_bytes  # noqa: F401 (pairs: a fixture)
 from torch import nn
 
-from dflash_cli.engine.device import cpu_auto_quant
-from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
-from dflash_cli.engine.generate import generate
-from dflash_cli.engine.load import load_drafter, load_pair
-from dflash_cli.engine.oracle import OracleDrafter
-from dflash_cli.engine.state import DecodeState
-from dflash_cli.engine.weightonly import (
+from dflash_cli.engine.cpu.weightonly import (
     Q4_CODES_FILE,
     Q4Codes,
     Q4Linear,
@@ -27,6 +21,12 @@ from dflash_cli.engine.weightonly import (
     read_q4_codes,
     write_q4_codes,
 )
+from dflash_cli.engine.device import cpu_auto_quant
+from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
+from dflash_cli.engine.generate import generate
+from dflash_cli.engine.load import load_drafter, load_pair
+from dflash_cli.engine.oracle import OracleDrafter
+from dflash_cli.engine.state import DecodeState
 from dflash_cli.models.smollm2_convert import read_q4_1_blocks
 
 
@@ -240,8 +240,7 @@ def test_auto_quant_on_a_cpu_measures_where_two_formats_can_run(tmp_path, monkey
 
 
 def test_the_measurement_runs_both_formats_for_real_and_is_kept(tmp_path, monkeypatch):
-    from dflash_cli.engine import native
-    from dflash_cli.engine.cpu import choice
+    from dflash_cli.engine.cpu import choice, native
 
     if native.available_without_building() is not None:
         pytest.skip(f"no q4a8 kernels here: {native.available_without_building()}")
@@ -266,8 +265,8 @@ def test_weight_only_targets_compute_in_bf16_unless_told_otherwise():
 def test_auto_quant_in_the_preflight_picks_the_cpus_format(monkeypatch):
     from support.hf_configs import cfg
 
-    from dflash_cli.engine import device, native
-    from dflash_cli.engine.cpu import choice
+    from dflash_cli.engine import device
+    from dflash_cli.engine.cpu import choice, native
     from dflash_cli.models.memory.preflight import MemoryBudget, preflight_memory
 
     budget = MemoryBudget(64 * 2**30, 4096, "bf16", "system memory", "cpu")

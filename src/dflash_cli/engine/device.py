@@ -72,18 +72,18 @@ def cpu_auto_quant(capability: str | None = None, fast_bf16: bool | None = None,
     """`--quant auto` on a CPU: the fastest lossless target format on this CPU, and why.
 
     Without native bf16 (most laptops and desktops: AVX2 only), q4a8 on the project's own kernels
-    (engine/int8act.py: 8-bit activations, fp32 around them, whole layers in one C call), 2.5-6x packed fp32
+    (engine/cpu/int8act.py: 8-bit activations, fp32 around them, whole layers in one C call), 2.5-6x packed fp32
     and torch's q4 on such CPUs (benchmarks/README.md, "CPU formats"). With native bf16 (AVX512-BF16, AMX)
     torch's int4 kernel (q4) is a candidate too, and the faster of the two is measured once on this CPU
     (engine/cpu/choice.py; `measure` stands in for it in tests). Where the kernels cannot be built (no C
     compiler), q4 with native bf16, else packed fp32. `native_missing`: why the kernels cannot be had
-    (None: they can; default: asked of engine/native.py, without compiling)."""
+    (None: they can; default: asked of engine/cpu/native.py, without compiling)."""
     capability = capability or cpu_capability()
     fast_bf16 = cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16
     if capability not in ("AVX2", "AVX512"):
         return None, f"{capability} CPU: no vectorised 4-bit kernel here, so 16/32-bit packed weights"
     if native_missing is False:
-        from dflash_cli.engine.native import available_without_building
+        from dflash_cli.engine.cpu.native import available_without_building
 
         native_missing = available_without_building()
     if fast_bf16 and native_missing is None:
@@ -108,7 +108,7 @@ def pick_dtype(name: str | None, device: torch.device, quant: str | None = None)
     where it computes bf16 natively and fp32 elsewhere; with a weight-only `quant` (q4/q8) bf16 on every CPU:
     their kernels read bf16 activations, and only bf16 activations keep speculative decoding of such a
     target exact (fp32 ones are rounded to bf16 at every linear, where a decode's and a verify's ~1e-7
-    differences become different values); with q4a8/q8a8 (8-bit activations, engine/int8act.py) fp32, what
+    differences become different values); with q4a8/q8a8 (8-bit activations, engine/cpu/int8act.py) fp32, what
     their kernels read."""
     if name and name != "auto":
         known = dtype_name(name)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_cli.engine.cpu.packed import PackedLinear, dense_rows, dense_weight
+from dflash_cli.engine.cpu.weightonly import quantize_linears
 from dflash_cli.engine.hf_config import DrafterConfig
-from dflash_cli.engine.packed import PackedLinear, dense_rows, dense_weight
 from dflash_cli.engine.sampling import Sampler
-from dflash_cli.engine.weightonly import quantize_linears
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -249,7 +249,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None)
         self._draft_head: tuple[Any, torch.Tensor, tuple, nn.Module] | None = None  # see draft_head()
-        self.head_quant: str | None = None  # "q8a8": the draft head's rows 8-bit (engine/int8act.py)
+        self.head_quant: str | None = None  # "q8a8": the draft head's rows 8-bit (engine/cpu/int8act.py)
         # engine/fused.fuse_drafter: (the C library, each layer's struct) when every layer runs in one C call
         self.native_layers: tuple[Any, list[Any]] | None = None
         # engine/draft_graph.StaticDraft once the loop drafts at fixed shapes (compiled targets), else None
@@ -311,8 +311,8 @@ class DFlashDrafter(nn.Module):
 
     def _run_native_layers(self, h: torch.Tensor, ctx: torch.Tensor | None, positions: torch.Tensor,
                            cache: DraftCache) -> torch.Tensor:
-        """run_layers with each layer one C call (engine/fused.py, q8a8 linears), for one block."""
-        from dflash_cli.engine.fused import run_draft_layer
+        """run_layers with each layer one C call (engine/cpu/c_layers.py, q8a8 linears), for one block."""
+        from dflash_cli.engine.cpu.c_layers import run_draft_layer
 
         assert self.native_layers is not None and self.rotary is not None
         lib, layers = self.native_layers

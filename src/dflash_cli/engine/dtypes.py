@@ -11,8 +11,8 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
                "float16": "float16", "fp16": "float16", "half": "float16"}
 #: --dtype's choices
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-#: the target's quantizations (--quant, besides auto): q4/q8 weight-only CPU kernels (engine/weightonly.py),
-#: q4a8/q8a8 with 8-bit activations (engine/int8act.py), int8/nf4 bitsandbytes (engine/quant.py)
+#: the target's quantizations (--quant, besides auto): q4/q8 weight-only CPU kernels (engine/cpu/weightonly.py),
+#: q4a8/q8a8 with 8-bit activations (engine/cpu/int8act.py), int8/nf4 bitsandbytes (engine/quant.py)
 QUANT_CHOICES = ("none", "int8", "nf4", "q4", "q8", "q4a8", "q8a8")
 _PLAN_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 

@@ -34,16 +34,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS
+from dflash_cli.engine.cpu.packed import PackedLinear, room_to_pack
+from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
 from dflash_cli.engine.fast_layers import first_attention, free_dense_weights, layer_device, layer_projections
 from dflash_cli.engine.hf_config import PREFILL_CHUNK
 from dflash_cli.engine.hf_module import HFModule
-from dflash_cli.engine.int8act import INT8_ACT_QUANTS
 from dflash_cli.engine.linear_attention import CHUNK, BlockRecord, is_linear_attention
 from dflash_cli.engine.moe import quantize_experts
-from dflash_cli.engine.packed import PackedLinear, room_to_pack
 from dflash_cli.engine.static_cache import FAR, LinearStates, StaticCache, bucket, key_positions
 from dflash_cli.engine.static_forward import StaticForward
-from dflash_cli.engine.weightonly import Q4Codes, quantize_linears
 
 
 class FastPath:
@@ -57,7 +57,7 @@ class FastPath:
             padded call writes K/V past the sequence's end (stale rows, never attended).
         compile_step: turns a StaticForward into the callable that runs short calls, or None (eager).
         on_fallback: told once, in one line, when compiling fails and the eager forward takes over.
-        weights: "q4"/"q8" runs the linears (LM head included) weight-only quantized (engine/weightonly.py).
+        weights: "q4"/"q8" runs the linears (LM head included) weight-only quantized (engine/cpu/weightonly.py).
         q4_codes: ready 4-bit codes by module name (a GGUF's own), used instead of quantizing those linears.
         slack: how many tokens one forward may write into a sliding-window ring (StaticCache); default the
             longer of a prompt piece (PREFILL_CHUNK) and a padded short call. Longer calls run in pieces.

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_cli.engine.cpu.c_layers import PLAIN_RMS_NORMS
+from dflash_cli.engine.cpu.packed import PackedLinear, Parallel
+from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
 from dflash_cli.engine.drafter import apply_rope
-from dflash_cli.engine.fused import PLAIN_RMS_NORMS
 from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.linear_attention import is_linear_attention, linear_projections
-from dflash_cli.engine.packed import PackedLinear, Parallel
 from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES
-from dflash_cli.engine.weightonly import Q4Codes, quantize_linears
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # Llama-style layers whose MLP may be a mixture of experts (Qwen3-MoE: Qwen3-Coder-30B-A3B), run as its own
@@ -109,7 +109,7 @@ def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
                       codes: Callable[[nn.Module], Q4Codes | None] | None = None,
                       replaced: list[nn.Module] | None = None) -> nn.ModuleDict:
     """A layer's linear maps as qkv -> (q, k, v), o (or a linear-attention layer's inputs, out), and a gated
-    MLP's gate_up -> (gate, up), down; weight-only quantized when `quant` is q4/q8 (engine/weightonly.py;
+    MLP's gate_up -> (gate, up), down; weight-only quantized when `quant` is q4/q8 (engine/cpu/weightonly.py;
     `codes(linear)` may give ready 4-bit codes), else packed by oneDNN (fused where several) when `pack` and
     it works here, else the layer's own modules. Other MLPs (mixtures of experts) run as their own module;
     under q4/q8 a Qwen MoE block's shared expert, a gated MLP, gets shared_gate_up and shared_down.
@@ -151,7 +151,7 @@ def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,
 # that one call instead of their eight small ops. In fp32 the result is the same; in bf16 transformers
 # rounds before multiplying by the weight and F.rms_norm after, so about a quarter of the outputs differ in
 # the last bit from transformers' forward (decoding is unaffected: a target always runs one path). Others
-# (Qwen3.5's 1 + weight) run as modules. (PLAIN_RMS_NORMS lives in engine/fused.py, which reads it too.)
+# (Qwen3.5's 1 + weight) run as modules. (PLAIN_RMS_NORMS lives in engine/cpu/c_layers.py, which reads it too.)
 
 
 def norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 ROW_EXACT = "row-exact matmuls for decodes and verifies (q4/q8 on a CPU), torch's fused kernel for prompts"
-NATIVE_ATTENTION = ("row-exact fp32 attention in C for decodes and verifies (q4a8/q8a8; engine/native/attention.c), "
-                    "torch's fused kernel for long prompts of layers not run in C")
+NATIVE_ATTENTION = ("row-exact fp32 attention in C for decodes and verifies (q4a8/q8a8; "
+                    "engine/cpu/native/attention.c), torch's fused kernel for long prompts of layers not run in C")
 
 
 def attention_kernel(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,

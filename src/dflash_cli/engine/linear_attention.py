@@ -100,7 +100,7 @@ def linear_projections(layer: HFModule, pack: Callable[..., nn.Module | None]) -
     """The input projections as one map (split outputs) and out_proj; `pack(*linears)` fuses them or None."""
     net = layer.linear_attn
     ins = input_linears(net)
-    from dflash_cli.engine.packed import Parallel
+    from dflash_cli.engine.cpu.packed import Parallel
 
     return nn.ModuleDict(dict(inputs=pack(*ins) or Parallel(*ins), out=pack(net.out_proj) or net.out_proj))
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dflash_cli.engine.cpu.weightonly import Q4_CODES_FILE, WEIGHT_QUANTS
 from dflash_cli.engine.device import pick_device, pick_dtype
 from dflash_cli.engine.dflash2 import drafter_class
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
@@ -18,7 +19,6 @@ from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
 from dflash_cli.engine.pairing import check_pair, check_target_config, read_config, safetensors_files
 from dflash_cli.engine.quant import bnb_config, check_quant, quantize_linears
 from dflash_cli.engine.target import Target
-from dflash_cli.engine.weightonly import Q4_CODES_FILE, WEIGHT_QUANTS
 
 
 def read_drafter_config(folder: Path) -> DrafterConfig:
@@ -159,7 +159,7 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
             embeddings, final norm and LM head go there (the drafter goes there too).
         dtype: compute dtype; defaults to bf16 on GPUs and fast-bf16 CPUs, else fp32.
         quant: None, "int8" or "nf4" to quantize the linear layers with bitsandbytes (GPUs); "q4" or "q8" for
-            PyTorch's weight-only CPU kernels, applied when the fast path is enabled (engine/weightonly.py),
+            PyTorch's weight-only CPU kernels, applied when the fast path is enabled (engine/cpu/weightonly.py),
             with the 4-bit codes of `Q4_CODES_FILE` when the folder has one (a GGUF's own).
         layer_devices: the device of each decoder layer ("cuda:1", "cpu", "disk"), as models/memory/split.py
             plans them; accelerate offloads the layers on cpu (when the hot device is a GPU) and disk.

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_cli.engine.weightonly import WeightOnlyLinear, quantize_weight
+from dflash_cli.engine.cpu.weightonly import WeightOnlyLinear, quantize_weight
 
 
 def fused_experts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

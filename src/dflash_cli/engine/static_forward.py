@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_cli.engine import native
+from dflash_cli.engine.cpu import native
+from dflash_cli.engine.cpu.c_layers import layer_struct, run_layer
+from dflash_cli.engine.cpu.weightonly import WeightOnlyLinear
 from dflash_cli.engine.fast_layers import (
     ROW_EXACT_ATTENTION,
     first_attention,
@@ -25,12 +27,10 @@ from dflash_cli.engine.fast_layers import (
     rope_rows,
     row_exact_attention,
 )
-from dflash_cli.engine.fused import layer_struct, run_layer
 from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.linear_attention import gated_delta_net, is_linear_attention
 from dflash_cli.engine.moe import WeightOnlyExperts, route, sparse_moe
 from dflash_cli.engine.static_cache import write_rows
-from dflash_cli.engine.weightonly import WeightOnlyLinear
 
 
 class StaticForward(nn.Module):
@@ -132,10 +132,10 @@ class StaticForward(nn.Module):
         # the hot device, where the caller's ids and the drafter are
         self.devices = list(devices) if devices is not None else None
         # q4a8/q8a8 (fp32 activations): short calls attend through the project's C kernel instead, row-exact
-        # in fp32 where torch's matmuls are not (engine/native.py; head dims in multiples of 8)
+        # in fp32 where torch's matmuls are not (engine/cpu/native.py; head dims in multiples of 8)
         built = native.library() if native_attention else None
         self.native = built.lib if built is not None and all(hd % 8 == 0 for _, hd in self.shapes) else None
-        # q4a8/q8a8 Llama-style layers: each one C call (engine/fused.py), when every layer can be
+        # q4a8/q8a8 Llama-style layers: each one C call (engine/cpu/c_layers.py), when every layer can be
         self.fused: list[Any] | None = None
         if self.native is not None and devices is None:
             made = [layer_struct(layer, proj, heads=self.heads, kv=self.kv_heads, hd=self.head_dim,
@@ -248,7 +248,7 @@ class StaticForward(nn.Module):
 
     def _fused_forward(self, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                        values: list[torch.Tensor]):
-        """forward() with every layer one C call (engine/fused.py), on one sequence."""
+        """forward() with every layer one C call (engine/cpu/c_layers.py), on one sequence."""
         assert self.fused is not None and self.native is not None
         h = self.embed(ids).contiguous()  # (1, n, H) fp32, updated in place by each layer
         cos, sin = self.rotary(h, positions[None])  # (1, n, hd)

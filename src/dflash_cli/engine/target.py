@@ -161,7 +161,7 @@ class Target:
             return reason
         codes = None
         if self.weight_quant in ("q4", "q4a8") and self.q4_codes_file is not None:
-            from dflash_cli.engine.weightonly import read_q4_codes
+            from dflash_cli.engine.cpu.weightonly import read_q4_codes
 
             codes = read_q4_codes(self.q4_codes_file)
         self.fast = FastPath(self.model, context, pad_to=pad_to, compile_step=compile_step,

@@ -123,7 +123,7 @@ def convert(source: Path, out: Path, dtype: str) -> None:
         model.save_pretrained(out)  # transformers 5 writes safetensors only
         tokenizer.save_pretrained(out)
 
-    from dflash_cli.engine.weightonly import write_q4_codes
+    from dflash_cli.engine.cpu.weightonly import write_q4_codes
 
     write_q4_codes(out / Q4_CODES, codes)
 
@@ -198,7 +198,7 @@ def check_q4_codes(out: Path) -> list[str]:
     """The 4-bit codes must reproduce the dequantized weights saved beside them (to their bf16 rounding)."""
     from safetensors import safe_open
 
-    from dflash_cli.engine.weightonly import read_q4_codes
+    from dflash_cli.engine.cpu.weightonly import read_q4_codes
 
     problems = []
     codes = read_q4_codes(out / Q4_CODES)

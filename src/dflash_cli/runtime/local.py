@@ -240,7 +240,7 @@ def _native_kernels(quant: str, quant_auto: bool, on_status: Status | None,
     """Builds (once per CPU) or loads the q4a8/q8a8 kernels: (`quant`, what the build cost, in words, for
     --verbose's forward line), or (None, "") when --quant auto's choice cannot be had here (a notice says
     why); an explicit choice that cannot is an error."""
-    from dflash_cli.engine import native
+    from dflash_cli.engine.cpu import native
 
     built = native.library(on_status)
     if built is not None:
@@ -265,10 +265,10 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     the weight quantization was --quant auto's choice, so where it cannot run the target runs unquantized.
     """
     from dflash_cli.engine.compile import compiler_for, resolve_compile, use_compile_cache
-    from dflash_cli.engine.fused import fuse_drafter
-    from dflash_cli.engine.int8act import INT8_ACT_QUANTS, quantize_drafter
+    from dflash_cli.engine.cpu.c_layers import fuse_drafter
+    from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS, quantize_drafter
+    from dflash_cli.engine.cpu.packed import pack_linears, room_to_pack
     from dflash_cli.engine.kernels import cuda_graphs
-    from dflash_cli.engine.packed import pack_linears, room_to_pack
 
     compiled, why = resolve_compile(compile, target.device, quant=bnb_quant)
     if compiled and target.split:

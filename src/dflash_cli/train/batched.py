@@ -48,7 +48,7 @@ MEMORY_SHARE = 0.25
 @dataclass(frozen=True)
 class GenFormat:
     """How the target's linears run while generating: `dtype` activations (the target's own), `weights`
-    "q4" (4-bit weight-only, engine/weightonly.py) or None (oneDNN-packed in `dtype` where it packs)."""
+    "q4" (4-bit weight-only, engine/cpu/weightonly.py) or None (oneDNN-packed in `dtype` where it packs)."""
 
     dtype: torch.dtype
     weights: str | None
@@ -255,7 +255,7 @@ class BatchedGenerator:
 
 def _q4_codes(target: Target, fmt: GenFormat) -> dict | None:
     """The target folder's own 4-bit codes (a GGUF's, as `-m demo` decodes with) for a q4 format."""
-    from dflash_cli.engine.weightonly import Q4_CODES_FILE, read_q4_codes
+    from dflash_cli.engine.cpu.weightonly import Q4_CODES_FILE, read_q4_codes
 
     if fmt.weights != "q4":
         return None

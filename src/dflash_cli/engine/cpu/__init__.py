@@ -1,2 +1,10 @@
-"""Running a target on a CPU: the thread count (threads.py) and the format `--quant auto` picks by measuring
-this CPU (choice.py)."""
+"""Running a target on a CPU: its weight formats and kernels, its threads, and the format `--quant auto` picks.
+
+- native.py builds and loads the project's C kernels (native/*.c: quantized matmuls, row-exact attention, whole
+  decoder layers), once per CPU; c_layers.py hands a decoder layer to them as one call.
+- int8act.py: q4a8/q8a8 linears (4/8-bit weights times 8-bit activations, on those kernels).
+- weightonly.py: q4/q8 linears on torch's weight-only kernels; quantized.py what the 4/8-bit formats share.
+- packed.py: oneDNN-packed fp32/bf16 linears.
+- threads.py: the thread count, from the cores other processes leave free.
+- choice.py: q4a8 against q4, measured once where both run.
+"""

@@ -40,7 +40,7 @@ def _call_ms(layer: nn.Module, x: torch.Tensor, repeats: int) -> float:
 
 def measure_formats(repeats: int = 5) -> dict[str, float]:
     """ms of a decode plus an 8-row verify through LAYERS layers of SHAPES, per candidate format."""
-    from dflash_cli.engine.weightonly import quantize_linears
+    from dflash_cli.engine.cpu.weightonly import quantize_linears
 
     generator = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
@@ -62,7 +62,7 @@ def measure_formats(repeats: int = 5) -> dict[str, float]:
 
 
 def _key() -> str:
-    from dflash_cli.engine import native
+    from dflash_cli.engine.cpu import native
 
     digest = hashlib.sha256(torch.__version__.encode())
     digest.update(platform.processor().encode())
@@ -73,7 +73,7 @@ def _key() -> str:
 
 
 def measurement_file() -> Path:
-    from dflash_cli.engine import native
+    from dflash_cli.engine.cpu import native
 
     return native.cache_folder() / f"formats-{_key()}.json"
 

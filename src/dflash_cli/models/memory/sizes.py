@@ -126,11 +126,11 @@ def _linear_bytes(lin: Linear, quant: str, double_quant: bool) -> int:
     elif quant == "int8":
         w = per + 4 * lin.out  # int8 weights + fp32 row scales (SCB)
     elif quant in ("q4", "q8"):
-        # weight-only CPU kernels (engine/weightonly.py): the 16-bit weights loaded stay beside the codes
+        # weight-only CPU kernels (engine/cpu/weightonly.py): the 16-bit weights loaded stay beside the codes
         codes = math.ceil(per / 2) + 4 * math.ceil(per / Q4_GROUP) if quant == "q4" else per + 2 * lin.out
         w = 2 * per + codes
     elif quant in ("q4a8", "q8a8"):
-        # 8-bit-activation kernels (engine/int8act.py): fp32 weights as loaded plus the codes, with fp32 d
+        # 8-bit-activation kernels (engine/cpu/int8act.py): fp32 weights as loaded plus the codes, with fp32 d
         # (and q4's m) per block of 32
         blocks = math.ceil(per / Q4_GROUP)
         codes = math.ceil(per / 2) + 8 * blocks if quant == "q4a8" else per + 4 * blocks

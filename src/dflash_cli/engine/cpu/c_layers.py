@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_cli.engine import native
-from dflash_cli.engine.int8act import Int8ActLinear, Q4A8Linear
+from dflash_cli.engine.cpu import native
+from dflash_cli.engine.cpu.int8act import Int8ActLinear, Q4A8Linear
 
 # RMSNorms that compute F.rms_norm's function (x * rsqrt(mean(x^2) + eps) in fp32, times the weight): the
 # fast path runs them as that one call (engine/fast_layers.py), the C layer as its own pass

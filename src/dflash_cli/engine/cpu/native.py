@@ -1,4 +1,4 @@
-"""The project's own C kernels (engine/native/*.c), built once per CPU with the system's C compiler and
+"""The project's own C kernels (engine/cpu/native/*.c), built once per CPU with the system's C compiler and
 loaded through ctypes.
 
 Only where the CPU has AVX2 and FMA. The library is kept in the cache folder under a key of the source, the

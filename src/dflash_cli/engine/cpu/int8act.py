@@ -1,5 +1,5 @@
 """4-bit and 8-bit weights times 8-bit activations (`--quant q4a8` / `q8a8`), on the project's own AVX2
-kernels (engine/native/int8_matmul.c): what llama.cpp computes on a CPU (Q4_1 or Q8_0 weights, activations
+kernels (engine/cpu/native/int8_matmul.c): what llama.cpp computes on a CPU (Q4_1 or Q8_0 weights, activations
 quantized per row in blocks of 32 as Q8_1, integer dot products, fp32 sums).
 
 torch's int4 kernel (`--quant q4`) reads bf16 activations, which a CPU without native bf16 converts in
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_cli.engine import native
-from dflash_cli.engine.quantized import GROUP, Q4Codes, WeightOnlyLinear
+from dflash_cli.engine.cpu import native
+from dflash_cli.engine.cpu.quantized import GROUP, Q4Codes, WeightOnlyLinear
 
 INT8_ACT_QUANTS = ("q4a8", "q8a8")
 

@@ -1,4 +1,4 @@
-"""What the 4/8-bit linear formats share (engine/weightonly.py: torch's kernels; engine/int8act.py: the
+"""What the 4/8-bit linear formats share (engine/cpu/weightonly.py: torch's kernels; engine/cpu/int8act.py: the
 project's 8-bit-activation kernels): 4-bit codes with their scales, and the base of a quantized linear."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ GROUP = 32  # GGUF Q4_1's block; Q4 needs in_features divisible by it
 class Q4Codes:
     """A (out, in) weight in 4 bits: codes 0..15 (int32, (out, in)) and per-group scale and zero ((out, in/G),
     any float dtype) with w = (codes - 8) * scale + zero; `mins`, where known exactly (a GGUF's Q4_1 m, or
-    quantize_q4_1's), is zero - 8 * scale unrounded, for the q4a8 kernels (engine/int8act.py)."""
+    quantize_q4_1's), is zero - 8 * scale unrounded, for the q4a8 kernels (engine/cpu/int8act.py)."""
 
     codes: torch.Tensor
     scale: torch.Tensor

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_cli.engine.int8act import Q4A8Linear, Q8A8Linear, a8_fits, quantize_q4_1
-from dflash_cli.engine.quantized import GROUP, Q4Codes, WeightOnlyLinear, sizes_and_bias
+from dflash_cli.engine.cpu.int8act import Q4A8Linear, Q8A8Linear, a8_fits, quantize_q4_1
+from dflash_cli.engine.cpu.quantized import GROUP, Q4Codes, WeightOnlyLinear, sizes_and_bias
 
-WEIGHT_QUANTS = ("q4", "q8", "q4a8", "q8a8")  # q4a8/q8a8: 8-bit activations (engine/int8act.py)
+WEIGHT_QUANTS = ("q4", "q8", "q4a8", "q8a8")  # q4a8/q8a8: 8-bit activations (engine/cpu/int8act.py)
 # a target folder may carry its linears' 4-bit codes (the built-in model: the GGUF's own Q4_1 blocks), as
 # "<module name>.codes" (uint8 (out, in/2), two codes per byte, the low nibble first), ".d" and ".m"
 # (fp16 (out, in/32)) with w = d * code + m
