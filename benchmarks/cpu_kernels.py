@@ -11,9 +11,7 @@ intermediate 1536, vocabulary 49152); timings are medians over `--repeats` calls
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 from torch import nn
@@ -36,14 +34,9 @@ def make(fmt: str, weight: torch.Tensor, head: bool) -> nn.Module | None:
 
 
 def per_call(layer: nn.Module, x: torch.Tensor, repeats: int) -> float:
-    for _ in range(3):
-        layer(x)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        layer(x)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+    from dflash_cli.engine.cpu.choice import call_ms
+
+    return call_ms(layer, x, repeats, warmup=3)
 
 
 def main() -> None:

@@ -28,8 +28,10 @@ LAYERS = 4
 ROWS = (1, 8)
 
 
-def _call_ms(layer: nn.Module, x: torch.Tensor, repeats: int) -> float:
-    layer(x)
+def call_ms(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int = 1) -> float:
+    """Median ms of `layer(x)` over `repeats` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        layer(x)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -54,7 +56,7 @@ def measure_formats(repeats: int = 5) -> dict[str, float]:
             layer = quantize_linears([linear], kind)
             if layer is None:
                 break
-            total += sum(_call_ms(layer, torch.randn(rows, k, generator=generator).to(dtype), repeats)
+            total += sum(call_ms(layer, torch.randn(rows, k, generator=generator).to(dtype), repeats)
                          for rows in ROWS)
         else:
             out[kind] = total * LAYERS
