@@ -135,12 +135,7 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
     if state is None or state.drafter is not drafter or state.target is not target:
         state = DecodeState(target, drafter)
     controller = _block_controller(state, block, block_size is None if adaptive is None else adaptive, controller)
-    decoder = None
-    if tokenizer is not None:
-        from dflash_cli.engine.text import StreamDecoder
-
-        decoder = StreamDecoder(tokenizer)
-
+    decoder = _stream_decoder(tokenizer)
     reset_peak_memory(target.device)
     threads = target.threads
     try:
@@ -167,11 +162,7 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         rounds = (speculative_rounds(state, drafter, sample, block_size=block, limit=limit, controller=controller)
                   if block > 1 and drafter is not None else baseline_rounds(state, sample, limit=limit))
         for r in rounds:
-            tokens = r.tokens
-            stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
-            if stop_at is not None and stop_at + 1 < len(tokens):
-                state.rewind(len(state.tokens) - (len(tokens) - stop_at - 1))
-                tokens = tokens[: stop_at + 1]
+            tokens = _cut_at_stop(state, r.tokens, stops)
             tally.add_round(r, len(tokens))
             finish = _finish_reason(tokens, stops, len(state.tokens), limit, at_limit)
             pieces = _pieces(decoder, tokens, finish)
@@ -185,6 +176,24 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
                 threads.check()  # before the next round: another process may have taken a core, or left one
     finally:
         state.repair()
+
+
+def _stream_decoder(tokenizer: Any) -> Any:
+    """The detokenizer of the Steps' text, or None without a tokenizer (Step.text is then "")."""
+    if tokenizer is None:
+        return None
+    from dflash_cli.engine.text import StreamDecoder
+
+    return StreamDecoder(tokenizer)
+
+
+def _cut_at_stop(state: DecodeState, tokens: list[int], stops: set[int]) -> list[int]:
+    """A round's tokens up to its first stop id: the ones after it are rolled back out of `state`."""
+    stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
+    if stop_at is None or stop_at + 1 == len(tokens):
+        return tokens
+    state.rewind(len(state.tokens) - (len(tokens) - stop_at - 1))
+    return tokens[: stop_at + 1]
 
 
 def _check_request(target: Target, prompt: Sequence[int], max_new_tokens: int) -> None:
