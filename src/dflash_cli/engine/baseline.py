@@ -26,4 +26,5 @@ def baseline_rounds(state: DecodeState, sample: Sampler, *, limit: int) -> Itera
         token = choice.tolist()  # the step's one host-device sync
         watch.stop()
         state.commit(token, hidden, anchor=choice)
+        sample.advance(token)
         yield Round(token, 0, 0, 0.0, watch.seconds, time.perf_counter() - t0)

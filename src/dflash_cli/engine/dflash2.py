@@ -91,15 +91,29 @@ class CandidateSelector(nn.Module):
             noise = sampling.gumbel(start + 1, cand.shape[0], logits.shape[-1], logits.device).gather(1, cand)
         picks = []
         j = None
-        for p in range(cand.shape[0]):
-            # (1, k); j is the (1,) index of the candidate picked at slot p-1
-            score = unary[p:p + 1] + (first if j is None else pair[p - 1].index_select(0, j))
-            if sampling is not None:
-                q = sampling_probs(score, sampling.temperature, sampling.top_p, sampling.top_k)
-                score = q.log() + noise[p:p + 1]
-            j = score.argmax(dim=-1)  # (1,)
-            picks.append(j)
+        grammar = sampler if sampler is not None and sampler.constrained else None
+        try:
+            for p in range(cand.shape[0]):
+                # (1, k); j is the (1,) index of the candidate picked at slot p-1
+                score = unary[p:p + 1] + (first if j is None else pair[p - 1].index_select(0, j))
+                if grammar is not None:  # drafted inside the grammar (engine/constraint.py)
+                    score = score.masked_fill(~grammar.allowed_ids(cand[p])[None], float("-inf"))
+                j = self._pick(score, sampling, noise[p:p + 1] if sampling is not None else None)
+                picks.append(j)
+                if grammar is not None and not grammar.take(int(cand[p, j])):
+                    grammar = None  # no candidate fits: the rest is drafted freely (and will be rejected)
+        finally:
+            if sampler is not None and sampler.constrained:
+                sampler.rollback_taken()
         return cand.gather(1, torch.stack(picks))[:, 0]
+
+    @staticmethod
+    def _pick(score: torch.Tensor, sampling: Sampler | None, noise: torch.Tensor | None) -> torch.Tensor:
+        """The (1,) index of the candidate a (1, k) score picks: argmax, or the coupled draw when sampling."""
+        if sampling is not None:
+            q = sampling_probs(score, sampling.temperature, sampling.top_p, sampling.top_k)
+            score = q.log() + noise
+        return score.argmax(dim=-1)
 
 
 class DFlash2Drafter(DFlashDrafter):

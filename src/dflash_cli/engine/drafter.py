@@ -371,7 +371,8 @@ class DFlashDrafter(nn.Module):
         h = self.draft_hidden(context, anchor, start, block_len, cache, embed_weight, keep)
         head = self.draft_head(lm_head)
         logits = self.postprocess_logits(head(h.to(lm_head_dtype(head) or embed_weight.dtype))).float()  # (keep, V')
-        if sampler is None or sampler.greedy:  # the vocabulary is sorted: the same first maximum as over `full`
+        if sampler is None or (sampler.greedy and not sampler.constrained):  # the vocabulary is sorted: the
+            # same first maximum as over `full`
             return self.draft_vocab[logits.argmax(-1)]
         width = int(getattr(lm_head, "out_features"))  # the target's vocabulary
         full = logits.new_full((logits.shape[0], width), -torch.inf)

@@ -10,11 +10,13 @@ import torch
 
 from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.baseline import baseline_rounds
+from dflash_cli.engine.constraint import constrained_sampler
 from dflash_cli.engine.cpu.threads import ThreadGovernor
 from dflash_cli.engine.device import peak_memory, reset_peak_memory
 from dflash_cli.engine.drafter import Drafter
 from dflash_cli.engine.errors import InvalidSettingError
 from dflash_cli.engine.hf_config import check_block_size
+from dflash_cli.engine.output_format import OutputFormat
 from dflash_cli.engine.response import (
     FINISH_CONTEXT,
     FINISH_LENGTH,
@@ -104,7 +106,8 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, block_size: int | None = None,
                     stop_ids: Sequence[int] | None = None, state: DecodeState | None = None,
                     max_context: int | None = None, adaptive: bool | None = None,
-                    controller: BlockSizeController | None = None) -> Iterator[Step]:
+                    controller: BlockSizeController | None = None,
+                    output_format: OutputFormat | None = None) -> Iterator[Step]:
     """Generates from `prompt` (token ids), yielding one Step per target forward.
 
     Args:
@@ -123,6 +126,8 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         stop_ids: generation ends after any of these; default the target's eos ids.
         state: a DecodeState from an earlier call (a chat): the shared prefix of its tokens is not re-read.
         max_context: most tokens (prompt + reply) to hold; default the target's context length.
+        output_format: a JSON schema, grammar or regex every token keeps to, drafts included
+            (engine/constraint.py); the reply ends with a stop id once it is complete.
     Yields:
         Step objects; the last has finish_reason set. Leaving the loop early (break, Ctrl-C) leaves
         `state` consistent and reusable.
@@ -130,7 +135,9 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
     _check_request(target, prompt, max_new_tokens)
     block = resolve_block_size(drafter, block_size)
     stops = set(default_stop_ids(target, tokenizer) if stop_ids is None else stop_ids)
-    sample = Sampler(temperature, top_p, top_k, seed)
+    sample = constrained_sampler(Sampler(temperature, top_p, top_k, seed), output_format, tokenizer,
+                                 max(target.vocab_rows, len(tokenizer) if tokenizer is not None else 0),
+                                 sorted(stops))
     limit, at_limit = _limit(target, len(prompt), max_new_tokens, max_context)  # before a state takes the caches
     if state is None or state.drafter is not drafter or state.target is not target:
         state = DecodeState(target, drafter)
@@ -146,6 +153,7 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         first = sample(logits, len(prompt))  # (1,) the token at position len(prompt)
         first_id = first.tolist()
         state.commit(first_id, None, anchor=first)
+        sample.advance(first_id)
         tally = _Tally(len(prompt), len(prompt) - reused, block, target.device, adaptive=controller is not None,
                        threads=threads)
         tally.prefill_seconds = time.perf_counter() - t0

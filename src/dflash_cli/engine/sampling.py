@@ -43,6 +43,8 @@ class Sampler:
     block sizes, plain decoding), a seed gives the same tokens, and a seeded run replays exactly.
     """
 
+    constrained = False  # engine/constraint.py's ConstrainedSampler masks every row by a grammar
+
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None):
         check_sampling(temperature, top_p, top_k)
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
@@ -55,6 +57,13 @@ class Sampler:
             return logits.float().argmax(dim=-1)  # fp32: CPU argmax over bf16 is several times slower
         probs = sampling_probs(logits, self.temperature, self.top_p, self.top_k)
         return (probs.log() + self.gumbel(position, probs.shape[0], probs.shape[-1], probs.device)).argmax(dim=-1)
+
+    def verify(self, logits: torch.Tensor, position: int, drafts: torch.Tensor) -> torch.Tensor:
+        """The target's choice at every slot of a verify block fed [anchor, drafts] (logits (n, V))."""
+        return self(logits, position)
+
+    def advance(self, tokens: list[int]) -> None:
+        """Told the tokens each round committed (a grammar follows them; plain sampling needs nothing)."""
 
     def gumbel(self, position: int, rows: int, size: int, device: torch.device) -> torch.Tensor:
         """(rows, size) Gumbel noise of positions position..position+rows-1: what __call__ adds to log p there.

@@ -67,7 +67,8 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         verify_watch.start()
         block = torch.cat([anchor, drafts])[None]  # (1, n)
         logits, hidden = target.forward(block, state.target_cache, start, taps=True)  # (n, V), (1, n, F)
-        choice = sample(logits, start + 1)  # (n,) the target's own token at every slot (positions start+1..)
+        choice = sample.verify(logits, start + 1, drafts)  # (n,) the target's own token at every slot
+        # (positions start+1..; a grammar's sampler fills the slots after the first mismatch, never read)
         accepted = (drafts == choice[:-1]).cumprod(dim=0).sum()
         host = torch.cat([choice, accepted.view(1)]).tolist()  # the step's one host-device sync
         verify_watch.stop()
@@ -75,6 +76,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         a = host[-1]
         assert hidden is not None  # asked for with taps=True
         state.commit(host[: a + 1], hidden[:, : a + 1], anchor=choice[a : a + 1])
+        sample.advance(host[: a + 1])
         round_ = Round(host[: a + 1], n - 1, a, draft_watch.seconds, verify_watch.seconds,
                        time.perf_counter() - t0)
         if controller is not None:
