@@ -15,6 +15,7 @@ from typing import Any
 
 from dflash_cli import settings as S
 from dflash_cli.engine.errors import DFlashError
+from dflash_cli.engine.output_format import OutputFormat
 from dflash_cli.engine.text import THINK_TAGS, ThinkingMarkers
 
 
@@ -35,10 +36,18 @@ class GenerationSettings:
     think: bool | None = None  # None: the chat template's default
     chat_template: bool = True
     max_context: int | None = None  # None: the target's context length
+    output_format: OutputFormat | None = None  # --format/--schema/--grammar/--regex: what every reply keeps to
 
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, block_size=self.block_size, max_context=self.max_context)
+                    top_k=self.top_k, seed=self.seed, block_size=self.block_size, max_context=self.max_context,
+                    output_format=self.output_format)
+
+    @property
+    def thinking(self) -> bool | None:
+        """The thinking mode to ask the template for: a structured reply starts at its first token, so a
+        format turns thinking off unless it was asked for (ui/opening.py refuses the two together)."""
+        return False if self.output_format is not None and self.think is None else self.think
 
 
 @dataclass
@@ -133,7 +142,7 @@ class Conversation(ChatHistory):
         from dflash_cli.engine.text import encode_prompt
 
         return encode_prompt(self.runtime.tokenizer, self.messages, chat_template=settings.chat_template,
-                             enable_thinking=settings.think, system=self.system)
+                             enable_thinking=settings.thinking, system=self.system)
 
     def _respond(self, settings: GenerationSettings) -> Iterator[Any]:
         """Builds the prompt now (so reply_in_thinking is known before the first Step), then streams."""

@@ -49,6 +49,10 @@ ENV = {
     "device_map": "DFLASH_DEVICE_MAP",
     "max_memory": "DFLASH_MAX_MEMORY",
     "threads": "DFLASH_THREADS",
+    "format": "DFLASH_FORMAT",
+    "schema": "DFLASH_SCHEMA",
+    "grammar": "DFLASH_GRAMMAR",
+    "regex": "DFLASH_REGEX",
 }
 API_KEY_ENV = "DFLASH_API_KEY"  # the bearer token for --engine (vLLM and SGLang --api-key)
 DEBUG_ENV = "DFLASH_DEBUG"
@@ -102,7 +106,7 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
     "system": str, "color": str, "provenance": bool, "max_context": int, "compile": str,
     "hide_thinking": bool, "engine": str, "device_map": str, "max_memory": str, "timeout": (int, float),
-    "threads": int,
+    "threads": int, "format": str, "schema": str, "grammar": str, "regex": str,
 }
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dflash_cli.engine.errors import DFlashError
-from dflash_cli.engine.output_format import OutputFormat, _llguidance
+from dflash_cli.engine.output_format import OutputFormat, _first_line, _llguidance
 from dflash_cli.engine.sampling import Sampler
 
 
@@ -82,7 +82,7 @@ class ConstrainedSampler:
         self.temperature, self.top_p, self.top_k = sampler.temperature, sampler.top_p, sampler.top_k
         self.matcher = ll.LLMatcher(grammar_tokenizer(tokenizer, vocab, eos), fmt.grammar(), log_level=0)
         if self.matcher.is_error():
-            raise ConstraintError(f"{fmt.describe()}: {self.matcher.get_error()}")
+            raise ConstraintError(f"{fmt.describe()}: {_first_line(self.matcher.get_error())}")
         self._words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
         self._taken = 0  # drafted tokens consumed on top of the committed ones
         self.masks = self.checks = 0  # full masks computed, and single-token checks that replaced one
@@ -111,11 +111,18 @@ class ConstrainedSampler:
                 return  # the end token after a complete grammar: nothing more to consume
             if not self.matcher.consume_token(int(t)):
                 raise ConstraintError(f"{self.format.describe()}: token {t} was committed against the grammar "
-                                      f"({self.matcher.get_error()})")
+                                      f"({_first_line(self.matcher.get_error())})")
 
     def allowed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of `ids` the grammar allows next, after the tokens taken so far (a bool tensor like ids)."""
-        return self._allowed().to(ids.device)[ids.clamp(max=self.vocab - 1)] & (ids < self.vocab)
+        return self.allowed(int(ids.max()) + 1, ids.device)[ids]
+
+    def allowed(self, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(width,) bool: the tokens the grammar allows next (ids past the tokenizer's are never allowed)."""
+        allowed = self._allowed()[:width]
+        if allowed.shape[0] < width:
+            allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
+        return allowed.to(device)
 
     def take(self, token: int) -> bool:
         """Advances the matcher by a drafted token until `rollback_taken`; False if the grammar refuses it."""
@@ -153,9 +160,7 @@ class ConstrainedSampler:
             if best < self.vocab and self.matcher.validate_tokens([best]) == 1:
                 self.checks += 1
                 return best
-        allowed = self._allowed()[: row.shape[-1]].to(row.device)
-        if allowed.shape[0] < row.shape[-1]:  # logits wider than the tokenizer: the extra rows are never allowed
-            allowed = torch.cat([allowed, allowed.new_zeros(row.shape[-1] - allowed.shape[0])])
+        allowed = self.allowed(row.shape[-1], row.device)
         masked = row.float().masked_fill(~allowed, float("-inf"))
         if not bool(allowed.any()):
             raise ConstraintError(f"{self.format.describe()}: no token can continue the output here",

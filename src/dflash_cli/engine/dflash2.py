@@ -7,6 +7,8 @@ match the checkpoint keys. The equations are in docs/format.md section 7.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -79,6 +81,8 @@ class CandidateSelector(nn.Module):
         The walk never reads a value back to the host (no `.item()`, no indexing by a 0-d tensor, which
         is a hidden `.item()`): every pick stays a (1,) device tensor that selects rows with index_select.
         """
+        if sampler is not None and sampler.constrained:
+            return self.walk_in_grammar(logits, hidden, anchor, start, sampler)
         unary, cand = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)  # (P, k)
         hp = self.hidden_projection(hidden.to(self.successor_codebook.dtype)).float()  # (P, R) (may be packed)
         succ = self.successor_codebook[cand].float() * hp[:, None]  # (P, k, R)
@@ -87,25 +91,45 @@ class CandidateSelector(nn.Module):
         first = (succ[0] @ pred.index_select(0, anchor[:1])[0].float())[None]  # (1, k)
         pair = torch.einsum("pir,pjr->pij", pred[cand[:-1]].float(), succ[1:])  # (P-1, k, k)
         sampling = sampler if sampler is not None and not sampler.greedy else None
-        if sampling is not None:
-            noise = sampling.gumbel(start + 1, cand.shape[0], logits.shape[-1], logits.device).gather(1, cand)
+        noise = (sampling.gumbel(start + 1, cand.shape[0], logits.shape[-1], logits.device).gather(1, cand)
+                 if sampling is not None else None)
         picks = []
         j = None
-        grammar = sampler if sampler is not None and sampler.constrained else None
-        try:
-            for p in range(cand.shape[0]):
-                # (1, k); j is the (1,) index of the candidate picked at slot p-1
-                score = unary[p:p + 1] + (first if j is None else pair[p - 1].index_select(0, j))
-                if grammar is not None:  # drafted inside the grammar (engine/constraint.py)
-                    score = score.masked_fill(~grammar.allowed_ids(cand[p])[None], float("-inf"))
-                j = self._pick(score, sampling, noise[p:p + 1] if sampling is not None else None)
-                picks.append(j)
-                if grammar is not None and not grammar.take(int(cand[p, j])):
-                    grammar = None  # no candidate fits: the rest is drafted freely (and will be rejected)
-        finally:
-            if sampler is not None and sampler.constrained:
-                sampler.rollback_taken()
+        for p in range(cand.shape[0]):
+            # (1, k); j is the (1,) index of the candidate picked at slot p-1
+            score = unary[p:p + 1] + (first if j is None else pair[p - 1].index_select(0, j))
+            j = self._pick(score, sampling, noise[p:p + 1] if noise is not None else None)
+            picks.append(j)
         return cand.gather(1, torch.stack(picks))[:, 0]
+
+    def walk_in_grammar(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, start: int,
+                        grammar: Any) -> torch.Tensor:
+        """`walk` inside a grammar (engine/constraint.py's sampler): slot p's candidates are the top k of its
+        logits among the tokens the grammar allows after the picks before p, so one is always allowed.
+        Reads every pick back to the host (the grammar advances on the CPU)."""
+        hp = self.hidden_projection(hidden.to(self.successor_codebook.dtype)).float()  # (P, R)
+        pred = self.predecessor_codebook
+        sampling = grammar if not grammar.greedy else None
+        previous = anchor[:1]  # the token picked at the slot before
+        picks: list[int] = []
+        try:
+            for p in range(logits.shape[0]):
+                row = logits[p:p + 1].float()
+                row = row.masked_fill(~grammar.allowed(row.shape[-1], row.device), -torch.inf)
+                unary, cand = row.topk(min(self.top_k, row.shape[-1]), dim=-1)  # (1, k)
+                succ = self.successor_codebook[cand[0]].float() * hp[p]  # (k, R)
+                score = unary + (succ @ pred.index_select(0, previous)[0].float())[None]  # (1, k)
+                noise = (sampling.gumbel(start + 1 + p, 1, row.shape[-1], row.device).gather(1, cand)
+                         if sampling is not None else None)
+                token = int(cand[0, self._pick(score, sampling, noise)])
+                picks.append(token)
+                previous = cand.new_tensor([token])
+                if not grammar.take(token):
+                    break  # an end token: nothing follows it
+        finally:
+            grammar.rollback_taken()
+        picks += [picks[-1]] * (logits.shape[0] - len(picks))
+        return torch.tensor(picks, device=logits.device)
 
     @staticmethod
     def _pick(score: torch.Tensor, sampling: Sampler | None, noise: torch.Tensor | None) -> torch.Tensor:

@@ -44,7 +44,7 @@ class OutputFormat:
         ll = _llguidance()
         try:
             if self.kind in ("json", "schema"):
-                grammar = ll.LLMatcher.grammar_from_json_schema(self.source, overrides=JSON_OPTIONS)
+                grammar = ll.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
             elif self.kind == "regex":
                 grammar = ll.LLMatcher.grammar_from_regex(self.source)
             else:
@@ -59,9 +59,10 @@ class OutputFormat:
         return grammar
 
 
-# JSON as models write it: whitespace between tokens allowed but bounded (an unbounded run of spaces or
-# newlines is how constrained small models loop forever)
-JSON_OPTIONS = {"whitespace_pattern": r"[ \t\n\r]{0,8}"}
+# JSON as models write it, indented or not, but never an unbounded run of whitespace (how constrained small
+# models loop forever): between tokens nothing, a space, or one newline and up to 20 spaces or tabs, as
+# llama.cpp's JSON-schema grammars allow. A schema's own "x-guidance" options come after these and win.
+JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
 _HINTS = {
     "json": None,
     "schema": "a JSON Schema (an object with \"type\", \"properties\", ...), a file holding one, or the concise "
@@ -81,7 +82,9 @@ def schema_format(schema: dict[str, Any] | str, label: str = "") -> OutputFormat
     if isinstance(schema, str):
         schema = _json_text(schema, label or "the schema")
     if not isinstance(schema, dict):
-        raise OutputFormatError(f"{label or 'the schema'} is a JSON {type(schema).__name__}, not an object",
+        kind = {"list": "array", "str": "string", "int": "number", "float": "number", "bool": "boolean"}.get(
+            type(schema).__name__, type(schema).__name__)
+        raise OutputFormatError(f"{label or 'the schema'} is a JSON {kind}, not an object",
                                 hint=_HINTS["schema"])
     return OutputFormat("schema", json.dumps(schema), label)
 
@@ -91,8 +94,8 @@ def parse_schema_option(value: str) -> OutputFormat:
     text = value.strip()
     if not text:
         raise OutputFormatError("--schema is empty", hint=_HINTS["schema"])
-    if text.startswith("{"):
-        return schema_format(text, "(inline)")
+    if text.startswith(("{", "[", '"')):
+        return schema_format(text, "the schema")
     path = Path(value).expanduser()
     if path.is_file() or text.endswith(".json"):
         return schema_format(_read(path, "schema"), str(path))
@@ -101,7 +104,7 @@ def parse_schema_option(value: str) -> OutputFormat:
 
 def concise_schema(text: str) -> dict[str, Any]:
     """simonw/llm's concise schema: fields separated by commas (or by newlines when there are any), each
-    `name [type][: description]`, the type one of str, int, float, bool (default str); all required."""
+    `name [type][: description]`, the type one of str, int, float, bool (default str); all required, no others."""
     parts = text.splitlines() if "\n" in text.strip() else text.split(",")
     properties: dict[str, Any] = {}
     for part in (p.strip() for p in parts):
@@ -120,7 +123,7 @@ def concise_schema(text: str) -> dict[str, Any]:
             properties[words[0]]["description"] = description.strip()
     if not properties:
         raise OutputFormatError("--schema names no fields", hint=_HINTS["schema"])
-    return {"type": "object", "properties": properties, "required": list(properties)}
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
 def grammar_file_format(path_text: str) -> OutputFormat:
@@ -152,6 +155,17 @@ def parse_format_setting(name: str, value: str) -> OutputFormat | None:
     if name == "regex":
         return regex_format(value)
     raise ValueError(name)
+
+
+def request_fields(fmt: OutputFormat) -> dict[str, Any]:
+    """The fields of an OpenAI-style chat request that ask a server for `fmt`: `response_format` for JSON
+    (OpenAI's own), vLLM's `structured_outputs` for a grammar or regex (this project's `serve` reads both)."""
+    if fmt.kind == "json":
+        return {"response_format": {"type": "json_object"}}
+    if fmt.kind == "schema":
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "reply", "schema": json.loads(fmt.source)}}}
+    return {"structured_outputs": {"regex" if fmt.kind == "regex" else "grammar": fmt.source}}
 
 
 def _to_lark(text: str, label: str) -> str:

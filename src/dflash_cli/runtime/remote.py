@@ -297,8 +297,12 @@ class RemoteRuntime:
             body["top_k"] = settings.top_k
         if settings.seed is not None:
             body["seed"] = settings.seed
-        if settings.think is not None:
-            body["chat_template_kwargs"] = {"enable_thinking": settings.think}
+        if settings.thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": settings.thinking}
+        if settings.output_format is not None:
+            from dflash_cli.engine.output_format import request_fields
+
+            body.update(request_fields(settings.output_format))
         before = self.spec_counters()
         counters = Counters(time.perf_counter())
         done = False

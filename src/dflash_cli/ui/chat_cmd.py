@@ -6,7 +6,14 @@ import click
 
 from dflash_cli import settings as S
 from dflash_cli.ui.common import guarded
-from dflash_cli.ui.options import command_options, engine_option, model_options, output_options, sampling_options
+from dflash_cli.ui.options import (
+    command_options,
+    engine_option,
+    format_options,
+    model_options,
+    output_options,
+    sampling_options,
+)
 
 
 @click.command()
@@ -15,6 +22,7 @@ from dflash_cli.ui.options import command_options, engine_option, model_options,
 @model_options
 @engine_option
 @sampling_options
+@format_options
 @output_options
 def chat(no_history, **values):
     """Chat with a model in the terminal (ollama's /commands: type /? for the list).

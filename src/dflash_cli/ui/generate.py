@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from dflash_cli.ui.opening import check_thinking, open_model
+from dflash_cli.ui.opening import check_format, check_thinking, open_model
 from dflash_cli.ui.prompt_input import system_prompt
 from dflash_cli.ui.render import Output, OutputClosed, silence_stdout, status_text
 from dflash_cli.ui.reply_report import Reply, report_reply
@@ -30,6 +30,7 @@ def run_generate(out: Output, command: Any, prompt: str, *, compare: bool, as_js
     runtime = open_model(out, command.model, quiet=quiet, settings=settings,
                          before_weights=lambda tokenizer: check_prompt_fits(tokenizer, prompt, system, settings))
     try:
+        check_format(settings)
         check_thinking(out, runtime, settings.think, chat_template=settings.chat_template)
         out.hide_thinking = shown.hide_thinking
         if settings.temperature > 0 and settings.seed is None:
@@ -60,6 +61,7 @@ def _answer(out: Output, runtime: Runtime, conversation: Any, prompt: str, setti
     reply = Reply(runtime, conversation, tokens, last.stats, settings, interrupted,
                   time.perf_counter() - started, baseline)
     report_reply(out, reply, as_json=as_json, verbose=shown.verbose, quiet=quiet, silent=shown.quiet)
+    warn_incomplete(out, settings, last.finish_reason)
     if interrupted:
         out.info("interrupted")
         return 130
@@ -100,6 +102,14 @@ def stream_reply(out: Output, runtime: Runtime, conversation: Any, prompt: str, 
     return last, tokens, interrupted
 
 
+def warn_incomplete(out: Output, settings: Any, finish_reason: str | None) -> None:
+    """A structured reply cut off by the token limit (or the context) is not valid output: said on stderr."""
+    if settings.output_format is not None and finish_reason in ("length", "context"):
+        limit = "--max-tokens" if finish_reason == "length" else "the context"
+        out.warn(f"the output is incomplete: {limit} ran out before {settings.output_format.describe()} was "
+                 "complete (raise --max-tokens)")
+
+
 def _warm_up_both(runtime: Runtime) -> None:
     """--compare's warm-up: a few tokens of both modes, so neither side pays one-time costs."""
     from dflash_cli.engine.generate import warm_up
@@ -116,7 +126,7 @@ def check_prompt_fits(tokenizer: Any, prompt: str, system: str | None, settings:
     from dflash_cli.engine.errors import InvalidSettingError
     from dflash_cli.engine.text import encode_prompt
 
-    n = len(encode_prompt(tokenizer, prompt, chat_template=settings.chat_template, enable_thinking=settings.think,
+    n = len(encode_prompt(tokenizer, prompt, chat_template=settings.chat_template, enable_thinking=settings.thinking,
                           system=system))
     if settings.max_context and n >= settings.max_context:
         raise InvalidSettingError(f"the prompt has {n} tokens, --max-context holds {settings.max_context}",

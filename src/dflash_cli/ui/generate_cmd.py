@@ -7,7 +7,14 @@ import sys
 import click
 
 from dflash_cli.ui.common import guarded
-from dflash_cli.ui.options import command_options, engine_option, model_options, output_options, sampling_options
+from dflash_cli.ui.options import (
+    command_options,
+    engine_option,
+    format_options,
+    model_options,
+    output_options,
+    sampling_options,
+)
 
 
 @click.command()
@@ -18,6 +25,7 @@ from dflash_cli.ui.options import command_options, engine_option, model_options,
 @model_options
 @engine_option
 @sampling_options
+@format_options
 @output_options
 def generate(prompt, file, as_json, compare, **values):
     """Generate a reply to PROMPT and stream it to stdout.

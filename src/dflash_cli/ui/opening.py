@@ -83,6 +83,16 @@ def check_thinking(out: Any, runtime: Runtime, think: bool | None, *, chat_templ
         out.warn(warning)
 
 
+def check_format(settings: Any) -> None:
+    """A structured reply starts at its first token: it cannot also open with the model's reasoning."""
+    if settings.output_format is not None and settings.think:
+        from dflash_cli.engine.errors import InvalidSettingError
+
+        raise InvalidSettingError(f"--think cannot be combined with {settings.output_format.describe()}: the "
+                                  "reply must follow the format from its first token",
+                                  hint="drop --think (a format turns thinking off by itself)")
+
+
 def drafter_thinking_warning(runtime: Runtime, think: bool | None) -> str | None:
     trained = runtime.trained_thinking()
     if trained is None:

@@ -132,6 +132,41 @@ sampling_options = apply_all([
     click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text, without the chat template."),
 ])
 
+def _format_callback(name: str) -> Callable[[click.Context, click.Parameter, str | None], Any]:
+    """Reads --format/--schema/--grammar/--regex (from the flag, the variable or the config file) into an
+    OutputFormat, checked now: a bad schema, grammar or regex is a usage error before anything loads."""
+    def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+        if value is None:
+            return None
+        from dflash_cli.engine.output_format import OutputFormatError, parse_format_setting
+
+        try:
+            fmt = parse_format_setting(name, value)
+            if fmt is not None:
+                fmt.grammar()
+            return fmt
+        except OutputFormatError as e:
+            raise click.BadParameter(str(e) + (f" ({e.hint})" if e.hint else ""), ctx, param) from None
+
+    return convert
+
+
+FORMAT_KEYS = ("format", "schema", "grammar", "regex")
+format_options = apply_all([
+    click.option("--format", "format", envvar=S.ENV["format"], show_envvar=True, metavar="json|text",
+                 callback=_format_callback("format"),
+                 help="json: the reply is one JSON value and nothing else (ollama's format); text: no constraint."),
+    click.option("--schema", envvar=S.ENV["schema"], show_envvar=True, metavar="SCHEMA",
+                 callback=_format_callback("schema"),
+                 help="The reply is JSON following SCHEMA: a JSON Schema inline or in a file, or the concise "
+                      "form 'name, age int, bio: a short bio' (types str, int, float, bool)."),
+    click.option("--grammar", envvar=S.ENV["grammar"], show_envvar=True, metavar="FILE",
+                 callback=_format_callback("grammar"),
+                 help="The reply follows the grammar in FILE: Lark (start: ...) or llama.cpp's GBNF (root ::= ...)."),
+    click.option("--regex", envvar=S.ENV["regex"], show_envvar=True, metavar="RE", callback=_format_callback("regex"),
+                 help="The reply matches the regular expression RE (Rust regex syntax)."),
+])
+
 output_options = apply_all([
     color_option,
     click.option("--provenance/--no-provenance", default=True, show_default=True,
@@ -203,8 +238,25 @@ def generation_settings(values: dict[str, Any]):
     """The per-reply settings of sampling_options' values (and --max-context)."""
     from dflash_cli.conversation import GenerationSettings
 
-    return GenerationSettings(**_present(values, GenerationSettings),
+    return GenerationSettings(**_present(values, GenerationSettings), output_format=output_format_of(values),
                               chat_template=not values.get("no_chat_template", False))
+
+
+def output_format_of(values: dict[str, Any]) -> Any:
+    """The one OutputFormat of --format/--schema/--grammar/--regex, or None. A flag overrides what the
+    environment or the config file sets; two flags (or two settings and no flag) are a usage error."""
+    given = {key: values[key] for key in FORMAT_KEYS if values.get(key) is not None}
+    if len(given) <= 1:
+        return next(iter(given.values()), None)
+    from dflash_cli.ui.common import setting_source
+
+    ctx = click.get_current_context()
+    sources = {key: setting_source(ctx, key) for key in given}
+    flags = [key for key, (kind, _) in sources.items() if kind == "flag"]
+    if len(flags) == 1:
+        return given[flags[0]]
+    names = [sources[key][1] for key in (flags or list(given))]
+    raise click.UsageError(f"{names[0]} and {names[1]} cannot be combined: a reply follows one format")
 
 
 def _present(values: dict[str, Any], cls: Any) -> dict[str, Any]:
