@@ -185,7 +185,7 @@ def test_a_full_queue_answers_503(runtime):
      "temperature"),
     (json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 422, "n"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}).encode(), 422,
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}).encode(), 400,
      "tools"),
     (json.dumps({"messages": [{"role": "user", "content": "x" * 600}]}).encode(), 400, "messages"),  # too long
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}).encode(), 422,

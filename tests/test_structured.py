@@ -120,7 +120,7 @@ def test_greedy_speculative_equals_plain_constrained_and_every_reply_keeps_to_th
 def test_rejected_drafts_roll_the_grammar_back(pair, acceptance):
     """An oracle that knows the plain constrained reply, with a share of its drafts replaced by other tokens
     (outside the grammar as often as not): every rejection rolls the matcher back to the accepted prefix."""
-    (pair, tokenizer), (fmt, valid) = pair, FORMATS["schema"]
+    (pair, tokenizer), (fmt, _) = pair, FORMATS["schema"]
     for i, prompt in enumerate(_prompts(tokenizer)):
         plain = generate(pair.target, None, prompt, tokenizer=tokenizer, max_new_tokens=80, output_format=fmt)
         oracle = OracleDrafter(pair.drafter, prompt + plain.tokens + [0] * 20, acceptance=acceptance, seed=i,

@@ -46,7 +46,7 @@ def _lltokenizer(backend_json: str, vocab: int, eos: tuple[int, ...]) -> Any:
         return ll.LLTokenizer(backend_json, n_vocab=vocab, eos_token=list(eos))
     except ValueError as e:  # a tokenizer kind llguidance cannot read token bytes from (e.g. a word-level one)
         raise ConstraintError(f"structured output cannot use this model's tokenizer: {e}",
-                              hint="byte-level BPE and SentencePiece tokenizers (Qwen, Llama, Gemma, ...) work") from None
+                              hint="byte-level BPE and SentencePiece tokenizers (Qwen, Llama, Gemma) work") from None
 
 
 def grammar_tokenizer(tokenizer: Any, vocab: int, eos: Sequence[int]) -> Any:

@@ -200,8 +200,10 @@ def encode_prompt(
     chat_template: bool = True,
     enable_thinking: bool | None = None,
     system: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Turn a chat (or a plain string) into prompt token ids.
+    """Turn a chat (or a plain string) into prompt token ids (`tools`: OpenAI's tool list, for templates
+    that render one).
 
     With a chat template (and ``chat_template``), the template is rendered with
     ``add_generation_prompt=True`` and the text encoded without adding special
@@ -217,6 +219,9 @@ def encode_prompt(
         kwargs: dict[str, Any] = {}
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
+        if tools:
+            kwargs["tools"] = tools
+
         def render(messages: list[dict[str, str]]) -> str:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
             if not isinstance(text, str):

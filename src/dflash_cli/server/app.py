@@ -37,6 +37,7 @@ from dflash_cli.server.protocol import (
     parse_request,
     usage,
 )
+from dflash_cli.server.tools import read_calls
 from dflash_cli.server.worker import EngineWorker
 from dflash_cli.server.worker import Request as EngineRequest
 
@@ -97,7 +98,8 @@ def check_key(state: ServerState, request: Request) -> None:
 
 def prompt_ids(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bool]:
     """The prompt's token ids, and whether the reply starts inside a reasoning section the template opened."""
-    from dflash_cli.engine.text import encode_prompt, opens_thinking
+    from dflash_cli.engine.text import chat_template_of, encode_prompt, opens_thinking
+    from dflash_cli.server.tools import template_takes_tools
 
     tokenizer = state.worker.runtime.tokenizer
     if isinstance(parsed.prompt, list):
@@ -107,9 +109,13 @@ def prompt_ids(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bo
         return encode_prompt(tokenizer, parsed.prompt, chat_template=False), False
     assert parsed.messages is not None
     own_system = any(m["role"] == "system" for m in parsed.messages)
+    if parsed.tools is not None and not template_takes_tools(chat_template_of(tokenizer)):
+        raise ApiError(400, f"{state.model}'s chat template does not take tools in the <tool_call> format this "
+                            "server reads (Qwen2.5, Qwen3 and Qwen3.5 templates do)", param="tools")
     ids = encode_prompt(tokenizer, parsed.messages, chat_template=parsed.settings.chat_template,
-                        enable_thinking=parsed.settings.think,
-                        system=None if own_system else state.system)
+                        enable_thinking=parsed.settings.thinking,
+                        system=None if own_system else state.system,
+                        tools=parsed.tools.tools if parsed.tools is not None else None)
     inside = state.markers is not None and opens_thinking(tokenizer, ids, state.markers)
     return ids, inside
 
@@ -178,6 +184,8 @@ def encoded(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], bool]
     try:
         with state.encoding:
             return prompt_ids(state, parsed)
+    except ApiError:
+        raise
     except Exception as e:  # templates raise what they like (jinja2's errors, TypeError, ...)
         raise ApiError(400, f"the prompt cannot be built: {type(e).__name__}: {e}",
                        param="messages" if parsed.chat else "prompt") from None
@@ -212,9 +220,17 @@ async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[
     text.append(rest)
     reply = "".join(text)
     reasoning, answer = split_reply(reply, inside, markers) if shape.chat else (None, reply)
+    content, calls = tool_calls_of(parsed, answer)
     stats = last.stats if last is not None else None
-    reason = finish_reason(stats.finish_reason if stats else None, stopped)
-    return JSONResponse(shape.whole(answer, reasoning, reason, usage(stats)))
+    reason = finish_reason(stats.finish_reason if stats else None, stopped, bool(calls))
+    return JSONResponse(shape.whole(content, reasoning, reason, usage(stats), calls))
+
+
+def tool_calls_of(parsed: ParsedRequest, answer: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(the content, the tool calls) of a reply to a request with tools (server/tools.py)."""
+    if parsed.tools is None or not parsed.tools.reads_calls:
+        return answer, []
+    return read_calls(answer, parsed.tools.names())
 
 
 def sse(data: dict[str, Any]) -> bytes:
@@ -227,6 +243,8 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
     splitter = ThinkingSplitter(inside, markers) if shape.chat else None
     reasoning_text = ReasoningStream(markers)
     stopped, last = False, None
+    # a reply that may hold tool calls is read whole (its content is sent with them, at the end)
+    held: list[str] | None = [] if parsed.tools is not None and parsed.tools.reads_calls else None
     try:
         if shape.chat:
             yield sse(shape.chunk(role=True))
@@ -241,6 +259,9 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
                 last, metrics = done_step or last, None
             for reasoning, piece in (splitter.feed(text) if splitter else [(False, text)]):
                 piece = reasoning_text.feed(piece) if reasoning else piece
+                if held is not None and not reasoning:
+                    held.append(piece)
+                    piece = ""
                 if piece or metrics is not None:
                     yield sse(shape.chunk(piece, reasoning=reasoning, metrics=metrics))
             if kind == "done":
@@ -248,10 +269,17 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
             event = await next_event(events, parsed)
         for reasoning, piece in (splitter.flush() if splitter else []):
             piece = reasoning_text.feed(piece) if reasoning else piece
-            if piece:
+            if held is not None and not reasoning:
+                held.append(piece)
+            elif piece:
                 yield sse(shape.chunk(piece, reasoning=reasoning))
+        calls: list[dict[str, Any]] = []
+        if held is not None:
+            content, calls = tool_calls_of(parsed, "".join(held))
+            if content or calls:
+                yield sse(shape.chunk(content or "", tool_calls=calls))
         stats = last.stats if last is not None else None
-        yield sse(shape.chunk(reason=finish_reason(stats.finish_reason if stats else None, stopped)))
+        yield sse(shape.chunk(reason=finish_reason(stats.finish_reason if stats else None, stopped, bool(calls))))
         if parsed.include_usage:
             yield sse(shape.usage_chunk(usage(stats)))
         yield b"data: [DONE]\n\n"

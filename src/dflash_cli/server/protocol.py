@@ -7,6 +7,7 @@ vLLM's per-request field names (see README, "Using it from other programs").
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -14,9 +15,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dflash_cli.conversation import GenerationSettings
+from dflash_cli.engine.output_format import (
+    OutputFormat,
+    OutputFormatError,
+    json_format,
+    regex_format,
+    schema_format,
+)
 from dflash_cli.engine.response import FINISH_STOP, GenerationStats
+from dflash_cli.server.tools import ToolError, ToolRequest, parse_tools
 
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "suffix", "echo", "best_of")
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # refused unless neutral
 
@@ -40,6 +49,7 @@ class ParsedRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    tools: ToolRequest | None = None
 
 
 def _number(body: dict, name: str, low: float, high: float, default: Any, *, integer: bool = False) -> Any:
@@ -72,7 +82,11 @@ def _messages(body: dict) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
-        out.append({"role": message["role"], "content": content})
+        kept: dict[str, Any] = {"role": message["role"], "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):  # a tool-using turn, for the chat template
+            if message.get(key) is not None:
+                kept[key] = message[key]
+        out.append(kept)
     return out
 
 
@@ -97,10 +111,6 @@ def parse_request(body: Any, *, chat: bool, defaults: GenerationSettings, max_to
             raise ApiError(422, f"'{name}' is not supported by this server yet", param=name, code="unsupported")
     if _number(body, "n", 1, 1_000_000, 1, integer=True) != 1:
         raise ApiError(422, "'n' > 1 is not supported by this server yet", param="n", code="unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(422, "'response_format' other than text is not supported by this server yet",
-                       param="response_format", code="unsupported")
     for name in PENALTIES:
         neutral = 1.0 if name == "repetition_penalty" else 0.0
         if _number(body, name, -2, 2 if neutral == 0.0 else 10, neutral) != neutral:
@@ -129,11 +139,91 @@ def parse_request(body: Any, *, chat: bool, defaults: GenerationSettings, max_to
         raise ApiError(400, "'chat_template_kwargs.enable_thinking' must be a boolean", param="chat_template_kwargs")
     if thinking is not None:
         settings = replace(settings, think=thinking)
+    try:
+        tools = parse_tools(body) if chat else None
+    except ToolError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    fmt = _output_format(body, tools)
+    if fmt is not None:
+        if settings.think:
+            raise ApiError(400, "a structured reply cannot also think first: set enable_thinking to false (or "
+                                "leave it out)", param="chat_template_kwargs")
+        settings = replace(settings, output_format=fmt)
     return ParsedRequest(chat, _messages(body) if chat else None, None if chat else _prompt(body), settings,
-                         stops, stream, bool(stream_options.get("include_usage")))
+                         stops, stream, bool(stream_options.get("include_usage")), tools)
 
 
-def finish_reason(engine_reason: str | None, stopped_by_string: bool) -> str:
+def _output_format(body: dict, tools: ToolRequest | None) -> OutputFormat | None:
+    """What the reply must follow: response_format (OpenAI's json_object and json_schema), vLLM's
+    structured_outputs (json, regex, grammar, choice), or a forced tool call; each checked now."""
+    given = [name for name in ("response_format", "structured_outputs") if body.get(name) not in (None, {})]
+    fmt = None
+    if "response_format" in given:
+        fmt = _response_format(body["response_format"])
+    if "structured_outputs" in given:
+        fmt = _structured_outputs(body["structured_outputs"])
+        given = given if fmt is not None else given[:1]
+    if tools is not None and tools.forced:
+        if fmt is not None:
+            raise ApiError(400, "a forced tool call cannot also follow a response format", param="tool_choice")
+        fmt, given = tools.output_format(), ["tool_choice"]
+    if len(given) > 1 and fmt is not None:
+        raise ApiError(400, "give 'response_format' or 'structured_outputs', not both", param="structured_outputs")
+    if fmt is not None:
+        try:
+            fmt.grammar()
+        except OutputFormatError as e:
+            raise ApiError(400, str(e) + (f" ({e.hint})" if e.hint else ""), param=given[0]) from None
+    return fmt
+
+
+def _response_format(value: Any) -> OutputFormat | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_format(object_only=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON Schema object",
+                           param="response_format")
+        return _checked(lambda: schema_format(schema, str(spec.get("name") or "")), "response_format")
+    raise ApiError(400, "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"",
+                   param="response_format")
+
+
+def _structured_outputs(value: Any) -> OutputFormat | None:
+    """vLLM's `structured_outputs`: one of json (a schema), regex, grammar (Lark or GBNF), choice (strings)."""
+    keys = [k for k in ("json", "regex", "grammar", "choice") if isinstance(value, dict) and value.get(k) is not None]
+    if len(keys) != 1:
+        raise ApiError(400, "'structured_outputs' must set one of json, regex, grammar or choice",
+                       param="structured_outputs")
+    item = value[keys[0]]
+    if keys[0] == "json":
+        return _checked(lambda: schema_format(item if isinstance(item, (dict, str)) else [], "structured_outputs.json"),
+                        "structured_outputs")
+    if keys[0] == "choice":
+        if not isinstance(item, list) or not item or not all(isinstance(c, str) for c in item):
+            raise ApiError(400, "'structured_outputs.choice' must be a non-empty list of strings",
+                           param="structured_outputs")
+        return OutputFormat("grammar", "start: " + " | ".join(json.dumps(c) for c in item) + "\n", "(choice)")
+    if not isinstance(item, str) or not item:
+        raise ApiError(400, f"'structured_outputs.{keys[0]}' must be a non-empty string", param="structured_outputs")
+    return regex_format(item) if keys[0] == "regex" else OutputFormat("grammar", item, "structured_outputs.grammar")
+
+
+def _checked(make: Any, param: str) -> OutputFormat:
+    try:
+        return make()
+    except OutputFormatError as e:
+        raise ApiError(400, str(e), param=param) from None
+
+
+def finish_reason(engine_reason: str | None, stopped_by_string: bool, tool_calls: bool = False) -> str:
+    if tool_calls:
+        return "tool_calls"
     return "stop" if stopped_by_string or engine_reason == FINISH_STOP else "length"
 
 
@@ -185,22 +275,27 @@ class ResponseShape:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, answer: str, reasoning: str | None, reason: str, use: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, answer: str | None, reasoning: str | None, reason: str, use: dict[str, Any],
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": answer}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}
         return {**self.envelope(False), "choices": [choice], "usage": use, **self._metrics(use)}
 
     def chunk(self, text: str = "", *, reasoning: bool = False, reason: str | None = None, role: bool = False,
-              metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+              metrics: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text or role:
                 delta["reasoning_content" if reasoning else "content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}

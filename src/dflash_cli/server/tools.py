@@ -1,0 +1,138 @@
+"""OpenAI's `tools` and `tool_choice` for `serve`, in the tool-call format of the chat templates that take
+tools in Hermes' style (Qwen2.5, Qwen3, Qwen3.5, ...): the model writes
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+`tool_choice` "required" or a named function forces such blocks with a grammar (engine/constraint.py keeps
+speculation lossless under it); "auto" lets the model choose, and any blocks it writes are read back as
+`tool_calls`; "none" keeps the tools in the prompt and reads nothing back. Pure text: no torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_cli.engine.output_format import OutputFormat
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+
+
+class ToolError(ValueError):
+    """`tools` or `tool_choice` of the wrong shape; the message names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: list[dict[str, Any]]  # as the client sent them (the chat template renders them)
+    choice: str  # "auto", "required", "none", or the one function's name
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in ("auto", "none")
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.choice != "none"
+
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    def output_format(self) -> OutputFormat | None:
+        """The grammar of a forced reply: one tool-call block (more when parallel calls are allowed) of the
+        allowed functions, each call's arguments following the function's parameter schema."""
+        if not self.forced:
+            return None
+        allowed = [t["function"] for t in self.tools if self.choice in ("required", t["function"]["name"])]
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"const": f["name"]},
+                                 "arguments": f.get("parameters") or {"type": "object"}}} for f in allowed]
+        schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        # as Qwen's templates show the model its calls (json.dumps' separators): the likeliest text
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                           "key_separator": ": "}}
+        more = ' ("\\n" block)*' if self.parallel and self.choice == "required" else ""
+        lark = (f"start: block{more}\nblock: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n"
+                f"call: %json {json.dumps(schema)}\n")
+        return OutputFormat("grammar", lark, "(tool call)")
+
+
+def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+    """The request's tools and tool_choice, checked; None when it has no tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ToolError("'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise ToolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+        if not isinstance(function.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", function["name"]):
+            raise ToolError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -", "tools")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise ToolError("two tools have the same name", "tools")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    return ToolRequest(tools, _choice(choice, names), parallel)
+
+
+def _choice(choice: Any, names: list[str]) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "required", "none"):
+        return choice
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(function, dict):
+        raise ToolError("'tool_choice' must be \"auto\", \"required\", \"none\" or "
+                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if function.get("name") not in names:
+        raise ToolError(f"'tool_choice' names {function.get('name')!r}, which is not among the tools", "tool_choice")
+    return str(function["name"])
+
+
+def template_takes_tools(template: str | None) -> bool:
+    """Whether a chat template renders `tools` and has the model answer in <tool_call> blocks."""
+    return bool(template) and "tools" in template and OPEN in template
+
+
+def read_calls(text: str, names: list[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(the text outside the calls or None, OpenAI tool_calls) from a reply; blocks that are not a JSON
+    call of one of `names` stay in the text."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for match in _BLOCK.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(call, dict) or call.get("name") not in names:
+            continue
+        arguments = call.get("arguments", call.get("parameters", {}))
+        kept.append(text[last:match.start()])
+        last = match.end()
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": call["name"],
+                                   "arguments": arguments if isinstance(arguments, str)
+                                   else json.dumps(arguments, ensure_ascii=False)}})
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
