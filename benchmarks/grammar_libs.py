@@ -157,6 +157,7 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).parent))
     from cpu_formats import cpu_line
+
     from dflash_cli.tables import columns
 
     tokenizers = []

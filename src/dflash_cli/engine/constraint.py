@@ -68,8 +68,9 @@ def grammar_tokenizer(tokenizer: Any, vocab: int, eos: Sequence[int]) -> Any:
     return _lltokenizer(key, vocab, tuple(sorted(set(int(e) for e in eos))))
 
 
-class ConstrainedSampler:
-    """A Sampler (same call, same noise) whose choices follow `fmt`'s grammar; see the module docstring."""
+class ConstrainedSampler(Sampler):
+    """A Sampler (the same seed, so the same noise) whose choices follow `fmt`'s grammar; see the module
+    docstring. `sampler` picks from each masked row."""
 
     constrained = True
 
@@ -86,9 +87,6 @@ class ConstrainedSampler:
         self._words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
         self._taken = 0  # drafted tokens consumed on top of the committed ones
         self.masks = self.checks = 0  # full masks computed, and single-token checks that replaced one
-
-    def gumbel(self, position: int, rows: int, size: int, device: torch.device) -> torch.Tensor:
-        return self.sampler.gumbel(position, rows, size, device)
 
     @property
     def finished(self) -> bool:
@@ -177,7 +175,7 @@ class ConstrainedSampler:
 
 
 def constrained_sampler(sampler: Sampler, fmt: OutputFormat | None, tokenizer: Any, vocab: int,
-                        eos: Sequence[int]) -> Sampler | ConstrainedSampler:
+                        eos: Sequence[int]) -> Sampler:
     """`sampler` itself without a format; else the sampler that keeps to it."""
     if fmt is None:
         return sampler

@@ -134,7 +134,7 @@ class CandidateSelector(nn.Module):
     @staticmethod
     def _pick(score: torch.Tensor, sampling: Sampler | None, noise: torch.Tensor | None) -> torch.Tensor:
         """The (1,) index of the candidate a (1, k) score picks: argmax, or the coupled draw when sampling."""
-        if sampling is not None:
+        if sampling is not None and noise is not None:
             q = sampling_probs(score, sampling.temperature, sampling.top_p, sampling.top_k)
             score = q.log() + noise
         return score.argmax(dim=-1)

@@ -202,8 +202,9 @@ def _structured_outputs(value: Any) -> OutputFormat | None:
                        param="structured_outputs")
     item = value[keys[0]]
     if keys[0] == "json":
-        return _checked(lambda: schema_format(item if isinstance(item, (dict, str)) else [], "structured_outputs.json"),
-                        "structured_outputs")
+        if not isinstance(item, (dict, str)):
+            raise ApiError(400, "'structured_outputs.json' must be a JSON Schema", param="structured_outputs")
+        return _checked(lambda: schema_format(item, "structured_outputs.json"), "structured_outputs")
     if keys[0] == "choice":
         if not isinstance(item, list) or not item or not all(isinstance(c, str) for c in item):
             raise ApiError(400, "'structured_outputs.choice' must be a non-empty list of strings",

@@ -110,7 +110,7 @@ def _choice(choice: Any, names: list[str]) -> str:
 
 def template_takes_tools(template: str | None) -> bool:
     """Whether a chat template renders `tools` and has the model answer in <tool_call> blocks."""
-    return bool(template) and "tools" in template and OPEN in template
+    return template is not None and "tools" in template and OPEN in template
 
 
 def read_calls(text: str, names: list[str]) -> tuple[str | None, list[dict[str, Any]]]:
