@@ -277,3 +277,22 @@ def test_the_demo_with_a_schema_gives_parseable_json():
     assert result.exit_code == 0, result.output
     value = json.loads(result.stdout)
     assert value == {"name": "Tom", "age": 3, "colour": "black"}
+
+
+def test_chat_sets_and_checks_a_format_per_reply(folders):
+    from support.chat_driver import drive
+
+    from dflash_cli.conversation import GenerationSettings
+    from dflash_cli.runtime.local import load_runtime
+
+    runtime = load_runtime(str(folders["qwen3"]), str(folders["qwen3-drafter"]), dtype="float32", device="cpu")
+    settings = GenerationSettings(max_tokens=40)
+    keys = ["/set regex [a-z", "/set schema age integr", f"/set regex {REGEX}", "/set think", "hello",
+            "/set format text", "again"]
+    run = drive(runtime, "".join(k + "\r" for k in keys), settings=settings)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 3 and "invalid regex" in errors[0] and "unknown type 'integr'" in errors[1], run.stderr
+    assert "cannot think first" in errors[2]
+    replies = [m["content"] for m in run.messages if m["role"] == "assistant"]
+    assert re.fullmatch(REGEX, replies[0].removesuffix("<|endoftext|>")), replies
+    assert settings.output_format is None and not re.fullmatch(REGEX, replies[1])  # free text again

@@ -38,6 +38,8 @@ HELP = '''Available commands:
   /set parameter NAME VALUE   temperature, top_p, top_k, max_tokens (num_predict), block_size, seed
   /set verbose | quiet        Statistics block / nothing after each reply
   /set think | nothink        Turn the model's thinking mode on or off
+  /set format json | text     Replies are one JSON value / free text (also: /set schema SCHEMA,
+                              /set grammar FILE, /set regex RE)
   /set hidethinking | showthinking   Leave the reasoning out of replies, or show it (dimmed)
   /set provenance | noprovenance   Colour drafted-and-accepted tokens apart from the target's own
   /show info | parameters | system
@@ -364,6 +366,10 @@ class ChatSession:
         elif key in ("verbose", "quiet"):
             self.verbose, self.quiet = key == "verbose", key == "quiet"
             self.out.info(f"Set '{key}' mode.")
+        elif key in ("format", "schema", "grammar", "regex"):
+            self.set_format(key, value)
+        elif key == "think" and self.settings.output_format is not None:
+            self.out.error("a structured reply cannot think first", "/set format text, then /set think")
         elif key in ("think", "nothink") and self.runtime.supports_thinking() is None:  # a server's template
             self.settings.think = key == "think"
             self.out.info(f"Set '{key}' mode.")
@@ -387,7 +393,24 @@ class ChatSession:
         else:
             self.out.error(f"unknown /set option '{key}'" if key else "usage: /set OPTION [VALUE]",
                            "options: system, parameter, verbose, quiet, think, nothink, hidethinking, "
-                           "showthinking, provenance, noprovenance")
+                           "showthinking, provenance, noprovenance, format, schema, grammar, regex")
+
+    def set_format(self, key: str, value: str) -> None:
+        """/set format|schema|grammar|regex: checked first; a bad one prints an error and changes nothing."""
+        from dflash_cli.engine.output_format import OutputFormatError, parse_format_setting
+
+        if not value and key != "format":
+            return self.out.error(f"usage: /set {key} VALUE")
+        try:
+            fmt = parse_format_setting(key, value or "text")
+            if fmt is not None:
+                fmt.grammar()
+        except OutputFormatError as e:
+            return self.out.error(str(e), e.hint)
+        if fmt is not None and self.settings.think:
+            return self.out.error("a structured reply cannot think first", "/set nothink, then set the format")
+        self.settings.output_format = fmt
+        self.out.info(f"Replies follow {fmt.describe()}." if fmt else "Replies are free text.")
 
     def set_parameter(self, name: str, raw: str) -> bool:
         """Validates and applies one /set parameter; a bad name or value prints an error and changes nothing."""
@@ -531,7 +554,7 @@ def run_chat(out: Output, command: Any, *, history: bool, stdin: Any = None, std
     the model, runs the REPL."""
     import dataclasses
 
-    from dflash_cli.ui.opening import check_thinking, open_model
+    from dflash_cli.ui.opening import check_format, check_thinking, open_model
     from dflash_cli.ui.prompt_input import system_prompt
 
     if not (isatty(stdin or sys.stdin) and isatty(stdout or sys.stdout)):
@@ -540,6 +563,7 @@ def run_chat(out: Output, command: Any, *, history: bool, stdin: Any = None, std
     shown, settings = command.output, dataclasses.replace(command.settings)
     runtime = open_model(out, command.model, quiet=shown.quiet, settings=settings)
     try:
+        check_format(settings)
         check_thinking(out, runtime, settings.think, chat_template=settings.chat_template)
         out.hide_thinking = shown.hide_thinking
         session = ChatSession(runtime, out, settings, system=system_prompt(out, command.system),
