@@ -68,6 +68,10 @@ def test_chat_whole_and_streamed_equal_the_engine_with_its_statistics(server, ru
     assert (spec["num_spec_steps"], spec["num_draft_tokens"], spec["num_accepted_draft_tokens"]) == (
         want.stats.steps, want.stats.drafted, want.stats.accepted)
     assert spec["mean_acceptance_length"] == pytest.approx(want.stats.acceptance_length, abs=1e-4)
+    times = got.model_extra["timings"]  # llama-server's names, for clients written for llama.cpp
+    assert (times["draft_n"], times["draft_n_accepted"], times["draft_steps"]) == (
+        want.stats.drafted, want.stats.accepted, want.stats.steps)
+    assert times["predicted_n"] == want.stats.decode_tokens and times["predicted_ms"] > 0
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
                                                  stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -77,6 +81,8 @@ def test_chat_whole_and_streamed_equal_the_engine_with_its_statistics(server, ru
     assert live and live[-1]["num_spec_steps"] >= 1  # the running acceptance rides on the chunks
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == want.stats.generated_tokens
+    finished = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert finished.model_extra["timings"]["draft_n"] == want.stats.drafted
 
 
 def test_completions_whole_and_streamed(server, runtime):
@@ -382,3 +388,27 @@ def test_stopping_an_idle_server_by_a_signal_exits_as_every_command(pair, sig, i
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_sigterm_with_a_stream_open_ends_it_with_a_last_chunk_and_done(pair):
+    proc, line = serve_process(pair, False)
+    url = line.split(" on ", 1)[1].split()[0]
+    body = {"messages": [{"role": "user", "content": "Tell me everything"}], "max_tokens": 400, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = []
+    try:
+        with httpx.stream("POST", url + "/chat/completions", json=body, timeout=60) as response:
+            for data in response.iter_lines():
+                if not data.startswith("data: "):
+                    continue
+                events.append(data[6:])
+                if len(events) == 3:  # the reply is streaming: stop the server under it
+                    proc.send_signal(signal.SIGTERM)
+    finally:
+        _, err = proc.communicate(timeout=90)
+    assert events[-1] == "[DONE]"
+    finals = [json.loads(e) for e in events[:-1] if json.loads(e).get("choices")]
+    assert finals[-1]["choices"][0]["finish_reason"] == "abort"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] < 400  # cut short, and counted
+    assert proc.returncode == 143, err
+    assert "interrupted" in err and "Traceback" not in err and "Terminated" not in err

@@ -35,10 +35,11 @@ from dflash_cli.server.protocol import (
     finish_reason,
     live_metrics,
     parse_request,
+    timings,
     usage,
 )
 from dflash_cli.server.tools import read_calls
-from dflash_cli.server.worker import EngineWorker
+from dflash_cli.server.worker import EngineWorker, ServerStopping
 from dflash_cli.server.worker import Request as EngineRequest
 
 MAX_BODY_BYTES = 4 << 20
@@ -141,14 +142,18 @@ async def completions(request: Request, *, chat: bool) -> Response:
         return error_response(ApiError(503, "the server is busy: too many requests are waiting",
                                        kind="server_error", code="queue_full"))
     watcher = asyncio.create_task(watch_disconnect(request, job))
+
+    def aborted() -> bool:  # the server's stop cut this reply short
+        return state.worker.stopping and job.cancelled.is_set()
     markers = state.markers or THINK_TAGS  # a model without reasoning sections: a reply opening <think> is split
     try:
         first = await next_event(events, parsed)
         if parsed.stream:  # from here the streaming response watches the connection itself
             watcher.cancel()
             return StreamingResponse(stream(ResponseShape(chat, state.model), parsed, events, first, job, inside,
-                                            markers), media_type="text/event-stream")
-        return await whole_reply(ResponseShape(chat, state.model), events, first, parsed, inside and chat, markers)
+                                            markers, aborted), media_type="text/event-stream")
+        return await whole_reply(ResponseShape(chat, state.model), events, first, parsed, inside and chat, markers,
+                                 aborted)
     except ApiError as e:
         return error_response(e)
     except asyncio.CancelledError:  # the server is shutting down, or the connection was dropped
@@ -202,12 +207,14 @@ async def next_event(events: asyncio.Queue, parsed: ParsedRequest) -> tuple[str,
                                code="context_length_exceeded")
             hint = f" ({error.hint})" if getattr(error, "hint", None) else ""
             raise ApiError(400, f"{error}{hint}")
+        if isinstance(error, ServerStopping):
+            raise ApiError(503, str(error), kind="server_error", code="shutting_down")
         raise ApiError(500, f"the engine failed: {type(error).__name__}: {error}", kind="server_error")
     return event
 
 
 async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[str, Any], parsed: ParsedRequest,
-                      inside: bool, markers: ThinkingMarkers = THINK_TAGS) -> Response:
+                      inside: bool, markers: ThinkingMarkers = THINK_TAGS, aborted: Any = lambda: False) -> Response:
     text: list[str] = []
     stopped, last = False, None
     while event[0] == "step":
@@ -217,13 +224,14 @@ async def whole_reply(shape: ResponseShape, events: asyncio.Queue, event: tuple[
         event = await next_event(events, parsed)
     done_step, rest, _ = event[1]
     last = done_step or last
+    aborted = aborted()
     text.append(rest)
     reply = "".join(text)
     reasoning, answer = split_reply(reply, inside, markers) if shape.chat else (None, reply)
     content, calls = tool_calls_of(parsed, answer)
     stats = last.stats if last is not None else None
-    reason = finish_reason(stats.finish_reason if stats else None, stopped, bool(calls))
-    return JSONResponse(shape.whole(content, reasoning, reason, usage(stats), calls))
+    reason = finish_reason(stats.finish_reason if stats else None, stopped, bool(calls), aborted)
+    return JSONResponse(shape.whole(content, reasoning, reason, usage(stats), calls, timings(stats)))
 
 
 def tool_calls_of(parsed: ParsedRequest, answer: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -238,7 +246,8 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Queue, event: tuple[str, Any],
-                 job: EngineRequest, inside: bool, markers: ThinkingMarkers = THINK_TAGS) -> AsyncIterator[bytes]:
+                 job: EngineRequest, inside: bool, markers: ThinkingMarkers = THINK_TAGS,
+                 aborted: Any = lambda: False) -> AsyncIterator[bytes]:
     """The reply as server-sent events; leaving early (the client went away) cancels the request."""
     splitter = ThinkingSplitter(inside, markers) if shape.chat else None
     reasoning_text = ReasoningStream(markers)
@@ -279,7 +288,8 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
             if content or calls:
                 yield sse(shape.chunk(content or "", tool_calls=calls))
         stats = last.stats if last is not None else None
-        yield sse(shape.chunk(reason=finish_reason(stats.finish_reason if stats else None, stopped, bool(calls))))
+        yield sse(shape.chunk(reason=finish_reason(stats.finish_reason if stats else None, stopped, bool(calls),
+                                                   aborted()), times=timings(stats)))
         if parsed.include_usage:
             yield sse(shape.usage_chunk(usage(stats)))
         yield b"data: [DONE]\n\n"

@@ -222,9 +222,13 @@ def _checked(make: Any, param: str) -> OutputFormat:
         raise ApiError(400, str(e), param=param) from None
 
 
-def finish_reason(engine_reason: str | None, stopped_by_string: bool, tool_calls: bool = False) -> str:
+def finish_reason(engine_reason: str | None, stopped_by_string: bool, tool_calls: bool = False,
+                  aborted: bool = False) -> str:
+    """OpenAI's finish_reason; "abort" (vLLM's word) for a reply the server's own stop cut short."""
     if tool_calls:
         return "tool_calls"
+    if aborted and engine_reason is None and not stopped_by_string:
+        return "abort"
     return "stop" if stopped_by_string or engine_reason == FINISH_STOP else "length"
 
 
@@ -257,6 +261,26 @@ def usage(stats: GenerationStats | None) -> dict[str, Any]:
     }
 
 
+def timings(stats: GenerationStats | None) -> dict[str, Any]:
+    """llama-server's `timings` object (clients written for llama.cpp read acceptance from draft_n and
+    draft_n_accepted), with the verify steps it lacks as draft_steps. The prompt figures count only the
+    tokens read now (cache_n were reused)."""
+    if stats is None:
+        return {}
+    prompt_ms, predicted_ms = stats.prefill_seconds * 1e3, stats.decode_seconds * 1e3
+    prompt_n, predicted_n = stats.prefilled_tokens, stats.decode_tokens
+    return {
+        "cache_n": stats.prompt_tokens - stats.prefilled_tokens,
+        "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+        "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
+        "prompt_per_second": round(prompt_n / prompt_ms * 1e3, 2) if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n, "predicted_ms": round(predicted_ms, 3),
+        "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
+        "predicted_per_second": round(predicted_n / predicted_ms * 1e3, 2) if predicted_ms > 0 else 0.0,
+        "draft_n": stats.drafted, "draft_n_accepted": stats.accepted, "draft_steps": stats.steps,
+    }
+
+
 def live_metrics(stats: GenerationStats) -> dict[str, Any]:
     """The running acceptance each streamed chunk carries, so a client can show it as it grows."""
     return {"speculative_decoding": {"mean_acceptance_length": round(stats.acceptance_length, 4),
@@ -277,7 +301,7 @@ class ResponseShape:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, answer: str | None, reasoning: str | None, reason: str, use: dict[str, Any],
-              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              tool_calls: list[dict[str, Any]] | None = None, times: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": answer}
             if reasoning is not None:
@@ -287,10 +311,12 @@ class ResponseShape:
             choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}
-        return {**self.envelope(False), "choices": [choice], "usage": use, **self._metrics(use)}
+        return {**self.envelope(False), "choices": [choice], "usage": use, **self._metrics(use),
+                **({"timings": times} if times else {})}
 
     def chunk(self, text: str = "", *, reasoning: bool = False, reason: str | None = None, role: bool = False,
-              metrics: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              metrics: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
+              times: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text or role:
@@ -303,6 +329,8 @@ class ResponseShape:
         out = {**self.envelope(True), "choices": [choice]}
         if metrics is not None:
             out["metrics"] = metrics
+        if times:
+            out["timings"] = times
         return out
 
     def usage_chunk(self, use: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from dflash_cli.runtime.local import LocalRuntime
 
 
+class ServerStopping(RuntimeError):
+    """The server stopped before a waiting request began."""
+
+
 @dataclass
 class Request:
     """A prompt to decode and where its Steps go: on_event(("step", Step)), then ("done", Step | None) or
@@ -103,6 +107,7 @@ class EngineWorker:
         self.counters = Counters()
         self.lock = threading.Lock()
         self.busy = False
+        self.stopping = False  # abort() was called: replies cut short now end with finish_reason "abort"
         self.current: Request | None = None
         self.thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
 
@@ -110,10 +115,14 @@ class EngineWorker:
         self.thread.start()
         return self
 
-    def stop(self) -> None:
-        """Cancels the running request and what waits; the thread ends after the current step."""
-        if self.current is not None:
-            self.current.cancelled.set()
+    def abort(self) -> None:
+        """The server is stopping: the running request ends at its next step (its reply so far is sent, with
+        finish_reason "abort"), and what waits is refused (503). Safe from a signal handler: it only sets
+        flags and empties the queue."""
+        self.stopping = True
+        current = self.current
+        if current is not None:
+            current.cancelled.set()
         while True:
             try:
                 waiting = self.queue.get_nowait()
@@ -121,7 +130,11 @@ class EngineWorker:
                 break
             if waiting is not None:
                 waiting.cancelled.set()
-                _tell(waiting, ("error", RuntimeError("the server is shutting down")))
+                _tell(waiting, ("error", ServerStopping("the server is shutting down")))
+
+    def stop(self) -> None:
+        """Cancels the running request and what waits; the thread ends after the current step."""
+        self.abort()
         self.queue.put(None)
         self.thread.join(timeout=30)
 

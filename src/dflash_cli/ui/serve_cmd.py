@@ -96,8 +96,14 @@ def run_serve(out: Any, command: Any, *, host: str, port: int, api_key: str | No
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     out.info(f"serving {model} on http://{shown}:{port}/v1 (OpenAI API; Ctrl-C stops)")
-    server = uvicorn.Server(uvicorn.Config(make_app(state), log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            worker.abort()  # open replies end at their next step, with a last chunk and [DONE]
+            super().handle_exit(sig, frame)
+
+    # the grace period covers one engine step (a long prefill included), after which every reply has ended
+    server = Server(uvicorn.Config(make_app(state), log_level="warning", access_log=False,
+                                   timeout_graceful_shutdown=60))
     try:
         server.run(sockets=[sock])
     finally:
