@@ -296,3 +296,24 @@ def test_chat_sets_and_checks_a_format_per_reply(folders):
     replies = [m["content"] for m in run.messages if m["role"] == "assistant"]
     assert re.fullmatch(REGEX, replies[0].removesuffix("<|endoftext|>")), replies
     assert settings.output_format is None and not re.fullmatch(REGEX, replies[1])  # free text again
+
+
+def test_bench_runs_a_set_of_structured_prompts_next_to_free_text(folders, tmp_path):
+    from dflash_cli.bench.local import run_bench
+    from dflash_cli.prompts.reader import PromptSetError, load_prompt_set
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"id": "s", "prompt": "hello", "schema": SCHEMA}) + "\n"
+                    + json.dumps({"id": "r", "prompt": "hi", "regex": REGEX}) + "\n")
+    pair, tokenizer = _pair(folders, "qwen3", "qwen3-drafter")
+    report = run_bench(pair.target, pair.drafter, tokenizer, {"structured": load_prompt_set(path),
+                                                              "free": ["hello", "hi"]},
+                       max_new_tokens=60, warmup=0)
+    structured = [r for r in report.records if r.set == "structured"]
+    assert all(r.identical and r.plain.finish_reason == "stop" for r in structured)  # the format completed
+    assert report.sets["structured"].name == "structured" and report.sets["free"].name == "free"
+    assert all(r.plain.finish_reason == "length" for r in report.records if r.set == "free")  # no format, no stop
+    assert [p.output[0] for p in load_prompt_set("json")] == ["schema"] * 10  # the built-in set loads and checks
+    path.write_text(json.dumps({"prompt": "x", "regex": "[a-z"}) + "\n")
+    with pytest.raises(PromptSetError, match="line 1: invalid regex"):
+        load_prompt_set(path)

@@ -154,14 +154,14 @@ def _hf_generate(target: Any, assistant: Any, prompt: list[int], max_new_tokens:
 
 
 def _work(prompt_sets: Mapping[str, Sequence[str | Prompt]], per_set: int | None,
-          encode: Callable[[str], list[int]]) -> list[tuple[str, Prompt, list[int]]]:
+          encode: Callable[[Prompt], list[int]]) -> list[tuple[str, Prompt, list[int]]]:
     """(set, prompt, prompt token ids) of every prompt to run, in order; none at all is an error."""
     work = []
     for name, items in prompt_sets.items():
         chosen = list(items)[:per_set] if per_set is not None else list(items)
         for i, item in enumerate(chosen, 1):
             p = item if isinstance(item, Prompt) else Prompt(f"{name}-{i}", str(item))
-            work.append((name, p, encode(p.prompt)))
+            work.append((name, p, encode(p)))
     if not work:
         raise PromptSetError("no prompts to run")
     return work
@@ -205,13 +205,15 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
             and per-position acceptance measure the drafter itself.
     """
     from dflash_cli.engine.generate import default_stop_ids, generate, resolve_block_size
+    from dflash_cli.engine.output_format import parse_format_setting
     from dflash_cli.engine.text import chat_template_of, encode_prompt
 
     if drafter is None:
         raise DFlashError("a benchmark needs a drafter: it compares plain decoding with DFlash")
     block = resolve_block_size(drafter, block_size)
     stops = default_stop_ids(target, tokenizer)
-    work = _work(prompt_sets, per_set, lambda text: encode_prompt(tokenizer, text, enable_thinking=enable_thinking))
+    work = _work(prompt_sets, per_set, lambda p: encode_prompt(
+        tokenizer, p.prompt, enable_thinking=False if p.output is not None else enable_thinking))
     kwargs = dict(tokenizer=None, max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stops)
     assistant, hf_info = _hf_baseline(hf_baseline, drafter)
 
@@ -228,8 +230,10 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
         for mode, d in (("plain", None), ("dflash", drafter)):
             if on_generation is not None:
                 on_generation(name, p.id, mode)
-            extra = dict(block_size=block, adaptive=adaptive) if d is not None else {}
-            result = generate(target, d, prompt, **extra, **kwargs)
+            extra: dict[str, Any] = dict(block_size=block, adaptive=adaptive) if d is not None else {}
+            if p.output is not None:  # a structured reply: the grammar reads tokens through the tokenizer
+                extra.update(output_format=parse_format_setting(*p.output), tokenizer=tokenizer)
+            result = generate(target, d, prompt, **{**kwargs, **extra})
             runs[mode] = (result.tokens, result.stats, sequence)
             sequence += 1
         hf_record = hf_tokens = None

@@ -1,5 +1,6 @@
-"""The prompt sets `bench` runs and `train` can read: built-in ones (math, code, chat) and JSONL files of
-{"id": ..., "prompt": ...} lines."""
+"""The prompt sets `bench` runs and `train` can read: built-in ones (math, code, chat, json) and JSONL files
+of {"id": ..., "prompt": ...} lines, where a line may also name the reply's format ("schema", "format",
+"grammar" or "regex", as the command-line options)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 
 from dflash_cli.engine.errors import DFlashError
 
-BUILTIN_SETS = ("math", "code", "chat")
+BUILTIN_SETS = ("math", "code", "chat", "json")
+DEFAULT_SETS = ("math", "code", "chat")  # what `bench` runs without --sets (json: structured replies, on request)
+FORMAT_KEYS = ("format", "schema", "grammar", "regex")  # a prompt's reply format, as the command line names them
 
 
 class PromptSetError(DFlashError):
@@ -21,6 +24,7 @@ class PromptSetError(DFlashError):
 class Prompt:
     id: str
     prompt: str
+    output: tuple[str, str] | None = None  # (one of FORMAT_KEYS, its value): the reply's format, if any
 
 
 
@@ -50,6 +54,28 @@ def load_prompt_set(name_or_path: str | Path) -> list[Prompt]:
     return parse_jsonl(text, name, path.stem)
 
 
+def _output(item: dict, where: str) -> tuple[str, str] | None:
+    """A prompt's "format" / "schema" (an object or llm's concise form) / "grammar" / "regex", checked."""
+    from dflash_cli.engine.output_format import OutputFormatError, parse_format_setting
+
+    given = [key for key in FORMAT_KEYS if item.get(key) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise PromptSetError(f"{where}: give one of {', '.join(FORMAT_KEYS)}, not {' and '.join(given)}")
+    key, value = given[0], item[given[0]]
+    value = json.dumps(value) if key == "schema" and isinstance(value, dict) else value
+    if not isinstance(value, str):
+        raise PromptSetError(f'{where}: "{key}" must be a string' + (" or an object" if key == "schema" else ""))
+    try:
+        fmt = parse_format_setting(key, value)
+        if fmt is not None:
+            fmt.grammar()
+    except OutputFormatError as e:
+        raise PromptSetError(f"{where}: {e}") from None
+    return key, value
+
+
 def parse_jsonl(text: str, source: str, stem: str) -> list[Prompt]:
     prompts: list[Prompt] = []
     seen: set[str] = set()
@@ -73,7 +99,7 @@ def parse_jsonl(text: str, source: str, stem: str) -> list[Prompt]:
         if pid in seen:
             raise PromptSetError(f"{where}: id {pid!r} appears twice")
         seen.add(pid)
-        prompts.append(Prompt(pid, prompt))
+        prompts.append(Prompt(pid, prompt, _output(item, where)))
     if not prompts:
         raise PromptSetError(f"{source} holds no prompts")
     return prompts

@@ -26,7 +26,8 @@ from dflash_cli.ui.options import (
                    help="Most tokens to generate per prompt and mode.")
 @block_size_option(envvar=None, show_envvar=False)
 @click.option("--sets", default=None, metavar="NAMES",
-              help="Comma-separated prompt sets: math, code, chat (built in) or .jsonl files "
+              help="Comma-separated prompt sets: math, code, chat, json (built in; json: replies under a JSON "
+                   "Schema) or .jsonl files "
                    "[default: math,code,chat, or none when --prompts is given].")
 @click.option("--prompts", "prompt_files", multiple=True, type=click.Path(dir_okay=False), metavar="FILE.jsonl",
               help='Your own prompt set: one {"id": ..., "prompt": ...} object per line (repeatable).')
@@ -59,7 +60,7 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
     """
     from pathlib import Path
 
-    from dflash_cli.prompts.reader import BUILTIN_SETS, PromptSetError, load_prompt_set
+    from dflash_cli.prompts.reader import BUILTIN_SETS, DEFAULT_SETS, PromptSetError, load_prompt_set
     from dflash_cli.ui.render import Output
 
     options = model_options_of(values)
@@ -71,7 +72,7 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
     if options.model and not options.engine and not options.draft and not has_known_drafter(options.model):
         raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO (this model has no known pair)")
     names = [s.strip() for s in sets.split(",") if s.strip()] if sets else ([] if prompt_files else
-                                                                             list(BUILTIN_SETS))
+                                                                             list(DEFAULT_SETS))
     prompt_sets = {}
     for source, hint in [(n, "--sets") for n in names] + [(f, "--prompts") for f in prompt_files]:
         key = source if source in BUILTIN_SETS else Path(source).stem
