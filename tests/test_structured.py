@@ -317,3 +317,23 @@ def test_bench_runs_a_set_of_structured_prompts_next_to_free_text(folders, tmp_p
     path.write_text(json.dumps({"prompt": "x", "regex": "[a-z"}) + "\n")
     with pytest.raises(PromptSetError, match="line 1: invalid regex"):
         load_prompt_set(path)
+
+
+def test_a_hybrid_target_stays_lossless_under_a_grammar(tmp_path, monkeypatch):
+    """Qwen3.5's Gated DeltaNet layers roll their state back after every rejected draft, grammar or not."""
+    import conftest
+    from support import hybrid_models
+
+    monkeypatch.setattr(conftest, "VOCAB", VOCAB)  # the byte-level tokenizer's ids must fit the tiny model
+    monkeypatch.setattr(hybrid_models, "VOCAB", VOCAB)
+    pair = hybrid_models.load_family("qwen3_5", tmp_path)
+    tokenizer = byte_level_tokenizer()
+    for kind in ("schema", "regex"):
+        fmt = FORMATS[kind][0]
+        for prompt in _prompts(tokenizer)[:2]:
+            plain = generate(pair.target, None, prompt, tokenizer=tokenizer, max_new_tokens=60, output_format=fmt,
+                             stop_ids=[tokenizer.eos_token_id])
+            for block in (3, 8):
+                got = generate(pair.target, pair.drafter, prompt, tokenizer=tokenizer, max_new_tokens=60,
+                               output_format=fmt, block_size=block, stop_ids=[tokenizer.eos_token_id])
+                assert got.tokens == plain.tokens, (kind, block)
