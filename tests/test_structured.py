@@ -337,3 +337,16 @@ def test_a_hybrid_target_stays_lossless_under_a_grammar(tmp_path, monkeypatch):
                 got = generate(pair.target, pair.drafter, prompt, tokenizer=tokenizer, max_new_tokens=60,
                                output_format=fmt, block_size=block, stop_ids=[tokenizer.eos_token_id])
                 assert got.tokens == plain.tokens, (kind, block)
+
+
+def test_the_python_api_takes_a_format(folders):
+    import dflash_cli
+
+    runtime = dflash_cli.load(str(folders["qwen3"]), str(folders["qwen3-drafter"]), dtype="float32", device="cpu")
+    result = dflash_cli.generate(runtime, "hello", regex=REGEX, max_new_tokens=40)
+    assert re.fullmatch(REGEX, result.text.removesuffix("<|endoftext|>")) and result.stats.finish_reason == "stop"
+    value = json.loads(dflash_cli.generate(runtime, "hello", schema=SCHEMA, max_new_tokens=80).text
+                       .removesuffix("<|endoftext|>"))
+    assert _schema_ok(value)
+    with pytest.raises(OutputFormatError, match="invalid regex"):
+        dflash_cli.generate(runtime, "hello", regex="[a-z")

@@ -51,22 +51,56 @@ def prompt_ids(runtime: LocalRuntime, prompt: str | Sequence[int], *, chat_templ
 
 
 def stream_generate(runtime: LocalRuntime, prompt: str | Sequence[int], *, chat_template: bool = True,
-                    think: bool | None = None, system: str | None = None, **kwargs: Any) -> Iterator[Step]:
+                    think: bool | None = None, system: str | None = None, schema: dict | str | None = None,
+                    format: str | None = None, grammar: str | None = None, regex: str | None = None,
+                    **kwargs: Any) -> Iterator[Step]:
     """Yields one `Step` per target forward; the last one's `stats` are the final statistics.
 
-    kwargs: max_new_tokens, temperature, top_p, top_k, seed, block_size, stop_ids, max_context, adaptive,
-    state (see `dflash_cli.engine.generate.stream_generate`).
+    schema (a JSON Schema, or llm's concise 'name, age int'), format ("json"), grammar (Lark or GBNF text) or
+    regex: the reply follows it (thinking then defaults to off). kwargs: max_new_tokens, temperature, top_p,
+    top_k, seed, block_size, stop_ids, max_context, adaptive, state (see
+    `dflash_cli.engine.generate.stream_generate`).
     """
     from dflash_cli.engine.generate import stream_generate as engine_stream
 
+    fmt = _output_format(schema, format, grammar, regex)
+    think = False if fmt is not None and think is None else think
     ids = prompt_ids(runtime, prompt, chat_template=chat_template, think=think, system=system)
-    return engine_stream(runtime.target, runtime.drafter, ids, tokenizer=runtime.tokenizer, **kwargs)
+    return engine_stream(runtime.target, runtime.drafter, ids, tokenizer=runtime.tokenizer, output_format=fmt,
+                         **kwargs)
 
 
-def generate(runtime: LocalRuntime, prompt: str | Sequence[int], *, chat_template: bool = True,
-             think: bool | None = None, system: str | None = None, **kwargs: Any) -> GenerationResult:
-    """Runs `stream_generate` to the end: the generated token ids, their text and the final statistics."""
-    from dflash_cli.engine.generate import generate as engine_generate
+def generate(runtime: LocalRuntime, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+    """Runs `stream_generate` (same arguments) to the end: the generated token ids, their text and the final
+    statistics."""
+    tokens: list[int] = []
+    text: list[str] = []
+    last = None
+    for last in stream_generate(runtime, prompt, **kwargs):
+        tokens.extend(last.tokens)
+        text.append(last.text)
+    assert last is not None
+    return GenerationResult(tokens, "".join(text), last.stats)
 
-    ids = prompt_ids(runtime, prompt, chat_template=chat_template, think=think, system=system)
-    return engine_generate(runtime.target, runtime.drafter, ids, tokenizer=runtime.tokenizer, **kwargs)
+
+def _output_format(schema: dict | str | None, format: str | None, grammar: str | None, regex: str | None) -> Any:
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.engine.output_format import OutputFormat, parse_format_setting, regex_format, schema_format
+
+    given = {k: v for k, v in dict(schema=schema, format=format, grammar=grammar, regex=regex).items() if v is not None}
+    if len(given) > 1:
+        raise InvalidSettingError(f"give one of schema, format, grammar, regex, not {' and '.join(given)}")
+    fmt = None
+    if isinstance(schema, dict):
+        fmt = schema_format(schema)
+    elif schema is not None:
+        fmt = parse_format_setting("schema", schema)
+    elif format is not None:
+        fmt = parse_format_setting("format", format)
+    elif grammar is not None:
+        fmt = OutputFormat("grammar", grammar, "(grammar)")
+    elif regex is not None:
+        fmt = regex_format(regex)
+    if fmt is not None:
+        fmt.grammar()  # checked now: one error naming what is wrong
+    return fmt
