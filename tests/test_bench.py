@@ -49,13 +49,14 @@ def test_shipped_sets_load_with_40_unique_prompts_each_and_share_none():
     for name in BUILTIN_SETS:
         prompts = load_prompt_set(name)
         texts = [p.prompt for p in prompts]
-        assert len(prompts) >= 40 and len(set(texts)) == len(texts), name
+        # json: replies under a schema (a shorter, opt-in set); the default sets have 40 each
+        assert len(prompts) >= (10 if name == "json" else 40) and len(set(texts)) == len(texts), name
         assert len({p.id for p in prompts}) == len(prompts)
         assert all(p.prompt.strip() and len(p.prompt) < 400 for p in prompts)
         for text in texts:
             assert text not in seen, f"{name} repeats a prompt of {seen.get(text)}"
             seen[text] = name
-    assert set(BUILTIN_SETS) == {"math", "code", "chat"}
+    assert set(BUILTIN_SETS) == {"math", "code", "chat", "json"}
 
 
 def test_jsonl_files_load_and_bad_lines_name_the_line(tmp_path):
@@ -232,3 +233,10 @@ def test_adaptive_bench_drafts_less_with_a_useless_drafter_and_stays_lossless(lo
     # the random drafter is never accepted, so adaptive rounds pause drafting after the first measurements
     assert sum(r.dflash.drafted for r in adaptive.records) < 0.5 * sum(r.dflash.drafted for r in fixed.records)
     assert any("adaptive blocks up to" in line for line in format_table(adaptive))
+
+
+@pytest.mark.parametrize("sets", ["", " , "])
+def test_an_empty_set_list_is_a_usage_error_not_the_whole_default_run(folders, sets):
+    result = bench(folders, "--sets", sets)
+    assert result.exit_code == 2 and "--sets" in result.stderr and "names no prompt set" in result.stderr
+    assert "Traceback" not in result.output

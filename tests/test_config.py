@@ -64,6 +64,8 @@ def test_broken_config_is_named_with_its_line_and_never_rewritten(tmp_path):
 
 @pytest.mark.parametrize("text, message", [("colour = 'always'\n", "unknown key 'colour'"),
                                            ("max_tokens = 'many'\n", "wrong type"),
+                                           ("temperature = true\n", "wrong type"),  # a TOML boolean is no number
+                                           ("max_tokens = true\n", "wrong type"),
                                            ("pairs = 3\n", "[pairs] must be a table")])
 def test_bad_keys_and_types(tmp_path, text, message):
     path = tmp_path / "config.toml"
@@ -71,6 +73,34 @@ def test_bad_keys_and_types(tmp_path, text, message):
     with pytest.raises(S.ConfigError, match=message.replace("[", r"\[")) as err:
         S.load_config(path)
     assert err.value.exit_code == 2
+
+
+def test_an_integer_temperature_is_a_number(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("temperature = 1\ntop_p = 1\n")
+    assert S.load_config(path).values == {"temperature": 1, "top_p": 1}
+
+
+@pytest.mark.parametrize("how", ["folder", "binary", "dangling link"])
+def test_a_config_path_that_is_no_toml_file_exits_2_wherever_it_is_named(tmp_path, how):
+    """The default path (under XDG_CONFIG_HOME) and DFLASH_CONFIG follow one rule: the path, the cause, exit 2."""
+    import os
+
+    path = tmp_path / "dflash-cli" / "config.toml"
+    path.parent.mkdir()
+    if how == "folder":
+        path.mkdir()
+    elif how == "binary":
+        path.write_bytes(bytes(range(256)))
+    else:
+        path.symlink_to(tmp_path / "nowhere.toml")
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_CONFIG"}
+    for extra in ({"XDG_CONFIG_HOME": str(tmp_path)}, {"DFLASH_CONFIG": str(path)}):
+        result = subprocess.run([sys.executable, "-m", "dflash_cli", "generate", "hi"], capture_output=True,
+                                text=True, env={**env, **extra}, stdin=subprocess.DEVNULL, timeout=120)
+        assert result.returncode == 2, (extra, result.stderr)
+        assert str(path) in result.stderr and "Traceback" not in result.stderr
+        assert len([line for line in result.stderr.splitlines() if line.startswith("Error:")]) == 1
 
 
 def test_a_bad_value_exits_2_from_the_file_as_from_the_environment(tmp_path):

@@ -111,9 +111,9 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
 
 
 class ConfigError(Exception):
-    """The config file cannot be used. It is never rewritten by dflash-cli. A bad value or a malformed file
-    is a usage error (exit 2), as the same value in a flag or a DFLASH_* variable is; a file that cannot be
-    read at all is exit 1."""
+    """The config file cannot be used. It is never rewritten by dflash-cli. Every config problem (a bad
+    value, a malformed or unreadable file, a folder where the file should be) is a usage error (exit 2), as
+    the same value in a flag or a DFLASH_* variable is."""
 
     def __init__(self, message: str, hint: str | None = None, exit_code: int = 2):
         super().__init__(message)
@@ -155,10 +155,13 @@ def load_config(path: Path | None = None) -> Config:
     named = path is None and bool(os.environ.get(CONFIG_ENV))
     path = path or config_path()
     if not path.is_file():
+        what = ("a folder" if path.is_dir() else "a link to nothing" if path.is_symlink() and not path.exists()
+                else "missing" if not path.exists() else "not a file")
         if named:
-            what = "a folder" if path.is_dir() else "missing" if not path.exists() else "not a file"
             raise ConfigError(f"{CONFIG_ENV} names {path}, which is {what}",
                               f"point {CONFIG_ENV} at a TOML file, or unset it", exit_code=2)
+        if path.exists() or path.is_symlink():  # a folder, a dangling link, a device: not silently ignored
+            raise ConfigError(f"config file {path} is {what}", "remove it or make it a TOML file", exit_code=2)
         return Config(path)
     hint = f"fix or remove {path} (dflash-cli never rewrites it)"
     try:
@@ -166,8 +169,10 @@ def load_config(path: Path | None = None) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}", hint) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file {path}: {e}", hint, exit_code=1) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})", hint) from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}", hint) from None
     pairs = data.pop("pairs", {})
     if not isinstance(pairs, dict):
         raise ConfigError(f"config file {path}: [pairs] must be a table of tables", hint)
@@ -177,7 +182,7 @@ def load_config(path: Path | None = None) -> Config:
         if expected is None:
             raise ConfigError(f"{config.where(key)}: unknown key {key!r}",
                               f"known keys: {', '.join(CONFIG_KEYS)}, and [pairs.NAME] tables")
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise ConfigError(f"{config.where(key)}: {key} = {value!r} has the wrong type (expected "
                               f"{_TYPE_NAMES.get(expected, 'a number')})", hint)
     return config

@@ -71,8 +71,10 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
         raise click.UsageError("bench compares plain decoding with a drafter: drop --no-draft")
     if options.model and not options.engine and not options.draft and not has_known_drafter(options.model):
         raise click.UsageError("bench needs a drafter: pass --draft FOLDER or REPO (this model has no known pair)")
-    names = [s.strip() for s in sets.split(",") if s.strip()] if sets else ([] if prompt_files else
-                                                                             list(DEFAULT_SETS))
+    names = [s.strip() for s in sets.split(",") if s.strip()] if sets is not None else (
+        [] if prompt_files else list(DEFAULT_SETS))
+    if sets is not None and not names:
+        raise click.BadParameter("names no prompt set", param_hint="--sets")
     prompt_sets = {}
     for source, hint in [(n, "--sets") for n in names] + [(f, "--prompts") for f in prompt_files]:
         key = source if source in BUILTIN_SETS else Path(source).stem
