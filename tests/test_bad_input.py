@@ -355,3 +355,12 @@ def test_escape_codes_in_model_text_are_shown_not_obeyed_on_a_terminal(engine, m
     assert shown.exit_code == 0, shown.stderr
     text = shown.stdout
     assert not any(c in text for c in "\x1b\x07\x9b") and "safe \u241b[31mRED" in text and text.endswith(" done\n")
+
+
+@pytest.mark.parametrize("quant, dtype", [("q4a8", "bfloat16"), ("q8a8", "float16")])
+def test_an_integer_format_with_a_float_dtype_is_refused_before_loading(folders, quant, dtype):
+    result = invoke(folders, "--quant", quant, "--dtype", dtype, "-n", "4", "hi")
+    assert result.exit_code == 2, result.output
+    assert error_lines(result.stderr) == [f"Error: --quant {quant} computes in float32 around its 8-bit matmuls, "
+                                          f"so it cannot run with --dtype {dtype}"]
+    assert "Traceback" not in result.output and "unexpected" not in result.output

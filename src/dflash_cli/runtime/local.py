@@ -180,6 +180,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     if governor is not None:
         governor.check()
     quant = None if quant in (None, "none") else quant
+    quant = _integer_formats_with(quant, dtype, dev, quant_auto)
     built_note = ""
     if quant in ("q4a8", "q8a8") and dev.type == "cpu":
         quant, built_note = _native_kernels(quant, quant_auto, on_status, on_notice)
@@ -233,6 +234,25 @@ def plan_layers(target_dir: Path, drafter_dir: Path | None, split: tuple[str, li
                                   "which hybrid (linear-attention) targets cannot run with",
                                   hint="give the GPUs more room (--max-memory), or use --quant nf4")
     return plan.layer_devices()
+
+
+def _integer_formats_with(quant: str | None, dtype: str | None, dev: Any, quant_auto: bool) -> str | None:
+    """q4a8/q8a8 compute everything but their 8-bit matmuls in fp32 (their kernels read fp32 activations):
+    with another --dtype, --quant auto takes the weight-only q4 (bf16) or none instead, and an explicit
+    q4a8/q8a8 is refused before anything loads."""
+    import torch
+
+    from dflash_cli.engine.device import pick_dtype
+
+    if quant not in ("q4a8", "q8a8") or dtype in (None, "auto"):
+        return quant
+    chosen = pick_dtype(dtype, dev)
+    if chosen == torch.float32:
+        return quant
+    if quant_auto:
+        return "q4" if chosen == torch.bfloat16 else None
+    raise InvalidSettingError(f"--quant {quant} computes in float32 around its 8-bit matmuls, so it cannot run "
+                              f"with --dtype {dtype}", hint="drop --dtype, or use --quant q4 (bf16 activations)")
 
 
 def _native_kernels(quant: str, quant_auto: bool, on_status: Status | None,
