@@ -364,3 +364,21 @@ def test_an_integer_format_with_a_float_dtype_is_refused_before_loading(folders,
     assert error_lines(result.stderr) == [f"Error: --quant {quant} computes in float32 around its 8-bit matmuls, "
                                           f"so it cannot run with --dtype {dtype}"]
     assert "Traceback" not in result.output and "unexpected" not in result.output
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("RANDOM", "is not UTF-8 text (byte 0)"),
+    ("self:99999999999999999999", "asks for more prompts than a run can use (at most 100000 in a self part)"),
+    ("wide:2000000", "asks for more prompts than a run can use (at most 1000000 in a wide part)"),
+    ("mix:", "'mix:' has no count"),
+    ("demo:5+self:", "'self:' has no count"),
+])
+def test_train_prompt_specs_that_cannot_work_are_refused_before_the_target_loads(folders, tmp_path, spec, message):
+    random_file = tmp_path / "random.bin"
+    random_file.write_bytes(b"\xff\xfe" + os.urandom(200))
+    target, _ = folders
+    spec = spec.replace("RANDOM", str(random_file))
+    result = CliRunner().invoke(cli, ["train", "-m", str(target), "-o", str(tmp_path / "out"), "--prompts", spec])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()  # nothing started

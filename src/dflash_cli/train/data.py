@@ -33,9 +33,16 @@ INDEX = "index.json"
 def read_prompts(path: str | Path) -> list[str]:
     """One prompt per line, or a JSONL file of {"prompt": ...} objects (read as `bench` reads them, with
     errors naming the line); blank lines are skipped."""
+    from dflash_cli.engine.errors import InvalidSettingError
     from dflash_cli.prompts.reader import parse_jsonl
 
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidSettingError(f"prompt file {path} is not UTF-8 text (byte {e.start})",
+                                  hint="one prompt per line, or JSONL with a \"prompt\" field, in UTF-8") from None
+    except OSError as e:
+        raise InvalidSettingError(f"cannot read prompt file {path}: {e.strerror or e}") from None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if lines and lines[0].startswith("{"):
         return [p.prompt for p in parse_jsonl(text, str(path), Path(path).stem)]

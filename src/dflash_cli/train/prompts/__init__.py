@@ -30,6 +30,8 @@ CATEGORIZED_SETS = {"demo": demo_prompts_with_categories, "mix": mix_prompts_wit
 # `self:N` parts are written by the target (self_written.py): the caller that has it loaded samples them
 SELF = "self"
 SELF_DEFAULT = 4000
+SELF_LIMIT = 100_000  # prompts the target writes itself, one sampled turn each
+PART_LIMIT = 1_000_000  # prompts drawn from a built-in set's templates (each one answered by the target)
 SelfPart = Callable[[int], tuple[list[str], list[str]]]
 
 
@@ -85,14 +87,27 @@ def _categorized(part: str | None) -> tuple[str, int | None] | None:
 
 
 def _name_and_count(part: str | None) -> tuple[str, int | None] | None:
-    """(NAME, N or None) of a `NAME` / `NAME:N` part with N > 0 that is not a file, else None."""
+    """(NAME, N or None) of a `NAME` / `NAME:N` part with N > 0 that is not a file, else None. A built-in
+    set's `NAME:` without a number, or with more prompts than a run can use, is refused here: before the
+    target loads, not after minutes of drawing prompts (or the memory running out)."""
     from pathlib import Path
+
+    from dflash_cli.engine.errors import InvalidSettingError
 
     if part is None or Path(part).is_file():
         return None
-    name, _, count = part.partition(":")
+    name, colon, count = part.partition(":")
+    known = name in CATEGORIZED_SETS or name == SELF
+    if known and colon and not count:
+        raise InvalidSettingError(f"{part!r} has no count", hint=f"{name}:N for N prompts, or {name} alone for "
+                                                                  "its default size")
     if count and not (count.isdecimal() and int(count) > 0):
         return None
+    limit = SELF_LIMIT if name == SELF else PART_LIMIT
+    if known and count and int(count) > limit:
+        raise InvalidSettingError(f"{part!r} asks for more prompts than a run can use (at most {limit} in a "
+                                  f"{name} part)", hint="a run answers every prompt: a few thousand to tens of "
+                                                        "thousands is what a drafter trains on")
     return name, int(count) if count else None
 
 
