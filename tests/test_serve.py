@@ -197,6 +197,26 @@ def test_a_full_queue_answers_503(runtime):
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}).encode(), 422,
      "presence_penalty"),
     (b"{" + b" " * (5 << 20) + b"}", 413, None),
+    # what OpenAI refuses (round 3 of bad input): each was a 200 with a reply, or a 500
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": None}]}).encode(), 400, "messages"),
+    (json.dumps({"messages": [{"content": "x"}]}).encode(), 400, "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+     .encode(), 400, "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": 5}).encode(), 400, "stop"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": {}}).encode(), 400, "stop"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": True}).encode(), 400, "stop"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}).encode(), 400,
+     "stop"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": "yes"}})
+     .encode(), 400, "stream_options"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": "no"}).encode(), 400, "stream"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 0}).encode(), 400, "n"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": True}).encode(), 400, "n"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 2.01}).encode(), 400, "temperature"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": ' + b"[" * 2000 + b"]" * 2000 + b"}]}", 400, None),
 ])
 def test_bad_requests_get_an_error_object_and_the_server_goes_on(server, body, status, param):
     response = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
@@ -412,3 +432,16 @@ def test_sigterm_with_a_stream_open_ends_it_with_a_last_chunk_and_done(pair):
     assert json.loads(events[-2])["usage"]["completion_tokens"] < 400  # cut short, and counted
     assert proc.returncode == 143, err
     assert "interrupted" in err and "Traceback" not in err and "Terminated" not in err
+
+
+@pytest.mark.parametrize("edge", [{"temperature": 0}, {"temperature": 2, "seed": 1}, {"top_p": 1},
+                                  {"top_p": 1e-6, "temperature": 1, "seed": 1}, {"max_tokens": 1},
+                                  {"stop": ["a", "b", "c", "d"]}, {"n": 1},
+                                  {"stream_options": {"include_usage": False}, "stream": True}])
+def test_values_at_the_edge_of_each_range_are_accepted(server, edge):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **edge}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if edge.get("stream"):  # no usage chunk asked for: every chunk has a choice, and the stream still ends
+        chunks = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert chunks[-1] == "[DONE]" and all(json.loads(c)["choices"] for c in chunks[:-1])

@@ -85,6 +85,8 @@ async def read_json(request: Request) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise ApiError(400, "the request body is nested too deeply") from None
 
 
 def check_key(state: ServerState, request: Request) -> None:

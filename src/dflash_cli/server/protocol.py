@@ -27,6 +27,7 @@ from dflash_cli.server.tools import ToolError, ToolRequest, parse_tools
 
 UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "suffix", "echo", "best_of")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # refused unless neutral
 
 
@@ -72,9 +73,15 @@ def _messages(body: dict) -> list[dict[str, str]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+        if message["role"] not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, not {message['role']!r}",
+                           param="messages")
         content = message.get("content")
-        if content is None:  # an assistant turn that only called tools, say
+        if content is None and message["role"] == "assistant":  # a turn that only called tools
             content = ""
+        if content is None:
+            raise ApiError(400, f"messages[{i}].content must be a string (only an assistant's may be null)",
+                           param="messages")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -127,13 +134,18 @@ def parse_request(body: Any, *, chat: bool, defaults: GenerationSettings, max_to
         seed=_number(body, "seed", -(1 << 63), (1 << 63) - 1, defaults.seed, integer=True))
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
-    if stop is not None and (not all(isinstance(s, str) for s in stops) or len(stops) > 4):
+    if stop is not None and (not isinstance(stop, (str, list)) or not all(isinstance(s, str) for s in stops)
+                             or len(stops) > 4):
         raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
     stream = body.get("stream", False)
     stream_options = body.get("stream_options") or {}
     kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(stream, bool) or not isinstance(stream_options, dict) or not isinstance(kwargs, dict):
-        raise ApiError(400, "'stream' must be a boolean, 'stream_options' and 'chat_template_kwargs' objects")
+    for name, value, kind in (("stream", stream, bool), ("stream_options", stream_options, dict),
+                              ("chat_template_kwargs", kwargs, dict)):
+        if not isinstance(value, kind):
+            raise ApiError(400, f"'{name}' must be {'a boolean' if kind is bool else 'an object'}", param=name)
+    if not isinstance(stream_options.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
     thinking = kwargs.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise ApiError(400, "'chat_template_kwargs.enable_thinking' must be a boolean", param="chat_template_kwargs")
