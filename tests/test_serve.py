@@ -68,6 +68,8 @@ def test_chat_whole_and_streamed_equal_the_engine_with_its_statistics(server, ru
     assert (spec["num_spec_steps"], spec["num_draft_tokens"], spec["num_accepted_draft_tokens"]) == (
         want.stats.steps, want.stats.drafted, want.stats.accepted)
     assert spec["mean_acceptance_length"] == pytest.approx(want.stats.acceptance_length, abs=1e-4)
+    assert spec["draft_acceptance_rate"] == pytest.approx(want.stats.draft_acceptance, abs=1e-4)
+    assert spec["num_accepted_tokens_per_pos"] == list(want.stats.position_accepted)
     times = got.model_extra["timings"]  # llama-server's names, for clients written for llama.cpp
     assert (times["draft_n"], times["draft_n_accepted"], times["draft_steps"]) == (
         want.stats.drafted, want.stats.accepted, want.stats.steps)
@@ -118,6 +120,23 @@ def test_the_second_turn_of_a_chat_reads_only_the_new_tokens(server, runtime):
     again = client.chat.completions.create(model="tiny", messages=second, max_tokens=8)
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= len(chat_ids(runtime, "Turn one"))  # at least the first turn's prompt was not read again
+    first_ids = chat_ids(runtime, "Turn one")
+    second_ids = encode_prompt(runtime.tokenizer, second)
+    held = first_ids + runtime.tokenizer.encode(reply.choices[0].message.content, add_special_tokens=False)
+    shared = next((i for i, (a, b) in enumerate(zip(held, second_ids)) if a != b), min(len(held), len(second_ids)))
+    # reused: the first prompt at least, never more than the prefix the second prompt shares with what the
+    # cache held; and what was read again is the rest (timings count it apart)
+    assert len(first_ids) <= cached <= shared and again.usage.prompt_tokens == len(second_ids)
+    assert again.model_extra["timings"]["cache_n"] == cached
+    assert again.model_extra["timings"]["prompt_n"] == len(second_ids) - cached
+
+
+def test_max_completion_tokens_limits_the_reply(server):
+    body = {"messages": [{"role": "user", "content": "Count"}], "max_completion_tokens": 3, "max_tokens": 20}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["usage"]["completion_tokens"] == 3 and data["choices"][0]["finish_reason"] == "length"
 
 
 def test_generate_with_engine_reads_our_server(server, runtime):
