@@ -153,6 +153,12 @@ def test_what_is_rejected_and_what_counts_as_a_near_duplicate():
     assert rejection("Расскажи мне о приливах и отливах", True) == "script"
     assert rejection("Explain tides \ufffd please", True) == "broken"
     assert rejection("Écris une lettre à mon propriétaire.", True) is None  # Latin letters with accents
+    # each limit from both sides: 3 words and 2000 characters are kept, 2 words and 2001 characters are not
+    assert rejection("Explain ocean tides", True) is None and rejection("Explain tides", True) == "short"
+    assert rejection("a " * 999 + "b.", True) is None and rejection("a " * 1000 + "b", True) == "long"
+    # Latin Extended-A letters count as Latin: Polish and Czech prompts are kept
+    assert rejection("Napisz krótki list do właściciela mieszkania, proszę.", True) is None
+    assert rejection("Vysvětli mi, jak fungují příliv a odliv, prosím.", True) is None
     seen = NearDuplicates()
     long = "I'm planning a small dinner party for six friends next Saturday. Can you suggest a simple menu?"
     assert seen.add(long)
@@ -252,3 +258,15 @@ def test_train_on_self_prompts_end_to_end_writes_a_lossless_drafter(tmp_path):
     for prompt in ([5, 9, 30, 41], [70, 71, 72, 3, 8, 100]):
         plain = generate(target_only, None, prompt, max_new_tokens=20, stop_ids=[])
         assert generate(pair.target, pair.drafter, prompt, max_new_tokens=20, stop_ids=[]).tokens == plain.tokens
+
+
+def test_a_prompt_file_is_jsonl_by_its_content_not_its_name(tmp_path):
+    """JSONL lines give their "prompt" fields whatever the file is called; other files give their lines."""
+    from dflash_cli.train.data import read_prompts
+
+    lines = ['{"prompt": "Explain tides"}', '{"id": 7, "prompt": "Write a haiku"}']
+    for name in ("p.jsonl", "p.json", "p.txt"):
+        (tmp_path / name).write_text("\n".join(lines) + "\n\n")
+        assert read_prompts(tmp_path / name) == ["Explain tides", "Write a haiku"]
+    (tmp_path / "plain.jsonl").write_text("Explain tides\n\n  Write a haiku  \n")
+    assert read_prompts(tmp_path / "plain.jsonl") == ["Explain tides", "Write a haiku"]
