@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dflash_cli.engine.errors import DFlashError
-from dflash_cli.engine.output_format import OutputFormat, _first_line, _llguidance
+from dflash_cli.engine.output_format import OutputFormat, first_line, llguidance_module
 from dflash_cli.engine.sampling import Sampler
 
 
@@ -41,7 +41,7 @@ def allowed_from_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4)
 def _lltokenizer(backend_json: str, vocab: int, eos: tuple[int, ...]) -> Any:
-    ll = _llguidance()
+    ll = llguidance_module()
     try:
         return ll.LLTokenizer(backend_json, n_vocab=vocab, eos_token=list(eos))
     except ValueError as e:  # a tokenizer kind llguidance cannot read token bytes from (e.g. a word-level one)
@@ -75,7 +75,7 @@ class ConstrainedSampler(Sampler):
     constrained = True
 
     def __init__(self, sampler: Sampler, fmt: OutputFormat, tokenizer: Any, vocab: int, eos: Sequence[int]):
-        ll = _llguidance()
+        ll = llguidance_module()
         if not eos:
             raise ConstraintError("structured output needs an end-of-reply token, and this generation has none")
         self.sampler, self.format, self.vocab = sampler, fmt, vocab
@@ -83,7 +83,7 @@ class ConstrainedSampler(Sampler):
         self.temperature, self.top_p, self.top_k = sampler.temperature, sampler.top_p, sampler.top_k
         self.matcher = ll.LLMatcher(grammar_tokenizer(tokenizer, vocab, eos), fmt.grammar(), log_level=0)
         if self.matcher.is_error():
-            raise ConstraintError(f"{fmt.describe()}: {_first_line(self.matcher.get_error())}")
+            raise ConstraintError(f"{fmt.describe()}: {first_line(self.matcher.get_error())}")
         self._words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
         self._taken = 0  # drafted tokens consumed on top of the committed ones
         self.masks = self.checks = 0  # full masks computed, and single-token checks that replaced one
@@ -109,7 +109,7 @@ class ConstrainedSampler(Sampler):
                 return  # the end token after a complete grammar: nothing more to consume
             if not self.matcher.consume_token(int(t)):
                 raise ConstraintError(f"{self.format.describe()}: token {t} was committed against the grammar "
-                                      f"({_first_line(self.matcher.get_error())})")
+                                      f"({first_line(self.matcher.get_error())})")
 
     def allowed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of `ids` the grammar allows next, after the tokens taken so far (a bool tensor like ids)."""

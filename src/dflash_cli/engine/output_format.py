@@ -41,7 +41,7 @@ class OutputFormat:
 
     def grammar(self) -> str:
         """The llguidance grammar of this format, checked (OutputFormatError says where it is wrong)."""
-        ll = _llguidance()
+        ll = llguidance_module()
         try:
             if self.kind in ("json", "schema"):
                 grammar = ll.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
@@ -50,11 +50,11 @@ class OutputFormat:
             else:
                 grammar = ll.LLMatcher.grammar_from_lark(_to_lark(self.source, self.label))
         except ValueError as e:  # a schema that is not a JSON object
-            raise OutputFormatError(f"{self.kind} {self.label}: {_first_line(str(e))}".replace("  ", " ")) from None
+            raise OutputFormatError(f"{self.kind} {self.label}: {first_line(str(e))}".replace("  ", " ")) from None
         is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar)
         if is_error:
             where = f" {self.label}" if self.label else ""
-            raise OutputFormatError(f"invalid {self.kind}{where}: {_first_line(messages[0])}",
+            raise OutputFormatError(f"invalid {self.kind}{where}: {first_line(messages[0])}",
                                     hint=_HINTS[self.kind])
         return grammar
 
@@ -174,7 +174,7 @@ def _to_lark(text: str, label: str) -> str:
     try:
         return any_to_lark(text)
     except Exception as e:  # the converter raises its own GbnfToLarkError, and plain errors on odd input
-        raise OutputFormatError(f"invalid grammar {label}: {_first_line(str(e))}", hint=_HINTS["grammar"]) from None
+        raise OutputFormatError(f"invalid grammar {label}: {first_line(str(e))}", hint=_HINTS["grammar"]) from None
 
 
 def _json_text(text: str, label: str) -> Any:
@@ -199,7 +199,7 @@ def _read(path: Path, what: str) -> str:
         raise OutputFormatError(f"cannot read {what} file {path}: {e.strerror}", hint=_HINTS[what]) from None
 
 
-def _llguidance() -> Any:
+def llguidance_module() -> Any:
     try:
         import llguidance
     except ImportError:
@@ -208,7 +208,7 @@ def _llguidance() -> Any:
     return llguidance
 
 
-def _first_line(text: str) -> str:
+def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "unknown error"
 
 
