@@ -157,3 +157,22 @@ def test_show_blames_a_bad_config_value_on_its_line(target, tmp_path):
     error = result.stderr.strip().splitlines()[0]
     assert error.startswith(f"Error: config file {tmp_path / 'config.toml'}, line 3: max_memory = 'cpu=1GiB,x='")
     assert "--max-memory" not in error and "unknown device 'x'" in error
+
+
+@pytest.mark.parametrize("where, expected", [("file", "nf4"), ("env", "int8"), ("flag", "q8")])
+def test_show_takes_quant_from_the_flag_then_the_environment_then_the_file(target, tmp_path, where, expected):
+    (tmp_path / "config.toml").write_text('quant = "nf4"\n')
+    env = {"DFLASH_QUANT": "int8"} if where in ("env", "flag") else {}
+    flags = ["--quant", "q8"] if where == "flag" else []
+    result = run_cli(["show", str(target), "--json", *flags], env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    setting = json.loads(result.stdout)["settings"]["quant"]
+    assert setting["value"] == expected and where in setting["from"], setting
+
+
+def test_chat_reads_the_config_file_as_generate_does(tmp_path):
+    (tmp_path / "config.toml").write_text('temperature = 0.7\nmax_tokens = 77\ntop_k = 9\n')
+    result = run_cli(["chat", "--help"], {}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    for shown in ("default: 0.7", "default: 77", "default: 9"):
+        assert shown in result.stdout.replace("\n", " ").replace("  ", " "), shown

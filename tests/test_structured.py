@@ -350,3 +350,22 @@ def test_the_python_api_takes_a_format(folders):
     assert _schema_ok(value)
     with pytest.raises(OutputFormatError, match="invalid regex"):
         dflash_cli.generate(runtime, "hello", regex="[a-z")
+
+
+def test_a_format_in_the_config_file_applies_and_a_flag_turns_it_off(folders, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "config.toml").write_text(f"regex = '{REGEX}'\n")
+    env = {**os.environ, "DFLASH_CONFIG": str(tmp_path / "config.toml")}
+
+    def run(*args):
+        result = subprocess.run([sys.executable, "-m", "dflash_cli", "generate", "-m", str(folders["qwen3"]),
+                                 "--no-draft", "--dtype", "float32", "-q", "-n", "30", *args, "hello"],
+                                capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    assert re.fullmatch(REGEX, run())
+    assert not re.fullmatch(REGEX, run("--format", "text"))
