@@ -243,20 +243,28 @@ def generation_settings(values: dict[str, Any]):
 
 
 def output_format_of(values: dict[str, Any]) -> Any:
-    """The one OutputFormat of --format/--schema/--grammar/--regex, or None. A flag overrides what the
-    environment or the config file sets; two flags (or two settings and no flag) are a usage error."""
-    given = {key: values[key] for key in FORMAT_KEYS if values.get(key) is not None}
-    if len(given) <= 1:
-        return next(iter(given.values()), None)
-    from dflash_cli.ui.common import setting_source
+    """The one OutputFormat of --format/--schema/--grammar/--regex, or None. A flag overrides the environment,
+    which overrides the config file (`--format text` turns a configured format off); two at the same level
+    are a usage error."""
+    from click.core import ParameterSource
 
-    ctx = click.get_current_context()
-    sources = {key: setting_source(ctx, key) for key in given}
-    flags = [key for key, (kind, _) in sources.items() if kind == "flag"]
-    if len(flags) == 1:
-        return given[flags[0]]
-    names = [sources[key][1] for key in (flags or list(given))]
-    raise click.UsageError(f"{names[0]} and {names[1]} cannot be combined: a reply follows one format")
+    ctx = click.get_current_context(silent=True)
+    for level in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT, ParameterSource.DEFAULT_MAP):
+        keys = [key for key in FORMAT_KEYS if ctx is not None and key in values
+                and ctx.get_parameter_source(key) == level]
+        if len(keys) > 1:
+            from dflash_cli.ui.common import setting_source
+
+            assert ctx is not None
+
+            names = [setting_source(ctx, key)[1] for key in keys]
+            raise click.UsageError(f"{names[0]} and {names[1]} cannot be combined: a reply follows one format")
+        if keys:
+            return values[keys[0]]
+    given = [values[key] for key in FORMAT_KEYS if values.get(key) is not None]  # no click context: a caller's
+    if len(given) > 1:
+        raise click.UsageError("give one of --format, --schema, --grammar, --regex")
+    return given[0] if given else None
 
 
 def _present(values: dict[str, Any], cls: Any) -> dict[str, Any]:
