@@ -67,10 +67,10 @@ def plan(args, targets: dict, prompts, taps, stops, pad_id) -> list[tuple[str, s
         rows.append(("transformers generate", dtype, args.baseline_batch, dtype,
                      lambda t=targets[dtype]: baseline_run(t, prompts, taps, args, stops, pad_id)))
     for fmt in args.formats:
-        dtype = "fp32" if fmt == "fp32" else "bf16"
+        dtype = "fp32" if fmt in ("fp32", "q4a8", "q8a8") else "bf16"  # 8-bit activations: fp32 around them
         for width in (args.widths if fmt == args.formats[0] else [args.width]):
             rows.append(("batched (fast path)", fmt, width, dtype,
-                         lambda t=targets[dtype], w=width, q=("q4" if fmt == "q4" else None):
+                         lambda t=targets[dtype], w=width, q=(fmt if fmt in ("q4", "q4a8", "q8a8") else None):
                          batched_run(t, prompts, taps, args, stops, w, q)))
     return rows
 
@@ -82,7 +82,8 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128],
                         help="batch widths of the first format")
     parser.add_argument("--width", type=int, default=64, help="batch width of the other formats")
-    parser.add_argument("--formats", nargs="+", default=["bf16", "q4", "fp32"], choices=["bf16", "q4", "fp32"])
+    parser.add_argument("--formats", nargs="+", default=["bf16", "q4", "fp32"],
+                        choices=["bf16", "q4", "fp32", "q4a8", "q8a8"])
     parser.add_argument("--baselines", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                         help="transformers' generate in these dtypes (the first is the ratios' reference)")
     parser.add_argument("--baseline-batch", type=int, default=16, help="`train --gen-batch`'s default")

@@ -182,3 +182,43 @@ def test_width_shrinks_to_fit_memory(tiny_models, monkeypatch):
     assert dict(gen.answers(enumerate(PROMPTS))).keys() == set(range(len(PROMPTS)))
     with pytest.raises(ValueError, match="45 positions"):  # 37 prompt tokens and 8 new ones
         list(BatchedGenerator(target, TAPS, context=44, max_new_tokens=8).answers([(0, PROMPTS[2])]))
+
+
+@pytest.mark.parametrize("weights", ["q4a8", "q8a8"])
+def test_integer_activation_formats_answer_as_that_format_decodes_alone(tiny_models, weights):
+    """The deployed target on most CPUs decodes in q4a8: the batched generator in that format writes exactly
+    the replies decoding writes, one prompt at a time (each row's activations are quantized on their own)."""
+    from dflash_cli.engine.cpu import native
+
+    if native.unavailable():
+        pytest.skip(f"the q4a8/q8a8 kernels cannot be built here: {native.unavailable()}")
+    alone = load_target(tiny_models["llama"], device="cpu", dtype="float32", quant=weights)
+    assert alone.enable_fast_path(256) is None and alone.weight_quant == weights
+    target = load_target(tiny_models["llama"], device="cpu", dtype="float32")
+    examples = generate_batched(target, PROMPTS, TAPS, max_new_tokens=8, width=4,
+                                fmt=GenFormat(torch.float32, weights, "test"))
+    fp32 = generate_batched(target, PROMPTS, TAPS, max_new_tokens=8, width=4)
+    for prompt, example in zip(PROMPTS, examples):
+        cache, ids = alone.new_cache(), list(prompt)
+        logits, _ = alone.forward(torch.tensor([prompt]), cache, 0, last_logit_only=True)
+        while len(ids) - len(prompt) < 8:  # as `generate` decodes in this format: one token per forward
+            ids.append(int(logits[-1].argmax()))
+            logits, _ = alone.forward(torch.tensor([[ids[-1]]]), cache, len(ids) - 1)
+        assert example.ids.tolist() == ids
+    assert any(a.ids.tolist() != b.ids.tolist() for a, b in zip(examples, fp32))  # the format changed replies
+
+
+def test_reply_format_writes_the_data_in_the_named_format(tmp_path, tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    from dflash_cli.engine.cpu import native
+    from dflash_cli.engine.errors import InvalidSettingError
+
+    if native.unavailable():
+        pytest.skip(f"the q8a8 kernels cannot be built here: {native.unavailable()}")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    fp32 = load_target(tiny_target_dir, device="cpu", dtype="float32")
+    build_dataset(fp32, tokenizer, TEXTS[:2], [1, 4], tmp_path / "q8a8", max_new_tokens=4, reply_format="q8a8")
+    assert json.loads((tmp_path / "q8a8" / "index.json").read_text())["shards"][0]["generator"] == "batched q8a8"
+    with pytest.raises(InvalidSettingError, match="--reply-format bf16 needs the target in bfloat16"):
+        build_dataset(fp32, tokenizer, TEXTS[:2], [1, 4], tmp_path / "bf16", max_new_tokens=4, reply_format="bf16")

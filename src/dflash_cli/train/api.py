@@ -246,7 +246,8 @@ def _generate(target: Any, tokenizer: Any, prompts: list[str], taps: list[int], 
 
     build_dataset(target, tokenizer, prompts, taps, data_dir, max_new_tokens=config.max_new_tokens,
                   batch_size=config.gen_batch, stop_ids=default_stop_ids(target, tokenizer),
-                  on_progress=data_progress, time_budget=config.gen_time_budget, topk=config.distill_topk)
+                  on_progress=data_progress, time_budget=config.gen_time_budget, topk=config.distill_topk,
+                  reply_format=config.reply_format)
     return new_tokens[0]
 
 

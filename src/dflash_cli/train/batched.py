@@ -83,6 +83,27 @@ def choose_format(target: Target, *, capability: str | None = None, fast_bf16: b
                      + (": faster than q4 at batch width" if q4_runs else ""))
 
 
+def named_format(target: Target, name: str) -> GenFormat:
+    """`train --reply-format NAME`: the replies written in that format, which must suit the target's dtype
+    (q4a8/q8a8 and fp32 read fp32 activations, bf16 and q4/q8 bf16 ones) and this CPU."""
+    from dflash_cli.engine.errors import InvalidSettingError
+
+    dtype = target.embed_weight.dtype
+    wanted = torch.float32 if name in ("fp32", "q4a8", "q8a8") else torch.bfloat16
+    if dtype != wanted:
+        flag = "float32" if wanted == torch.float32 else "bfloat16"
+        raise InvalidSettingError(f"--reply-format {name} needs the target in {flag}, and it is loaded in "
+                                  f"{str(dtype).removeprefix('torch.')}", hint=f"add --dtype {flag}")
+    if name in ("q4a8", "q8a8"):
+        from dflash_cli.engine.cpu import native
+
+        why = native.unavailable()
+        if why is not None:
+            raise InvalidSettingError(f"--reply-format {name} needs this project's AVX2 kernels: {why}")
+    weights = None if name in ("fp32", "bf16") else name
+    return GenFormat(dtype, weights, f"--reply-format {name}")
+
+
 def unsupported(target: Target) -> str | None:
     """Why the batched generator cannot run `target` (train/data.py then uses transformers' generate)."""
     from dflash_cli.engine.fast_layers import FAMILIES, fast_path_unsupported
@@ -254,10 +275,10 @@ class BatchedGenerator:
 
 
 def _q4_codes(target: Target, fmt: GenFormat) -> dict | None:
-    """The target folder's own 4-bit codes (a GGUF's, as `-m demo` decodes with) for a q4 format."""
+    """The target folder's own 4-bit codes (a GGUF's, as `-m demo` decodes with) for a q4 or q4a8 format."""
     from dflash_cli.engine.cpu.weightonly import Q4_CODES_FILE, read_q4_codes
 
-    if fmt.weights != "q4":
+    if fmt.weights not in ("q4", "q4a8"):
         return None
     path = target.q4_codes_file or Path(target.name) / Q4_CODES_FILE
     return read_q4_codes(path) if Path(path).is_file() else None

@@ -28,6 +28,9 @@ def _bounded(default: Any, flag: str, low: float, *, low_open: bool = False, hig
     return field(default=default, metadata={"bound": Bound(flag, low, low_open, high)})
 
 
+REPLY_FORMATS = ("fp32", "bf16", "q4", "q8", "q4a8", "q8a8")
+
+
 @dataclass
 class TrainConfig:
     """How to train a drafter (times in seconds). Made checked: a bad value raises InvalidSettingError."""
@@ -42,6 +45,8 @@ class TrainConfig:
     gen_batch: int | None = _bounded(None, "--gen-batch", 1)  # None: 128 rows batched, 16 via transformers
     gen_time_budget: float | None = _bounded(None, "--gen-budget", 0)  # this run's; None: answer every prompt
     distill_topk: int = _bounded(0, "--distill-topk", 0)  # the target's k likeliest tokens stored per position
+    # the format the batched generator writes the replies in (train/batched.py); None: its own rule
+    reply_format: str | None = None
     # the fit (train/trainer.py)
     steps: int | None = _bounded(None, "--steps", 1)  # None: DEFAULT_STEPS, unless a time budget is given
     time_budget: float | None = _bounded(None, "--time-budget", 0, low_open=True)  # all runs of the folder
@@ -74,6 +79,9 @@ class TrainConfig:
             raise InvalidSettingError("--distill needs the target's top-k distributions", hint="add --distill-topk 32")
         if self.draft_vocab and not self.sub_vocab:
             raise InvalidSettingError("--draft-vocab needs the training vocabulary", hint="drop --full-vocab")
+        if self.reply_format not in (None, *REPLY_FORMATS):
+            raise InvalidSettingError(f"unknown reply format {self.reply_format!r}",
+                                      hint=f"use {', '.join(REPLY_FORMATS)} or auto")
         if self.drafter_format not in FORMATS:
             raise InvalidSettingError(f"unknown drafter format {self.drafter_format!r}",
                                       hint=f"use {' or '.join(FORMATS)}")

@@ -140,7 +140,7 @@ def generate_batch(target: Target, prompts_ids: list[list[int]], taps: Sequence[
 def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Sequence[int], cache_dir: str | Path, *,
                   max_new_tokens: int = 200, batch_size: int | None = None, stop_ids: Sequence[int] = (),
                   on_progress: Callable[[int, int, int, float], None] | None = None,
-                  time_budget: float | None = None, topk: int = 0) -> list[int]:
+                  time_budget: float | None = None, topk: int = 0, reply_format: str | None = None) -> list[int]:
     """Generates and stores answers for the prompts not yet in `cache_dir`; returns the indices done.
 
     Llama-style targets on a CPU answer through the batched generator (train/batched.py), the others
@@ -151,12 +151,14 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
     for a later run).
     topk: also store the target's k most likely tokens per response position (0 = none); a cache keeps
     the k it was started with.
+    reply_format: the batched generator's format by name (batched.named_format); None: its own choice.
 
     on_progress(done_prompts, total_prompts, new_tokens, seconds) is called after each shard.
     """
     import time
 
-    from dflash_cli.train.batched import DEFAULT_WIDTH, batched_generator
+    from dflash_cli.engine.errors import InvalidSettingError
+    from dflash_cli.train.batched import DEFAULT_WIDTH, batched_generator, named_format, unsupported
 
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -164,9 +166,13 @@ def build_dataset(target: Target, tokenizer, prompts: Sequence[str], taps: Seque
     done = {int(i) for s in index["shards"] for i in s["prompts"]}
     todo = [i for i in range(len(prompts)) if i not in done]
     encoded = {i: encode_prompt_ids(tokenizer, prompts[i]) for i in todo}
+    fmt = named_format(target, reply_format) if reply_format is not None else None
     gen = (batched_generator(target, taps, list(encoded.values()), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                             topk=topk, width=batch_size or DEFAULT_WIDTH)
+                             topk=topk, width=batch_size or DEFAULT_WIDTH, fmt=fmt)
            if todo and (time_budget is None or time_budget > 0) else None)
+    if gen is None and todo and fmt is not None and fmt.weights is not None:
+        raise InvalidSettingError(f"--reply-format {reply_format} runs on the batched generator, which cannot run "
+                                  f"this target: {unsupported(target)}")
     size = gen.width if gen is not None else batch_size or 16
     # similar lengths together (less padding) within windows of a few batches, so that a run stopped early
     # has answered the first prompts of the list, held-out ones included

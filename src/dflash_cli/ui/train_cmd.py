@@ -72,6 +72,11 @@ def _parse_taps(_ctx, _param, value):
 @click.option("--gen-batch", type=_ints("gen_batch"), default=TrainConfig.gen_batch,
               help="Prompts answered at once [default: 128 on the fast path's batched generator (Llama-style "
                    "targets on a CPU), 16 through transformers' generate].")
+@click.option("--reply-format", type=click.Choice(["auto", "fp32", "bf16", "q4", "q8", "q4a8", "q8a8"]),
+              default="auto", show_default=True,
+              help="The format the target writes its training replies in (CPU batched generator): q4a8 writes "
+                   "what the demo decodes with on CPUs without native bf16 (needs --dtype float32); auto: fp32 or "
+                   "bf16 as the target is loaded, q4 where it measured faster.")
 @click.option("--gen-budget", "gen_time_budget", type=_floats("gen_time_budget"), default=None, metavar="MIN",
               help="Generate data for at most this many minutes in this run, then train on what is stored "
                    "(a later run with the same folder answers the rest); 0 = train on what is stored.")
@@ -111,6 +116,8 @@ def train(target, out_dir, prompts, init, device, dtype, debug, **options):
             check_prompt_spec(prompts)
         except DFlashError as e:
             raise click.BadParameter(f"{e}; {e.hint}" if e.hint else str(e), param_hint="--prompts") from None
+    if options.get("reply_format") == "auto":
+        options["reply_format"] = None
     for name in ("time_budget", "gen_time_budget"):  # minutes here, seconds in TrainConfig
         if options[name] is not None:
             options[name] *= 60
