@@ -126,8 +126,9 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(server, runtime, choice, na
                                               parallel_tool_calls=False, stream=True)
     chunks = [c for c in streamed if c.choices]
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert deltas[0].function.name == call.function.name
+    assert deltas[0].function.name == call.function.name and deltas[0].id.startswith("call_")
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert len(deltas) > 2  # the arguments stream as they are written, not in one piece at the end
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -178,3 +179,20 @@ def test_tools_for_a_template_without_them_are_400(tmp_path):
         assert "does not take tools" in response.json()["error"]["message"]
     finally:
         served.stop()
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_forced_calls_stream_as_deltas_whatever_the_pieces(step):
+    from dflash_cli.server.tools import ForcedCallStream
+
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": {"a": [1, 2]}}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    stream, deltas = ForcedCallStream(), []
+    for at in range(0, len(text), step):
+        deltas += stream.feed(text[at:at + step])
+    _, whole = read_calls(text, ["get_weather", "get_time"])
+    assert [c["function"] for c in stream.calls] == [c["function"] for c in whole]
+    for index, call in enumerate(stream.calls):
+        mine = [d for d in deltas if d["index"] == index]
+        assert mine[0]["function"]["name"] == call["function"]["name"] and mine[0]["id"] == call["id"]
+        assert "".join(d["function"]["arguments"] for d in mine) == call["function"]["arguments"]

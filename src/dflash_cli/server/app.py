@@ -38,7 +38,7 @@ from dflash_cli.server.protocol import (
     timings,
     usage,
 )
-from dflash_cli.server.tools import read_calls
+from dflash_cli.server.tools import ForcedCallStream, read_calls
 from dflash_cli.server.worker import EngineWorker, ServerStopping
 from dflash_cli.server.worker import Request as EngineRequest
 
@@ -254,8 +254,10 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
     splitter = ThinkingSplitter(inside, markers) if shape.chat else None
     reasoning_text = ReasoningStream(markers)
     stopped, last = False, None
-    # a reply that may hold tool calls is read whole (its content is sent with them, at the end)
-    held: list[str] | None = [] if parsed.tools is not None and parsed.tools.reads_calls else None
+    # a forced call streams as it is written; a reply that may hold calls (auto) is read whole, its content
+    # sent with them at the end
+    forced = ForcedCallStream() if parsed.tools is not None and parsed.tools.forced else None
+    held: list[str] | None = [] if parsed.tools is not None and parsed.tools.reads_calls and not forced else None
     try:
         if shape.chat:
             yield sse(shape.chunk(role=True))
@@ -273,6 +275,10 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
                 if held is not None and not reasoning:
                     held.append(piece)
                     piece = ""
+                if forced is not None and not reasoning:
+                    for delta in forced.feed(piece):
+                        yield sse(shape.chunk(tool_calls=[delta]))
+                    piece = ""
                 if piece or metrics is not None:
                     yield sse(shape.chunk(piece, reasoning=reasoning, metrics=metrics))
             if kind == "done":
@@ -284,11 +290,11 @@ async def stream(shape: ResponseShape, parsed: ParsedRequest, events: asyncio.Qu
                 held.append(piece)
             elif piece:
                 yield sse(shape.chunk(piece, reasoning=reasoning))
-        calls: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = forced.calls if forced is not None else []
         if held is not None:
             content, calls = tool_calls_of(parsed, "".join(held))
             if content or calls:
-                yield sse(shape.chunk(content or "", tool_calls=calls))
+                yield sse(shape.chunk(content or "", tool_calls=[{"index": i, **c} for i, c in enumerate(calls)]))
         stats = last.stats if last is not None else None
         yield sse(shape.chunk(reason=finish_reason(stats.finish_reason if stats else None, stopped, bool(calls),
                                                    aborted()), times=timings(stats)))

@@ -333,8 +333,8 @@ class ResponseShape:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text or role:
                 delta["reasoning_content" if reasoning else "content"] = text
-            if tool_calls:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+            if tool_calls:  # deltas, each with its call's "index"
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}

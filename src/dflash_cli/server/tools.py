@@ -22,6 +22,9 @@ from dflash_cli.engine.output_format import OutputFormat
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+# what a forced call's grammar (ToolRequest.output_format) makes the model write, up to its arguments
+_HEAD = re.compile(r'\s*' + re.escape(OPEN) + r'\n\{"name": "([^"]+)", "arguments": ')
+_END = "}\n" + CLOSE  # after the arguments: the call object closes, then the block
 
 
 class ToolError(ValueError):
@@ -136,3 +139,40 @@ def read_calls(text: str, names: list[str]) -> tuple[str | None, list[dict[str, 
     kept.append(text[last:])
     content = "".join(kept).strip()
     return (content or None) if calls else text, calls
+
+
+class ForcedCallStream:
+    """A forced reply's tool calls as OpenAI's streamed deltas, while the model writes them: the call's id and
+    name once its head is complete, then its arguments as they come (holding back what may be the start of
+    the block's end). Exact for the text ToolRequest.output_format's grammar allows, where the arguments
+    (JSON without raw newlines) cannot hold the end marker."""
+
+    def __init__(self) -> None:
+        self.held, self.index, self.in_arguments = "", -1, False
+        self.calls: list[dict[str, Any]] = []
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self.held += text
+        deltas: list[dict[str, Any]] = []
+        while True:
+            if not self.in_arguments:
+                head = _HEAD.match(self.held)
+                if head is None:
+                    return deltas
+                self.index += 1
+                call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                        "function": {"name": head.group(1), "arguments": ""}}
+                self.calls.append(call)
+                deltas.append({"index": self.index, **call})
+                self.held, self.in_arguments = self.held[head.end():], True
+                continue
+            end = self.held.find(_END)
+            keep = len(self.held) if end >= 0 else max(0, len(self.held) - len(_END) + 1)
+            piece = self.held[: end if end >= 0 else keep]
+            if piece:
+                self.calls[-1]["function"]["arguments"] += piece
+                deltas.append({"index": self.index, "function": {"arguments": piece}})
+            if end < 0:
+                self.held = self.held[keep:]
+                return deltas
+            self.held, self.in_arguments = self.held[end + len(_END):], False
