@@ -163,7 +163,8 @@ class ForcedCallStream:
                 call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                         "function": {"name": head.group(1), "arguments": ""}}
                 self.calls.append(call)
-                deltas.append({"index": self.index, **call})
+                deltas.append({"index": self.index, **call, "function": dict(call["function"])})  # a copy: the
+                # call's arguments grow below
                 self.held, self.in_arguments = self.held[head.end():], True
                 continue
             end = self.held.find(_END)
