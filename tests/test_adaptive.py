@@ -117,3 +117,42 @@ def test_a_decode_state_keeps_its_block_size_choice_across_replies(pair):
     assert state.block_controller(pair.drafter.block_size) is controller
     fixed = generate(pair.target, pair.drafter, [5, 9], max_new_tokens=10, stop_ids=[], state=state, block_size=4)
     assert not fixed.stats.adaptive and state.block_controller(pair.drafter.block_size) is controller
+
+
+def length_cost(n: int, length: int) -> float:
+    """Seconds of a round at a context of `length` tokens: a decode and a verify that read every cached
+    position (a verify for each of its n rows), and a draft."""
+    return 1.0 + length / 8000 if n == 1 else 1.2 + 0.05 * (n - 1) + n * length / 8000
+
+
+def run_context(controller: BlockSizeController, q: float, start: int, stop: int,
+                rng: random.Random) -> list[tuple[int, int]]:
+    """Rounds from `start` to `stop` tokens of context, each round's cost measured at its length:
+    (length, block) per round."""
+    chosen, length = [], start
+    while length < stop:
+        n = controller.choose(length)
+        accepted = 0
+        while accepted < n - 1 and rng.random() < q:
+            accepted += 1
+        controller.observe(n, accepted, length_cost(n, length))
+        chosen.append((length, n))
+        length += accepted + 1
+    return chosen
+
+
+def test_speculation_pauses_past_the_break_even_length_and_resumes_at_a_short_one():
+    rng = random.Random(3)
+    controller = BlockSizeController(8)
+    best = {length: max(range(1, 9), key=lambda n: sum(0.7**k for k in range(n)) / length_cost(n, length))
+            for length in (100, 14000)}
+    assert best[100] > 1 and best[14000] == 1  # the break-even lies between (about 12k tokens)
+    long_reply = run_context(controller, 0.7, 50, 20000, rng)
+    short = [n for length, n in long_reply if length < 400]
+    far = [n for length, n in long_reply if length > 14000]
+    assert sum(n > 1 for n in short) / len(short) > 0.8  # drafting pays near the start
+    assert sum(n == 1 for n in far) / len(far) > 0.85  # paused past the break-even (a re-probe now and then)
+    # the next reply starts short again (a chat's state keeps its controller): drafting resumes at once, from
+    # the costs measured at that length, not after a re-probe of the long context's
+    again = [n for _, n in run_context(controller, 0.7, 50, 120, rng)][:10]
+    assert sum(n > 1 for n in again) >= 8, again

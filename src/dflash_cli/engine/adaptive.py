@@ -7,11 +7,25 @@ bonus token always counts), its cost draft(n) + verify(n); a plain round (n = 1)
 verify(1). When nothing beats plain decoding, drafting pauses and is re-probed now and then, so a
 drafter that starts to pay again (code after prose, say) is noticed. Output stays lossless whatever is
 chosen: the block size only changes how many tokens each verify step can commit.
+
+Costs are kept per context length (buckets that double from 512 tokens): a verify of n rows attends over
+every cached position, and a draft over the drafter's context, so the costs learned at 200 tokens are not
+the ones at 7,000. A bucket the controller has not measured yet is measured first (a full block, then a
+plain round, as at the start), its costs estimated meanwhile from the nearest bucket measured; acceptance
+is one estimate over all lengths, forgotten as it goes. So speculation pauses where, at this length, no
+block beats plain decoding, and comes back when a shorter context makes it pay again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+FIRST_BUCKET = 512  # context lengths below this share one set of costs; each bucket above doubles it
+
+
+def length_bucket(length: int) -> int:
+    """0 below FIRST_BUCKET tokens, then 1 up to twice that, 2 up to four times, ..."""
+    return max(0, int(length) // FIRST_BUCKET).bit_length()
 
 
 class BlockSizeController:
@@ -25,10 +39,28 @@ class BlockSizeController:
         self.injected_cost = cost
         self.reached = [0.0] * max_block  # [k] = weighted rounds whose block drafted position k (k >= 1)
         self.accepted = [0.0] * max_block  # [k] = ... that accepted it
-        self._cost: dict[int, float] = {}  # block length -> smoothed seconds per round
+        self._costs: dict[int, dict[int, float]] = {}  # length bucket -> block length -> smoothed seconds
+        self.bucket = 0  # the bucket of the context the next rounds run at
         self.rounds = 0
         self._plain_streak = 0
         self.choice = max_block
+
+    def at(self, length: int) -> None:
+        """The context length the next rounds run at (the committed tokens): its bucket's costs apply."""
+        self.bucket = length_bucket(length)
+
+    def measured_here(self, n: int) -> bool:
+        return n in self._costs.get(self.bucket, {})
+
+    @property
+    def _cost(self) -> dict[int, float]:
+        """Seconds per round by block length at the current length: this bucket's measurements once it has
+        any (interpolated between them as at the start), else the nearest measured bucket's (the longer one
+        of two as near: a cost that grows with length is not underestimated)."""
+        if self._costs.get(self.bucket):
+            return self._costs[self.bucket]
+        near = min(self._costs, key=lambda b: (abs(b - self.bucket), -b), default=None)
+        return self._costs[near] if near is not None else {}
 
     # -- estimates ---------------------------------------------------------------------------------
     def acceptance(self, k: int) -> float:
@@ -72,11 +104,17 @@ class BlockSizeController:
         return out
 
     # -- decisions -----------------------------------------------------------------------------------
-    def choose(self) -> int:
+    def choose(self, length: int | None = None) -> int:
+        """The next round's block length; `length`: the context it runs at (see `at`)."""
+        if length is not None:
+            self.at(length)
+        drafted_here = any(n > 1 and self.measured_here(n) for n in range(2, self.max_block + 1))
         if self.rounds < self.warmup:
             self.choice = self.max_block  # measure acceptance with full blocks first
-        elif self.cost(1) is None:
-            self.choice = 1  # measure what plain decoding costs once
+        elif self.injected_cost is None and self._costs and not drafted_here:
+            self.choice = max(self._best_drafting(), 2)  # a new context length: what a block costs here
+        elif self.cost(1) is None or (self.injected_cost is None and not self.measured_here(1)):
+            self.choice = 1  # measure what plain decoding costs (here) once
         elif self.choice == 1 and self._plain_streak >= self.probe_every:
             self.choice = max(self._best_drafting(), 2)  # re-probe a paused drafter
         else:
@@ -100,5 +138,6 @@ class BlockSizeController:
                 self.reached[k] += 1.0
                 if k <= accepted:
                     self.accepted[k] += 1.0
-        previous = self._cost.get(n)
-        self._cost[n] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        here = self._costs.setdefault(self.bucket, {})
+        previous = here.get(n)
+        here[n] = seconds if previous is None else 0.8 * previous + 0.2 * seconds

@@ -49,7 +49,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
         state.check_caches()
-        want = controller.choose() if controller is not None else block_size
+        want = controller.choose(state.start) if controller is not None else block_size  # at this length
         n = min(want, limit - len(state.tokens))  # block length, anchor included
         start, anchor = state.start, state.anchor
         assert anchor is not None  # the caller committed the first token

@@ -160,7 +160,7 @@ class ForcedCallStream:
                 if head is None:
                     return deltas
                 self.index += 1
-                call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                call: dict[str, Any] = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                         "function": {"name": head.group(1), "arguments": ""}}
                 self.calls.append(call)
                 deltas.append({"index": self.index, **call, "function": dict(call["function"])})  # a copy: the
