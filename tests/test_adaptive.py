@@ -95,6 +95,13 @@ def test_the_loop_follows_the_controller_and_stays_lossless(pair, acceptance, ex
         assert stats.block_rounds[-1] > 0.8 * stats.steps
     else:
         assert stats.block_rounds[0] > 0.7 * stats.steps  # mostly plain steps
+        # why, in the measured costs and acceptance (-v's "paused because", --json's pause_reason)
+        assert "tokens of context a block of" in stats.pause_reason and "plain decoding 1 in 1000.0 ms" in \
+            stats.pause_reason
+        from dflash_cli.ui.stats_text import stats_block, stats_json
+
+        assert stats_json(stats)["pause_reason"] == stats.pause_reason
+        assert any(line.startswith("paused because:") for line in stats_block(stats))
 
 
 def test_a_fixed_block_size_turns_adaptation_off(pair):

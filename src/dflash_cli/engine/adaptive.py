@@ -44,6 +44,7 @@ class BlockSizeController:
         self.rounds = 0
         self._plain_streak = 0
         self.choice = max_block
+        self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
 
     def at(self, length: int) -> None:
         """The context length the next rounds run at (the committed tokens): its bucket's costs apply."""
@@ -120,7 +121,19 @@ class BlockSizeController:
         else:
             rates = self.rates()
             self.choice = max(rates, key=rates.__getitem__) if rates else self.max_block
+            if self.choice == 1 and length is not None:
+                self.pause_reason = self._why_paused(length)
         return self.choice
+
+    def _why_paused(self, length: int) -> str:
+        """The measured costs against the measured acceptance that paused drafting, in words."""
+        best, plain = self._best_drafting(), self.cost(1)
+        cost = self.cost(best)
+        if not plain or not cost:
+            return ""
+        return (f"at {length} tokens of context a block of {best} was expected to commit "
+                f"{self.expected_tokens(best):.2f} tokens in {cost * 1e3:.1f} ms, plain decoding 1 in "
+                f"{plain * 1e3:.1f} ms")
 
     def _best_drafting(self) -> int:
         rates = {n: r for n, r in self.rates().items() if n > 1}

@@ -63,6 +63,7 @@ class _Tally:
         self.threads = threads
         self.threads_before = threads.changes if threads is not None else 0
         self.block_rounds = [0] * block_size  # [n-1] = rounds run with n slots
+        self.pause_reason = ""
         self.last_block = 0
         self.prefill_seconds = self.decode_seconds = self.draft_seconds = self.verify_seconds = 0.0
         self.generated = self.steps = self.drafted = self.accepted = 0
@@ -98,6 +99,7 @@ class _Tally:
             peak_memory_kind=memory.kind, adaptive=self.adaptive, block_rounds=tuple(self.block_rounds),
             last_block=self.last_block, threads=self.threads.threads if self.threads is not None else 0,
             thread_changes=self.threads.changes - self.threads_before if self.threads is not None else 0,
+            pause_reason=self.pause_reason if self.block_rounds and self.block_rounds[0] else "",
             finish_reason=finish_reason)
 
 
@@ -172,6 +174,8 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         for r in rounds:
             tokens = _cut_at_stop(state, r.tokens, stops)
             tally.add_round(r, len(tokens))
+            if controller is not None and r.drafted == 0:
+                tally.pause_reason = controller.pause_reason or tally.pause_reason
             finish = _finish_reason(tokens, stops, len(state.tokens), limit, at_limit)
             pieces = _pieces(decoder, tokens, finish)
             accepted = min(r.accepted, len(tokens))

@@ -255,6 +255,8 @@ def speculative_metrics(stats: GenerationStats) -> dict[str, Any]:
         "num_accepted_tokens_per_pos": list(stats.position_accepted),
         "acceptance_rate_per_pos": [round(r, 4) for r in stats.per_position_acceptance],
         "block_size": stats.block_size,
+        "paused_steps": stats.block_rounds[0] if stats.block_rounds else 0,
+        "pause_reason": stats.pause_reason or None,
     }
 
 

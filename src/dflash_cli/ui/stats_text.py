@@ -84,6 +84,7 @@ def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: 
         other = max(stats.decode_seconds - stats.draft_seconds - stats.verify_seconds, 0.0)
         per_pos = " ".join(f"{k + 1}:{p:.0%}" for k, p in enumerate(stats.per_position_acceptance))
         rows += [("speculation", f"on, {block_summary(stats)} (trained block {stats.block_size})"),
+                 *([("paused because", stats.pause_reason)] if getattr(stats, "pause_reason", "") else []),
                  ("acceptance length", f"{stats.acceptance_length:.2f} tokens/step (tau, bonus included)"),
                  ("draft acceptance", f"{stats.draft_acceptance:.1%} ({stats.accepted}/{stats.drafted} drafted)"),
                  ("steps", str(stats.steps)),
@@ -149,4 +150,5 @@ def _stats_json(stats: Any) -> dict[str, Any]:
         "peak_memory_kind": stats.peak_memory_kind,
         "threads": getattr(stats, "threads", 0) or None,
         "thread_changes": getattr(stats, "thread_changes", 0),
+        "pause_reason": getattr(stats, "pause_reason", "") or None,
     }
