@@ -240,3 +240,17 @@ def test_an_empty_set_list_is_a_usage_error_not_the_whole_default_run(folders, s
     result = bench(folders, "--sets", sets)
     assert result.exit_code == 2 and "--sets" in result.stderr and "names no prompt set" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_bench_context_fills_each_prompt_to_the_length_asked(folders, tmp_path):
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"id": "q1", "prompt": "Say hi"}\n{"id": "q2", "prompt": "Count to three"}\n')
+    result = bench(folders, "--prompts", str(mine), "-n", "4", "--json", "--warmup", "0", "--context", "300",
+                   "--adaptive")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["settings"]["context"] == 300
+    assert all(290 <= r["prompt_tokens"] <= 310 for r in data["records"]), [r["prompt_tokens"] for r in data["records"]]
+    assert data["overall"]["identical"] == 2  # still lossless at length
+    short = json.loads(bench(folders, "--prompts", str(mine), "-n", "4", "--json", "--warmup", "0").stdout)
+    assert all(r["prompt_tokens"] < 60 for r in short["records"])

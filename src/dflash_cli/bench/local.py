@@ -167,6 +167,28 @@ def _work(prompt_sets: Mapping[str, Sequence[str | Prompt]], per_set: int | None
     return work
 
 
+LONG_CONTEXT_HEADER = "Here are my notes. Read them, then answer the request that follows.\n\nNotes:\n"
+
+
+def long_context_ids(tokenizer: Any, text: str, context: int, **encode_args: Any) -> list[int]:
+    """`text` behind notes that fill the prompt to about `context` tokens (`bench --context`): the built-in
+    prompt sets' texts, cycled, cut at a token boundary. The request comes last, as a long document's
+    question does."""
+    from dflash_cli.engine.text import encode_prompt
+    from dflash_cli.prompts.reader import DEFAULT_SETS, load_prompt_set
+
+    def ids_with(notes: str) -> list[int]:
+        return encode_prompt(tokenizer, f"{LONG_CONTEXT_HEADER}{notes}\n\nRequest: {text}", **encode_args)
+
+    room = context - len(ids_with(""))
+    if room <= 0:
+        return ids_with("")
+    pool = "\n".join(p.prompt for name in DEFAULT_SETS for p in load_prompt_set(name))
+    pool_ids = tokenizer.encode(pool, add_special_tokens=False)
+    notes_ids = (pool_ids * (room // max(len(pool_ids), 1) + 1))[:room]
+    return ids_with(tokenizer.decode(notes_ids))
+
+
 def _hf_baseline(hf_baseline: bool | Any, drafter: Any) -> tuple[Any, dict[str, Any]]:
     """(the assistant model transformers' assisted generate runs with, or None; what the report says)."""
     requested = hf_baseline is not False and hf_baseline is not None
@@ -184,7 +206,8 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
               max_new_tokens: int, block_size: int | None = None, warmup: int = 2, per_set: int | None = None,
               on_progress: Callable[[int, int, str], None] | None = None, hf_baseline: bool | Any = False,
               enable_thinking: bool | None = None, adaptive: bool = False,
-              on_generation: Callable[[str, str, str], None] | None = None) -> BenchReport:
+              on_generation: Callable[[str, str, str], None] | None = None,
+              context: int | None = None) -> BenchReport:
     """Runs every prompt of every set with plain decoding then DFlash decoding, interleaved per prompt.
 
     Greedy (temperature 0), chat template applied (when the tokenizer has one), the target's own stop
@@ -203,6 +226,7 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
         adaptive: the dflash runs choose their block size each round, up to `block_size`, as `generate`
             does by default (a fresh controller per prompt); off: every round drafts a full block, so tau
             and per-position acceptance measure the drafter itself.
+        context: each prompt behind notes that fill it to about this many tokens (long_context_ids).
     """
     from dflash_cli.engine.generate import default_stop_ids, generate, resolve_block_size
     from dflash_cli.engine.output_format import parse_format_setting
@@ -212,8 +236,13 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
         raise DFlashError("a benchmark needs a drafter: it compares plain decoding with DFlash")
     block = resolve_block_size(drafter, block_size)
     stops = default_stop_ids(target, tokenizer)
-    work = _work(prompt_sets, per_set, lambda p: encode_prompt(
-        tokenizer, p.prompt, enable_thinking=False if p.output is not None else enable_thinking))
+    def encode(p: Prompt) -> list[int]:
+        thinking = False if p.output is not None else enable_thinking
+        if context:
+            return long_context_ids(tokenizer, p.prompt, context, enable_thinking=thinking)
+        return encode_prompt(tokenizer, p.prompt, enable_thinking=thinking)
+
+    work = _work(prompt_sets, per_set, encode)
     kwargs = dict(tokenizer=None, max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stops)
     assistant, hf_info = _hf_baseline(hf_baseline, drafter)
 
@@ -258,7 +287,7 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
     settings = {"max_new_tokens": max_new_tokens, "block_size": block, "trained_block_size": drafter.block_size,
                 "adaptive": adaptive,
                 "temperature": 0.0, "chat_template": bool(chat_template_of(tokenizer)),
-                "enable_thinking": enable_thinking, "warmup": warmup, "per_set": per_set,
+                "enable_thinking": enable_thinking, "warmup": warmup, "per_set": per_set, "context": context,
                 "interleaved": "per prompt: plain, then dflash" + (", then hf-assisted" if assistant else ""),
                 "stop_ids": stops}
     return BenchReport(settings, sets, summarize("all", records, block), records, hf_info)
@@ -348,6 +377,7 @@ def format_table(report: BenchReport) -> list[str]:
     notes = [f"adaptive blocks up to {st['block_size']}" if st.get("adaptive") else f"block {st['block_size']}",
              f"up to {st['max_new_tokens']} new tokens", "greedy",
              "chat template" if st["chat_template"] else "no chat template", f"warm-up {st['warmup']}",
+             *([f"prompts filled to ~{st['context']} tokens with notes"] if st.get("context") else []),
              "tau = tokens per verify step, bonus included (macro over responses)",
              "tok/s = decode only, prefill excluded"]
     lines.append("")

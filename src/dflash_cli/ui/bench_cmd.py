@@ -39,12 +39,15 @@ from dflash_cli.ui.options import (
               help="Let DFlash runs pick their block size each round, as generate does by default "
                    "(measures the speed users get; without it every round drafts a full block, which "
                    "measures the drafter).")
+@click.option("--context", type=click.IntRange(min=16), default=None, metavar="TOKENS",
+              help="Put each prompt behind notes that fill it to about TOKENS tokens: speed and acceptance at "
+                   "long context (raise --max-context past TOKENS + -n).")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as one JSON object on stdout.")
 @color_option
 @quiet_option(help="Print no table or progress (only --json output and errors).")
 @debug_option
-def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adaptive, as_json, color, quiet, debug,
-          **values):
+def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adaptive, context, as_json, color, quiet,
+          debug, **values):
     """Measure DFlash against plain decoding on prompt sets (greedy, chat template, warm-up first).
 
     Each prompt runs with plain decoding, then with the drafter, interleaved. Per set: tau (acceptance
@@ -89,7 +92,7 @@ def bench(max_tokens, block_size, sets, prompt_files, limit, warmup, think, adap
     guarded(lambda: Output(color, provenance=False),
             lambda out: _run_bench(out, options, prompt_sets, max_tokens=max_tokens, block_size=block_size,
                                    limit=limit, warmup=warmup, think=think, adaptive=adaptive, as_json=as_json,
-                                   quiet=quiet),
+                                   quiet=quiet, context=context),
             debug)
 
 
@@ -143,23 +146,26 @@ def _run_remote_bench(out, runtime, prompt_sets, *, max_tokens, limit, warmup, t
 
 
 def _run_bench(out, options, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
-               quiet) -> int:
+               quiet, context=None) -> int:
     from dflash_cli.conversation import GenerationSettings
     from dflash_cli.ui.opening import open_model
 
     runtime = open_model(out, options, quiet=quiet, settings=GenerationSettings(block_size=block_size))
     try:
+        if options.engine and context:
+            raise click.UsageError("--context fills prompts here: it cannot be used with --engine")
         if options.engine:  # a server has no plain mode to compare with: its own report
             return _run_remote_bench(out, runtime, prompt_sets, max_tokens=max_tokens, limit=limit, warmup=warmup,
                                      think=think, as_json=as_json, quiet=quiet)
         return _run_local_bench(out, runtime, prompt_sets, max_tokens=max_tokens, block_size=block_size, limit=limit,
-                                warmup=warmup, think=think, adaptive=adaptive, as_json=as_json, quiet=quiet)
+                                warmup=warmup, think=think, adaptive=adaptive, as_json=as_json, quiet=quiet,
+                                context=context)
     finally:
         runtime.close()
 
 
 def _run_local_bench(out, runtime, prompt_sets, *, max_tokens, block_size, limit, warmup, think, adaptive, as_json,
-                     quiet) -> int:
+                     quiet, context=None) -> int:
     """Plain decoding against the drafter, interleaved, on the pair loaded here (dflash_cli.bench.local)."""
     import json as _json
 
@@ -175,7 +181,7 @@ def _run_local_bench(out, runtime, prompt_sets, *, max_tokens, block_size, limit
     with progress:
         report = run_bench(runtime.target, runtime.drafter, runtime.tokenizer, prompt_sets,
                            max_new_tokens=max_tokens, block_size=block_size, warmup=warmup, per_set=limit,
-                           adaptive=adaptive, on_progress=on_progress, enable_thinking=think)
+                           adaptive=adaptive, on_progress=on_progress, enable_thinking=think, context=context)
     report.meta.update({"dflash_cli": version, "model": str(runtime.target_dir),
                         "drafter": str(runtime.drafter_dir), "device": runtime.device, "dtype": runtime.dtype,
                         "quant": runtime.quant or "none"})
