@@ -22,15 +22,8 @@ static inline float dot(const float *a, const float *b, long hd) {
     return dfq_sum8(_mm256_add_ps(s0, s1));
 }
 
-void dfq_attend_one(const float *q, long hd, const float *keys, const float *values, long lo, long count,
-                    float scale, float *out) {
-    float stack[512], *p = count <= 504 ? stack : malloc(sizeof(float) * (size_t)(count + 8));
-    const float *kb = keys + lo * hd, *vb = values + lo * hd;
-    float max = -INFINITY;
-    for (long j = 0; j < count; j++) {
-        p[j] = dot(q, kb + j * hd, hd) * scale;
-        max = p[j] > max ? p[j] : max;
-    }
+/* p[0..count) = exp(p - max), the padded tail lanes left out of the sum; returns 1 / the sum */
+static float softmax_weights(float *p, long count, float max) {
     const __m256 vmax = _mm256_set1_ps(max);
     __m256 vsum = _mm256_setzero_ps();
     long j = 0;
@@ -50,17 +43,58 @@ void dfq_attend_one(const float *q, long hd, const float *keys, const float *val
         for (long i = j; i < count; i++) p[i] = tail[i - j];
         vsum = _mm256_add_ps(vsum, e);
     }
-    const float inv = 1.0f / dfq_sum8(vsum);
+    return 1.0f / dfq_sum8(vsum);
+}
+
+void dfq_attend_one(const float *q, long hd, const float *keys, const float *values, long lo, long count,
+                    float scale, float *out) {
+    dfq_attend_group(q, 1, hd, keys, values, lo, count, scale, out);
+}
+
+/* The `heads` query heads of one key/value group (q and out: heads rows of hd floats, one after the other),
+ * each key and value row read once for all of them: at long context the cache's reads, not the arithmetic,
+ * are the cost. Every head's row is computed in the same order as alone, so the result is bit-identical to
+ * attending head by head (and to a block of any length). */
+void dfq_attend_group(const float *q, long heads, long hd, const float *keys, const float *values, long lo,
+                      long count, float scale, float *out) {
+    if (heads > 8) { /* more accumulators than registers can hold: a group at a time */
+        for (long h = 0; h < heads; h += 8)
+            dfq_attend_group(q + h * hd, heads - h < 8 ? heads - h : 8, hd, keys, values, lo, count, scale,
+                             out + h * hd);
+        return;
+    }
+    const long stride = count + 8;
+    float stack[8 * 512], *p = heads * stride <= 8 * 512 ? stack : malloc(sizeof(float) * (size_t)(heads * stride));
+    const float *kb = keys + lo * hd, *vb = values + lo * hd;
+    float max[8], inv[8];
+    for (long h = 0; h < heads; h++) max[h] = -INFINITY;
+    for (long j = 0; j < count; j++) {
+        const float *k = kb + j * hd;
+        for (long h = 0; h < heads; h++) {
+            const float score = dot(q + h * hd, k, hd) * scale;
+            p[h * stride + j] = score;
+            max[h] = score > max[h] ? score : max[h];
+        }
+    }
+    for (long h = 0; h < heads; h++) inv[h] = softmax_weights(p + h * stride, count, max[h]);
     for (long d = 0; d < hd; d += 32) {
         const long width = hd - d < 32 ? hd - d : 32;
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 acc[8][4];
+        for (long h = 0; h < heads; h++)
+            for (long c = 0; c < 4; c++) acc[h][c] = _mm256_setzero_ps();
         for (long i = 0; i < count; i++) {
-            const __m256 w = _mm256_set1_ps(p[i]);
             const float *v = vb + i * hd + d;
-            for (long c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            for (long c = 0; c < width / 8; c++) {
+                const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+                for (long h = 0; h < heads; h++)
+                    acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * stride + i]), vv, acc[h][c]);
+            }
         }
-        const __m256 vinv = _mm256_set1_ps(inv);
-        for (long c = 0; c < width / 8; c++) _mm256_storeu_ps(out + d + 8 * c, _mm256_mul_ps(acc[c], vinv));
+        for (long h = 0; h < heads; h++) {
+            const __m256 vinv = _mm256_set1_ps(inv[h]);
+            for (long c = 0; c < width / 8; c++)
+                _mm256_storeu_ps(out + h * hd + d + 8 * c, _mm256_mul_ps(acc[h][c], vinv));
+        }
     }
     if (p != stack) free(p);
 }
@@ -71,12 +105,12 @@ void dfq_attend_one(const float *q, long hd, const float *keys, const float *val
 void dfq_attention(const float *q, long q_stride, long n, long heads, long kv, long hd, const float *keys,
                    const float *values, long capacity, const int64_t *positions, long window, float scale,
                    float *out) {
-    const long group = heads / kv, tasks = n * heads;
-#pragma omp parallel for schedule(static) if (tasks > 1 && positions[n - 1] * tasks > 2048)
+    const long group = heads / kv, tasks = n * kv;
+#pragma omp parallel for schedule(static) if (tasks > 1 && positions[n - 1] * tasks * group > 2048)
     for (long task = 0; task < tasks; task++) {
-        const long t = task / heads, h = task % heads, g = h / group, pos = positions[t];
+        const long t = task / kv, g = task % kv, pos = positions[t];
         const long lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        dfq_attend_one(q + t * q_stride + h * hd, hd, keys + g * capacity * hd, values + g * capacity * hd, lo,
-                       pos - lo + 1, scale, out + t * heads * hd + h * hd);
+        dfq_attend_group(q + t * q_stride + g * group * hd, group, hd, keys + g * capacity * hd,
+                         values + g * capacity * hd, lo, pos - lo + 1, scale, out + t * heads * hd + g * group * hd);
     }
 }

@@ -27,6 +27,8 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
  * buffers, out (hd). */
 void dfq_attend_one(const float *q, long hd, const float *keys, const float *values, long lo, long count,
                     float scale, float *out);
+void dfq_attend_group(const float *q, long heads, long hd, const float *keys, const float *values, long lo,
+                      long count, float scale, float *out);
 
 /* the sum of a vector's 8 lanes, always in the same order */
 static inline float dfq_sum8(__m256 v) {

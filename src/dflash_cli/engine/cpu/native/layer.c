@@ -96,10 +96,10 @@ void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_
         }
         /* attention per (token, head) into xn (n, heads * hd), then quantized for o */
 #pragma omp for schedule(static)
-        for (long task = 0; task < n * heads; task++) {
-            const long r = task / heads, hh = task % heads, g = hh / group;
-            dfq_attend_one(qkv + r * wide + hh * hd, hd, keys + g * capacity * hd, values + g * capacity * hd, 0,
-                           positions[r] + 1, 1.0f, xn + r * heads * hd + hh * hd);
+        for (long task = 0; task < n * kv; task++) { /* a key/value group's heads together: its cache read once */
+            const long r = task / kv, g = task % kv;
+            dfq_attend_group(qkv + r * wide + g * group * hd, group, hd, keys + g * capacity * hd,
+                             values + g * capacity * hd, 0, positions[r] + 1, 1.0f, xn + r * heads * hd + g * group * hd);
         }
         const long A = heads * hd;
 #pragma omp for schedule(static)
@@ -182,10 +182,10 @@ void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, 
             }
         }
 #pragma omp for schedule(static)
-        for (long task = 0; task < B * heads; task++) {
-            const long r = task / heads, hh = task % heads, gi = hh / group;
-            dfq_attend_one(q + r * A + hh * hd, hd, keys + gi * capacity * hd, values + gi * capacity * hd, 0, end,
-                           1.0f, xn + r * A + hh * hd);
+        for (long task = 0; task < B * kv; task++) {
+            const long r = task / kv, gi = task % kv;
+            dfq_attend_group(q + r * A + gi * group * hd, group, hd, keys + gi * capacity * hd,
+                             values + gi * capacity * hd, 0, end, 1.0f, xn + r * A + gi * group * hd);
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < B; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
