@@ -189,6 +189,25 @@ def long_context_ids(tokenizer: Any, text: str, context: int, **encode_args: Any
     return ids_with(tokenizer.decode(notes_ids))
 
 
+def _mode_kwargs(p: Prompt, tokenizer: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` plus, for a structured prompt, its format (the grammar reads tokens through the tokenizer)."""
+    from dflash_cli.engine.output_format import parse_format_setting
+
+    if p.output is None:
+        return extra
+    return {**extra, "output_format": parse_format_setting(*p.output), "tokenizer": tokenizer}
+
+
+def _encode(tokenizer: Any, p: Prompt, enable_thinking: bool | None, context: int | None) -> list[int]:
+    """A bench prompt's ids: thinking off for a structured reply, behind notes with `context`."""
+    from dflash_cli.engine.text import encode_prompt
+
+    thinking = False if p.output is not None else enable_thinking
+    if context:
+        return long_context_ids(tokenizer, p.prompt, context, enable_thinking=thinking)
+    return encode_prompt(tokenizer, p.prompt, enable_thinking=thinking)
+
+
 def _hf_baseline(hf_baseline: bool | Any, drafter: Any) -> tuple[Any, dict[str, Any]]:
     """(the assistant model transformers' assisted generate runs with, or None; what the report says)."""
     requested = hf_baseline is not False and hf_baseline is not None
@@ -223,26 +242,18 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
             says why: HF_BASELINE_OFF); a transformers causal LM sharing the target's tokenizer (a small
             AR draft model) is used as the assistant instead, for a DFlash vs classic-speculation column.
         on_generation: called as (set, prompt id, mode) before each measured generation (for tests/logs).
-        adaptive: the dflash runs choose their block size each round, up to `block_size`, as `generate`
-            does by default (a fresh controller per prompt); off: every round drafts a full block, so tau
-            and per-position acceptance measure the drafter itself.
+        adaptive: the dflash runs choose their block size each round as `generate` does (a fresh controller
+            per prompt); off: every round drafts a full block, so tau measures the drafter itself.
         context: each prompt behind notes that fill it to about this many tokens (long_context_ids).
     """
     from dflash_cli.engine.generate import default_stop_ids, generate, resolve_block_size
-    from dflash_cli.engine.output_format import parse_format_setting
-    from dflash_cli.engine.text import chat_template_of, encode_prompt
+    from dflash_cli.engine.text import chat_template_of
 
     if drafter is None:
         raise DFlashError("a benchmark needs a drafter: it compares plain decoding with DFlash")
     block = resolve_block_size(drafter, block_size)
     stops = default_stop_ids(target, tokenizer)
-    def encode(p: Prompt) -> list[int]:
-        thinking = False if p.output is not None else enable_thinking
-        if context:
-            return long_context_ids(tokenizer, p.prompt, context, enable_thinking=thinking)
-        return encode_prompt(tokenizer, p.prompt, enable_thinking=thinking)
-
-    work = _work(prompt_sets, per_set, encode)
+    work = _work(prompt_sets, per_set, lambda p: _encode(tokenizer, p, enable_thinking, context))
     kwargs = dict(tokenizer=None, max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stops)
     assistant, hf_info = _hf_baseline(hf_baseline, drafter)
 
@@ -259,9 +270,7 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
         for mode, d in (("plain", None), ("dflash", drafter)):
             if on_generation is not None:
                 on_generation(name, p.id, mode)
-            extra: dict[str, Any] = dict(block_size=block, adaptive=adaptive) if d is not None else {}
-            if p.output is not None:  # a structured reply: the grammar reads tokens through the tokenizer
-                extra.update(output_format=parse_format_setting(*p.output), tokenizer=tokenizer)
+            extra = _mode_kwargs(p, tokenizer, dict(block_size=block, adaptive=adaptive) if d is not None else {})
             result = generate(target, d, prompt, **{**kwargs, **extra})
             runs[mode] = (result.tokens, result.stats, sequence)
             sequence += 1

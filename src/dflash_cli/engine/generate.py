@@ -71,7 +71,9 @@ class _Tally:
         self.pos_drafted = [0] * max(block_size - 1, 0)
         self.pos_accepted = [0] * max(block_size - 1, 0)
 
-    def add_round(self, r: Round, committed: int) -> None:
+    def add_round(self, r: Round, committed: int, controller: BlockSizeController | None = None) -> None:
+        if controller is not None and r.drafted == 0:
+            self.pause_reason = controller.pause_reason or self.pause_reason
         self.steps += 1
         self.generated += committed
         self.drafted += r.drafted
@@ -137,9 +139,7 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
     _check_request(target, prompt, max_new_tokens)
     block = resolve_block_size(drafter, block_size)
     stops = set(default_stop_ids(target, tokenizer) if stop_ids is None else stop_ids)
-    sample = constrained_sampler(Sampler(temperature, top_p, top_k, seed), output_format, tokenizer,
-                                 max(target.vocab_rows, len(tokenizer) if tokenizer is not None else 0),
-                                 sorted(stops))
+    sample = _sampler(target, tokenizer, Sampler(temperature, top_p, top_k, seed), output_format, stops)
     limit, at_limit = _limit(target, len(prompt), max_new_tokens, max_context)  # before a state takes the caches
     if state is None or state.drafter is not drafter or state.target is not target:
         state = DecodeState(target, drafter)
@@ -153,8 +153,7 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
             threads.check(force=True)  # the window since the last reply (or the load) says what is free now
         logits, reused = state.prefill(list(prompt))
         first = sample(logits, len(prompt))  # (1,) the token at position len(prompt)
-        first_id = first.tolist()
-        state.commit(first_id, None, anchor=first)
+        state.commit(first_id := first.tolist(), None, anchor=first)
         sample.advance(first_id)
         tally = _Tally(len(prompt), len(prompt) - reused, block, target.device, adaptive=controller is not None,
                        threads=threads)
@@ -173,9 +172,7 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
                   if block > 1 and drafter is not None else baseline_rounds(state, sample, limit=limit))
         for r in rounds:
             tokens = _cut_at_stop(state, r.tokens, stops)
-            tally.add_round(r, len(tokens))
-            if controller is not None and r.drafted == 0:
-                tally.pause_reason = controller.pause_reason or tally.pause_reason
+            tally.add_round(r, len(tokens), controller)
             finish = _finish_reason(tokens, stops, len(state.tokens), limit, at_limit)
             pieces = _pieces(decoder, tokens, finish)
             accepted = min(r.accepted, len(tokens))
@@ -188,6 +185,13 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
                 threads.check()  # before the next round: another process may have taken a core, or left one
     finally:
         state.repair()
+
+
+def _sampler(target: Target, tokenizer: Any, sampler: Sampler, output_format: OutputFormat | None,
+             stops: set[int]) -> Sampler:
+    """`sampler`, or the one that keeps to `output_format` (its grammar ends on the stop ids)."""
+    vocab = max(target.vocab_rows, len(tokenizer) if tokenizer is not None else 0)
+    return constrained_sampler(sampler, output_format, tokenizer, vocab, sorted(stops))
 
 
 def _stream_decoder(tokenizer: Any) -> Any:
