@@ -152,7 +152,7 @@ def test_cli_train_takes_its_defaults_and_ranges_from_train_config():
 
     config = {f.name: f for f in fields(TrainConfig)}
     shared = [p for p in train.params if p.name in config]
-    assert len(shared) == 16
+    assert len(shared) == 17
     for param in shared:
         assert param.default == config[param.name].default, param.name
         if "bound" in config[param.name].metadata:

@@ -73,10 +73,10 @@ def _parse_taps(_ctx, _param, value):
               help="Prompts answered at once [default: 128 on the fast path's batched generator (Llama-style "
                    "targets on a CPU), 16 through transformers' generate].")
 @click.option("--reply-format", type=click.Choice(["auto", "fp32", "bf16", "q4", "q8", "q4a8", "q8a8"]),
-              default="auto", show_default=True,
+              default=TrainConfig.reply_format,
               help="The format the target writes its training replies in (CPU batched generator): q4a8 writes "
-                   "what the demo decodes with on CPUs without native bf16 (needs --dtype float32); auto: fp32 or "
-                   "bf16 as the target is loaded, q4 where it measured faster.")
+                   "what the demo decodes with on CPUs without native bf16 (needs --dtype float32) [default: "
+                   "auto: fp32 or bf16 as the target is loaded, q4 where it measured faster].")
 @click.option("--gen-budget", "gen_time_budget", type=_floats("gen_time_budget"), default=None, metavar="MIN",
               help="Generate data for at most this many minutes in this run, then train on what is stored "
                    "(a later run with the same folder answers the rest); 0 = train on what is stored.")
