@@ -111,10 +111,6 @@ class ConstrainedSampler(Sampler):
                 raise ConstraintError(f"{self.format.describe()}: token {t} was committed against the grammar "
                                       f"({first_line(self.matcher.get_error())})")
 
-    def allowed_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Which of `ids` the grammar allows next, after the tokens taken so far (a bool tensor like ids)."""
-        return self.allowed(int(ids.max()) + 1, ids.device)[ids]
-
     def allowed(self, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """(width,) bool: the tokens the grammar allows next (ids past the tokenizer's are never allowed)."""
         allowed = self._allowed()[:width]

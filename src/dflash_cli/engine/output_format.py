@@ -15,6 +15,7 @@ from typing import Any
 from dflash_cli.engine.errors import InvalidSettingError
 
 KINDS = ("json", "schema", "grammar", "regex")
+SETTINGS = ("format", "schema", "grammar", "regex")  # the options (and config keys) that name a format
 INSTALL_HINT = "install it with: pip install llguidance"
 # the concise schema's types (simonw/llm's spelling) -> JSON Schema's
 CONCISE_TYPES = {"str": "string", "string": "string", "int": "integer", "integer": "integer", "float": "number",

@@ -10,10 +10,10 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_cli.engine.errors import DFlashError
+from dflash_cli.engine.output_format import SETTINGS as FORMAT_KEYS  # a prompt's reply format, as the options
 
 BUILTIN_SETS = ("math", "code", "chat", "json")
 DEFAULT_SETS = ("math", "code", "chat")  # what `bench` runs without --sets (json: structured replies, on request)
-FORMAT_KEYS = ("format", "schema", "grammar", "regex")  # a prompt's reply format, as the command line names them
 
 
 class PromptSetError(DFlashError):

@@ -16,6 +16,7 @@ import click
 from dflash_cli import settings as S
 from dflash_cli.engine.dtypes import DTYPE_CHOICES, QUANT_CHOICES
 from dflash_cli.engine.hf_config import DEVICE_MAP_CHOICES
+from dflash_cli.engine.output_format import SETTINGS
 
 if TYPE_CHECKING:  # both import lazily what they need: cheap --help
     from dflash_cli.conversation import GenerationSettings
@@ -151,7 +152,7 @@ def _format_callback(name: str) -> Callable[[click.Context, click.Parameter, str
     return convert
 
 
-FORMAT_KEYS = ("format", "schema", "grammar", "regex")
+FORMAT_KEYS = SETTINGS
 format_options = apply_all([
     click.option("--format", "format", envvar=S.ENV["format"], show_envvar=True, metavar="json|text",
                  callback=_format_callback("format"),
