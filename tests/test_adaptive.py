@@ -163,3 +163,32 @@ def test_speculation_pauses_past_the_break_even_length_and_resumes_at_a_short_on
     # the costs measured at that length, not after a re-probe of the long context's
     again = [n for _, n in run_context(controller, 0.7, 50, 120, rng)][:10]
     assert sum(n > 1 for n in again) >= 8, again
+
+
+def test_a_new_request_starts_from_the_costs_and_acceptance_earlier_requests_measured():
+    """bench's prompts, serve's requests: a controller sharing a drafter's RoundCosts skips the warm-up where
+    drafting was measured not to pay, and drafts at once where it was measured to pay."""
+    from dflash_cli.engine.adaptive import RoundCosts
+
+    cost = round_cost(draft=0.3, verify_slope=0.05)
+    for q, drafting in ((0.0, False), (0.9, True)):
+        shared = RoundCosts()
+        run_rounds(BlockSizeController(8, shared=shared), q, cost, 200, random.Random(1))
+        fresh = run_rounds(BlockSizeController(8), q, cost, 10, random.Random(2))
+        again = run_rounds(BlockSizeController(8, shared=shared), q, cost, 10, random.Random(2))
+        assert fresh[0] == 8  # nothing known: a full block first
+        if drafting:
+            assert all(n > 1 for n in again), again
+        else:
+            assert all(n == 1 for n in again), again
+
+
+def test_a_failing_re_probe_waits_longer_for_the_next():
+    """A paused drafter is re-probed after 24 plain rounds, then 48, 96, ... up to 8 times that: a probe costs
+    more than the plain round it replaces (a draft plus a verify of two rows)."""
+    controller = BlockSizeController(8, cost=round_cost(draft=0.3, verify_slope=0.05))
+    chosen = run_rounds(controller, 0.0, round_cost(draft=0.3, verify_slope=0.05), 1200, random.Random(0))
+    probes = [i for i, n in enumerate(chosen) if n > 1 and i > 10]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:3] == sorted(gaps[:3]) and gaps[0] < gaps[2], gaps
+    assert max(gaps) <= 8 * 24 + 1 and gaps[-1] > 4 * 24, gaps

@@ -209,3 +209,26 @@ def test_mask_token_is_read_from_the_target_embedding(pair):
             pair.target.embed_weight[MASK_ID] = saved
     assert generate(pair.target, pair.drafter, prompt, max_new_tokens=8, stop_ids=[]).tokens == \
         hf_greedy(pair.target, prompt, 8)
+
+
+def test_the_prompt_is_read_into_the_drafter_with_the_prefill(pair):
+    """The drafter's context for the prompt is made while reading the prompt (it counts as prefill, and a
+    first draft after a pause does not carry the whole prompt); the drafts that follow equal those of
+    reading it at the first draft."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    target, drafter = pair.target, pair.drafter
+    state = DecodeState(target, drafter)
+    steps = stream_generate(target, drafter, prompt, max_new_tokens=8, stop_ids=[], state=state)
+    next(steps)  # the prompt read and the first token chosen
+    assert state.draft_cache.length == len(prompt) and state.pending_rows == 0
+    lazy = DecodeState(target, drafter, own_caches=True)
+    lazy.prefill(prompt)
+    lazy.commit(state.tokens[-1:], None, anchor=state.anchor)
+    assert lazy.pending_rows == len(prompt)
+    block = drafter.block_size
+    eager_drafts = drafter.draft(state.pending, state.anchor, state.start, block, state.draft_cache,
+                                 target.embed_weight, target.logits_head)
+    lazy_drafts = drafter.draft(lazy.pending, lazy.anchor, lazy.start, block, lazy.draft_cache,
+                                target.embed_weight, target.logits_head)
+    assert eager_drafts.tolist() == lazy_drafts.tolist()
+    steps.close()

@@ -4,8 +4,9 @@ The controller keeps, with exponential forgetting, the acceptance rate at each d
 that the earlier ones were accepted (q_k), and the measured cost of a draft and of a verify at each
 block size it has used. The expected tokens of a round of n slots are 1 + sum_k prod_{j<=k} q_j (the
 bonus token always counts), its cost draft(n) + verify(n); a plain round (n = 1) commits one token for
-verify(1). When nothing beats plain decoding, drafting pauses and is re-probed now and then, so a
-drafter that starts to pay again (code after prose, say) is noticed. Output stays lossless whatever is
+verify(1). When nothing beats plain decoding, drafting pauses and is re-probed now and then (each probe
+that fails doubling the wait, up to 8 times), so a drafter that starts to pay again (code after prose, say)
+is noticed. Output stays lossless whatever is
 chosen: the block size only changes how many tokens each verify step can commit.
 
 Costs are kept per context length (buckets that double from 512 tokens): a verify of n rows attends over
@@ -14,10 +15,17 @@ the ones at 7,000. A bucket the controller has not measured yet is measured firs
 plain round, as at the start), its costs estimated meanwhile from the nearest bucket measured; acceptance
 is one estimate over all lengths, forgotten as it goes. So speculation pauses where, at this length, no
 block beats plain decoding, and comes back when a shorter context makes it pay again.
+
+What rounds cost depends on the machine and the pair, not on the request, so the costs live in a
+`RoundCosts` shared by every controller of one loaded drafter (bench's prompts, serve's requests, calls
+from Python). A request after the first starts from measured costs and from the last request's acceptance
+(weighted as a few rounds, so its own text takes over quickly) instead of three full blocks of warm-up:
+where drafting does not pay, it pays nothing to find that out again.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 FIRST_BUCKET = 512  # context lengths below this share one set of costs; each bucket above doubles it
@@ -28,23 +36,65 @@ def length_bucket(length: int) -> int:
     return max(0, int(length) // FIRST_BUCKET).bit_length()
 
 
+MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
+PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
+
+
+class RoundCosts:
+    """Seconds per round by context-length bucket and block length, and the latest acceptance counts: what
+    the controllers of one drafter learn that outlives a request."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, dict[int, float]] = {}  # length bucket -> block length -> smoothed seconds
+        self.reached: list[float] = []  # the latest controller's decayed counts (BlockSizeController's)
+        self.accepted: list[float] = []
+
+    def drafting_measured(self) -> bool:
+        return any(n > 1 for costs in self.seconds.values() for n in costs)
+
+
+_SHARED: weakref.WeakKeyDictionary[object, RoundCosts] = weakref.WeakKeyDictionary()
+
+
+def shared_costs(drafter: object) -> RoundCosts:
+    """The RoundCosts of a loaded drafter (it goes when the drafter does)."""
+    costs = _SHARED.get(drafter)
+    if costs is None:
+        costs = _SHARED[drafter] = RoundCosts()
+    return costs
+
+
 class BlockSizeController:
     """Chooses the block length (anchor included) of the next round, from 1 to `max_block`."""
 
-    def __init__(self, max_block: int, *, decay: float = 0.97, probe_every: int = 24, warmup: int = 3,
-                 cost: Callable[[int], float] | None = None):
-        """`cost(n)`, when given, replaces measured round costs (tests and simulations)."""
+    def __init__(self, max_block: int, *, decay: float = 0.97, probe_every: int = 24, warmup: int = 1,
+                 cost: Callable[[int], float] | None = None, shared: RoundCosts | None = None):
+        """`cost(n)`, when given, replaces measured round costs (tests and simulations); `shared`: the costs
+        and acceptance earlier requests of the same drafter measured (`shared_costs`)."""
         self.max_block = max_block
-        self.decay, self.probe_every, self.warmup = decay, probe_every, warmup
+        self.decay, self.probe_every = decay, probe_every
         self.injected_cost = cost
+        self.shared = shared if shared is not None else RoundCosts()
         self.reached = [0.0] * max_block  # [k] = weighted rounds whose block drafted position k (k >= 1)
         self.accepted = [0.0] * max_block  # [k] = ... that accepted it
-        self._costs: dict[int, dict[int, float]] = {}  # length bucket -> block length -> smoothed seconds
+        self._start_from(self.shared)
+        # full blocks first, unless earlier requests measured what drafting costs and is worth here
+        self.warmup = 0 if self.shared.drafting_measured() and any(self.reached) else warmup
+        self._costs = self.shared.seconds
         self.bucket = 0  # the bucket of the context the next rounds run at
         self.rounds = 0
         self._plain_streak = 0
+        self._probe_gap = probe_every  # plain rounds before the next re-probe of a paused drafter
         self.choice = max_block
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
+
+    def _start_from(self, shared: RoundCosts) -> None:
+        """Takes the earlier requests' acceptance as a prior worth PRIOR_ROUNDS rounds."""
+        weight = shared.reached[1] if len(shared.reached) > 1 else 0.0
+        scale = min(1.0, PRIOR_ROUNDS / weight) if weight > 0 else 0.0
+        for k in range(1, min(self.max_block, len(shared.reached))):
+            self.reached[k] = shared.reached[k] * scale
+            self.accepted[k] = shared.accepted[k] * scale
 
     def at(self, length: int) -> None:
         """The context length the next rounds run at (the committed tokens): its bucket's costs apply."""
@@ -116,12 +166,17 @@ class BlockSizeController:
             self.choice = max(self._best_drafting(), 2)  # a new context length: what a block costs here
         elif self.cost(1) is None or (self.injected_cost is None and not self.measured_here(1)):
             self.choice = 1  # measure what plain decoding costs (here) once
-        elif self.choice == 1 and self._plain_streak >= self.probe_every:
+        elif self.choice == 1 and self._plain_streak >= self._probe_gap:
             self.choice = max(self._best_drafting(), 2)  # re-probe a paused drafter
+            # each probe that does not end the pause waits twice as long for the next (up to 8x): a probe
+            # costs more than the plain round it replaces
+            self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP * self.probe_every)
         else:
             rates = self.rates()
             self.choice = max(rates, key=rates.__getitem__) if rates else self.max_block
-            if self.choice == 1 and length is not None:
+            if self.choice > 1:
+                self._probe_gap = self.probe_every
+            elif length is not None:
                 self.pause_reason = self._why_paused(length)
         return self.choice
 
@@ -151,6 +206,7 @@ class BlockSizeController:
                 self.reached[k] += 1.0
                 if k <= accepted:
                     self.accepted[k] += 1.0
+            self.shared.reached, self.shared.accepted = list(self.reached), list(self.accepted)
         here = self._costs.setdefault(self.bucket, {})
         previous = here.get(n)
         here[n] = seconds if previous is None else 0.8 * previous + 0.2 * seconds

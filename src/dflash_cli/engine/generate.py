@@ -26,7 +26,7 @@ from dflash_cli.engine.response import (
     Step,
 )
 from dflash_cli.engine.sampling import Sampler
-from dflash_cli.engine.speculative import Round, speculative_rounds
+from dflash_cli.engine.speculative import Round, read_context, speculative_rounds
 from dflash_cli.engine.state import DecodeState
 from dflash_cli.engine.target import Target
 
@@ -155,6 +155,8 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         first = sample(logits, len(prompt))  # (1,) the token at position len(prompt)
         state.commit(first_id := first.tolist(), None, anchor=first)
         sample.advance(first_id)
+        if block > 1 and drafter is not None:
+            read_context(state, drafter)
         tally = _Tally(len(prompt), len(prompt) - reused, block, target.device, adaptive=controller is not None,
                        threads=threads)
         tally.prefill_seconds = time.perf_counter() - t0

@@ -36,6 +36,20 @@ class Round:
     wall_seconds: float
 
 
+def read_context(state: DecodeState, drafter: Drafter) -> None:
+    """Puts the prompt's tapped states into the drafter's context cache now, as part of reading the prompt.
+
+    The first draft would do it anyway; done here it counts as prefill, and a first draft after a pause
+    (a re-probe) does not carry the whole prompt's context rows. The draft it makes is thrown away.
+    """
+    target, anchor = state.target, state.anchor
+    if not state.pending_rows or anchor is None or state.draft_cache is None:
+        return
+    drafter.draft(state.pending, anchor, state.start, drafter.block_size, state.draft_cache, target.embed_weight,
+                  target.logits_head, keep=1)
+    state.pending = None
+
+
 def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *, block_size: int,
                        limit: int, controller: BlockSizeController | None = None) -> Iterator[Round]:
     """Yields one Round per target verify step until len(state.tokens) reaches `limit`.

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from dflash_cli.engine.adaptive import BlockSizeController
+from dflash_cli.engine.adaptive import BlockSizeController, shared_costs
 from dflash_cli.engine.drafter import DraftCache, Drafter
 from dflash_cli.engine.errors import CacheTakenError
 from dflash_cli.engine.hf_config import PREFILL_CHUNK
@@ -79,7 +79,7 @@ class DecodeState:
         if self.draft_cache is not None:
             self.draft_cache.owner = self.owner
             self.draft_cache.crop(0)
-        self.pending: torch.Tensor | None = None  # (1, P, n_taps*H) tapped states not yet in the draft cache
+        self._pending: list[torch.Tensor] = []  # (1, P_i, n_taps*H) tapped states not yet in the draft cache
         self.anchor: torch.Tensor | None = None  # (1,) last committed token, on the target's device
 
     @property
@@ -99,8 +99,22 @@ class DecodeState:
         return len(self.tokens) - 1
 
     @property
+    def pending(self) -> torch.Tensor | None:
+        """(1, P, n_taps*H): the tapped states of the positions the draft cache does not hold yet, or None.
+
+        Kept as the rounds' pieces and joined when read: joining at every commit copied the whole prompt's
+        states once per plain round (12 MB a token at 1k tokens of context on the demo)."""
+        if len(self._pending) > 1:
+            self._pending = [torch.cat(self._pending, dim=1)]
+        return self._pending[0] if self._pending else None
+
+    @pending.setter
+    def pending(self, value: torch.Tensor | None) -> None:
+        self._pending = [] if value is None else [value]
+
+    @property
     def pending_rows(self) -> int:
-        return 0 if self.pending is None else self.pending.shape[1]
+        return sum(p.shape[1] for p in self._pending)
 
     def check(self) -> None:
         """Asserts the invariant above; the tests call it after every step."""
@@ -136,7 +150,7 @@ class DecodeState:
             logits, hidden = self.target.forward(new, self.target_cache, at, last_logit_only=True,
                                                  taps=self.drafter is not None)
             if hidden is not None:
-                self.pending = hidden if self.pending is None else torch.cat([self.pending, hidden], dim=1)
+                self._pending.append(hidden)
             self.tokens = list(prompt[:end + 1])
         # The cache now holds all prompt tokens; the first generated token, committed by the caller,
         # becomes the anchor.
@@ -147,7 +161,7 @@ class DecodeState:
         self.tokens.extend(tokens)
         crop_cache(self.target_cache, self.start)
         if hidden is not None:
-            self.pending = hidden if self.pending is None else torch.cat([self.pending, hidden], dim=1)
+            self._pending.append(hidden)
         self.anchor = anchor
 
     def rewind(self, length: int) -> None:
@@ -167,7 +181,7 @@ class DecodeState:
         """The adaptive block-size choice of this sequence for blocks of up to `block` (a new one when that
         changes)."""
         if self._controller is None or self._controller.max_block != block:
-            self._controller = BlockSizeController(block)
+            self._controller = BlockSizeController(block, shared=shared_costs(self.drafter))
         return self._controller
 
     def reset(self) -> None:
