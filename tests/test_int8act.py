@@ -197,23 +197,32 @@ def test_the_c_layer_computes_what_the_op_by_op_forward_does(pairs, family):
     torch.testing.assert_close(logits, ref_logits, rtol=0.02, atol=0.02 * float(ref_logits.abs().max()))
 
 
-def test_the_drafters_c_layers_compute_what_its_modules_do(pairs):
-    """Drafts need not be exact, but the C drafter layer must be the same function as the modules."""
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_drafters_c_layers_compute_what_its_modules_do(pairs, window):
+    """Drafts need not be exact, but the C drafter layer must be the same function as the modules, with a
+    context window (--draft-window) too; the window changes what the drafter sees."""
     pair = a8_pair(pairs, "qwen3", "q4a8")
     drafter = pair.drafter
     torch.manual_seed(0)
     taps = torch.randn(1, 6, drafter.fc.in_features)
     block = torch.randn(1, drafter.block_size, drafter.config.hidden_size)
     results = []
-    for native_layers in (drafter.native_layers, None):
-        drafter.native_layers = native_layers
-        cache = drafter.new_cache(64)
-        first = drafter(taps[:, :4], block, 4, cache)  # a first block after 4 context rows
-        second = drafter(taps[:, 4:], block, 6, cache)  # then 2 more, over the committed ones
-        results.append((first, second))
+    native_layers = drafter.native_layers
+    try:
+        for layers, context_window in ((native_layers, window), (None, window), (None, None)):
+            drafter.native_layers, drafter.context_window = layers, context_window
+            cache = drafter.new_cache(64)
+            first = drafter(taps[:, :4], block, 4, cache)  # a first block after 4 context rows
+            second = drafter(taps[:, 4:], block, 6, cache)  # then 2 more, over the committed ones
+            results.append((first, second))
+    finally:
+        drafter.native_layers, drafter.context_window = native_layers, None
     assert not torch.equal(results[0][0], results[1][0])  # two implementations ran: not the same bits
     for got, want in zip(results[0], results[1]):
         torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * float(want.abs().max()))
+    if window is not None:  # 4 and 6 context rows, 3 seen: not what the whole context gives
+        for got, whole in zip(results[1], results[2]):
+            assert (got - whole).abs().max() > 0.05 * float(whole.abs().max())
 
 
 def test_kernels_build_once_into_the_cache_and_a_damaged_library_is_built_again(tmp_path, monkeypatch):

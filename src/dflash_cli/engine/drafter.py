@@ -218,6 +218,17 @@ def block_mask(q_start: int, n_query: int, n_key: int, *, causal: bool, window: 
     return visibility(q_pos, k_pos, causal=causal, window=window)
 
 
+def context_window_mask(mask: torch.Tensor | None, start: int, n_query: int, window: int | None,
+                        device: torch.device) -> torch.Tensor | None:
+    """`mask` (block_mask's) that also hides the context positions before the last `window` (the drafter's
+    context window, `--draft-window`): the block at start.. sees positions start-window.. only."""
+    if window is None or start <= window:
+        return mask
+    k_pos = torch.arange(start + n_query, device=device)
+    seen = (k_pos >= start - window)[None].expand(n_query, -1)
+    return seen if mask is None else mask & seen
+
+
 def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, window: int | None) -> torch.Tensor:
     """The in-block attention rule on broadcastable position tensors: True where query may see key."""
     visible = torch.ones(torch.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=torch.bool, device=q_pos.device)
@@ -254,6 +265,9 @@ class DFlashDrafter(nn.Module):
         self.native_layers: tuple[Any, list[Any]] | None = None
         # engine/draft_graph.StaticDraft once the loop drafts at fixed shapes (compiled targets), else None
         self.static_draft: Any = None
+        # attend to the last N context positions only (--draft-window; None = all): the drafter was trained
+        # on short contexts, and at thousands of tokens its attention spreads thin
+        self.context_window: int | None = None
         # the target's embedding scale (Gemma: sqrt(hidden), in the embedding's dtype), set when the pair is
         # attached (load.attach_drafter): the block's embeddings are what the target's embedding module gives
         self.embed_scale: torch.Tensor | None = None
@@ -304,8 +318,9 @@ class DFlashDrafter(nn.Module):
         n_block = block.shape[1]
         ctx = None if context is None else self.project_context(context)
         positions = torch.arange(start - n_ctx, start + n_block, device=block.device)[None]
-        h = self.run_layers(block, ctx, positions, cache, lambda causal, window: block_mask(
-            start, n_block, start + n_block, causal=causal, window=window, device=block.device))
+        h = self.run_layers(block, ctx, positions, cache, lambda causal, window: context_window_mask(block_mask(
+            start, n_block, start + n_block, causal=causal, window=window, device=block.device), start, n_block,
+            self.context_window, block.device))
         cache.advance(n_ctx)
         return h
 
@@ -325,6 +340,7 @@ class DFlashDrafter(nn.Module):
         cfg = self.config
         like = h.new_empty(1, cfg.num_key_value_heads, 0, cfg.head_dim)
         for i, layer in enumerate(layers):
+            layer.window = self.context_window or 0
             keys, values = cache.reserve(i, end, like)
             run_draft_layer(lib, layer, h, ctx, cache.length, cos, signed, keys, values)
         return self.norm(h)
@@ -425,7 +441,7 @@ class DFlashDrafter(nn.Module):
         # slot 0 (the anchor) predicts nothing; a 2-D input keeps the LM head on the plain matmul path
         # (a 3-D slice makes CPU bf16 kernels copy the whole vocabulary matrix on every call)
         static = self.static_draft
-        if static is not None and static.fits(context, block_len, start, cache):
+        if static is not None and self.context_window is None and static.fits(context, block_len, start, cache):
             return static(context, block, start, cache)[0, 1 : keep + 1]  # fixed shapes (draft_graph.py)
         return self(context, block, start, cache)[0, 1 : keep + 1]  # (keep, H)
 

@@ -33,7 +33,7 @@ SOURCES = ("int8_matmul.c", "attention.c", "layer.c")
 # scheduling flags keep the kernels' accumulators in registers (gcc otherwise spills them)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-tree-reassoc",
          "-fschedule-insns", "-fsched-pressure", "-fPIC", "-shared")
-ABI_VERSION = 1
+ABI_VERSION = 2
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 COMPILE_TIMEOUT_S = 300
 
@@ -67,7 +67,7 @@ class DraftLayer(ctypes.Structure):
                 ("norm1", P), ("norm2", P), ("q_norm", P), ("k_norm", P),
                 ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("qk_eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("q", Linear), ("k", Linear), ("v", Linear), ("o", Linear),
-                ("gate", Linear), ("up", Linear), ("down", Linear)]
+                ("gate", Linear), ("up", Linear), ("down", Linear), ("window", LONG)]
 
 
 @dataclass

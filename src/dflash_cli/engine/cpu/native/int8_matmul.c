@@ -19,7 +19,7 @@
 
 #include "dfq.h"
 
-int dfq_abi_version(void) { return 1; }
+int dfq_abi_version(void) { return 2; }
 
 int dfq_max_threads(void) {
 #ifdef _OPENMP

@@ -131,12 +131,14 @@ void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_
 /* One DFlash drafter layer (full attention, bidirectional inside the block) on the block's rows h (B,
  * hidden), in place, with the new context rows ctx (P, hidden, or NULL when P = 0): the block's queries and
  * the context's and block's keys and values, written to the cache rows committed..committed+P+B-1 (row ==
- * position), every query seeing all of them. cos and signed_sin: (P + B, hd) for positions committed.. */
+ * position), every query seeing all of them, or with a context window W > 0 the last W context positions
+ * and the block. cos and signed_sin: (P + B, hd) for positions committed.. */
 struct dfq_draft_layer {
     long hidden, heads, kv, hd, inter;
     const float *norm1, *norm2, *q_norm, *k_norm;
     float eps1, eps2, qk_eps, scale;
     struct dfq_linear q, k, v, o, gate, up, down;
+    long window;
 };
 
 void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, const float *ctx, long P,
@@ -151,6 +153,7 @@ void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, 
     int8_t *aq = malloc((size_t)(N * widest));
     float *ad = malloc(sizeof(float) * (size_t)(N * widest / QK)), *as = malloc(sizeof(float) * (size_t)(N * widest / QK));
     const long group = heads / kv, nb = H / QK, end = committed + N;
+    const long lo = L->window > 0 && committed + P > L->window ? committed + P - L->window : 0;
 #pragma omp parallel
     {
         /* rows 0..P-1 the context (already normed by the drafter's hidden_norm), P.. the normed block */
@@ -185,7 +188,7 @@ void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, 
         for (long task = 0; task < B * kv; task++) {
             const long r = task / kv, gi = task % kv;
             dfq_attend_group(q + r * A + gi * group * hd, group, hd, keys + gi * capacity * hd,
-                             values + gi * capacity * hd, 0, end, 1.0f, xn + r * A + gi * group * hd);
+                             values + gi * capacity * hd, lo, end - lo, 1.0f, xn + r * A + gi * group * hd);
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < B; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
