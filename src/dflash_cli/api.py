@@ -19,7 +19,8 @@ from dflash_cli.runtime.local import LocalRuntime
 def load(model: str, draft: str | None = None, *, no_draft: bool = False, quant: str | None = None,
          dtype: str | None = None, device: str | None = None, compile: str = S.DEFAULT_COMPILE,
          max_context: int | None = None, device_map: str | None = None,
-         max_memory: str | dict[str, int] | None = None, threads: int | None = None) -> LocalRuntime:
+         max_memory: str | dict[str, int] | None = None, threads: int | None = None,
+         draft_window: int | None = None) -> LocalRuntime:
     """A target (a folder, a known name such as "qwen3-8b", a Hub repo id, or the built-in "demo"), its drafter
     (the registry's for a known target, `draft`, or none with `no_draft`) and its tokenizer, as the command
     line opens them: the pair and its memory are checked from config files before any download.
@@ -32,11 +33,13 @@ def load(model: str, draft: str | None = None, *, no_draft: bool = False, quant:
     device_map: None (one device), "auto", "balanced" or "sequential" splits the target's layers over the
     GPUs (cpu/disk offload last); max_memory: "0=14GiB,1=14GiB,cpu=30GiB" or {"cuda:0": bytes, ...};
     threads: CPU threads (default: one per core other processes leave free, re-checked while generating).
+    draft_window: the drafter attends to the last N context positions only (default: all; output unchanged).
     """
     return open_local(ModelOptions(model=model, draft=draft, no_draft=no_draft, quant=quant,
                                    dtype=dtype or S.DEFAULT_DTYPE, device=device or S.DEFAULT_DEVICE,
                                    compile=compile, max_context=max_context, device_map=device_map,
-                                   max_memory=max_memory, threads=threads))
+                                   max_memory=max_memory, threads=threads,
+                                   draft_window=draft_window))
 
 
 def prompt_ids(runtime: LocalRuntime, prompt: str | Sequence[int], *, chat_template: bool = True,

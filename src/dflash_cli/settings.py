@@ -49,6 +49,7 @@ ENV = {
     "device_map": "DFLASH_DEVICE_MAP",
     "max_memory": "DFLASH_MAX_MEMORY",
     "threads": "DFLASH_THREADS",
+    "draft_window": "DFLASH_DRAFT_WINDOW",
     "format": "DFLASH_FORMAT",
     "schema": "DFLASH_SCHEMA",
     "grammar": "DFLASH_GRAMMAR",
@@ -106,7 +107,7 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "block_size": int,
     "system": str, "color": str, "provenance": bool, "max_context": int, "compile": str,
     "hide_thinking": bool, "engine": str, "device_map": str, "max_memory": str, "timeout": (int, float),
-    "threads": int, "format": str, "schema": str, "grammar": str, "regex": str,
+    "threads": int, "draft_window": int, "format": str, "schema": str, "grammar": str, "regex": str,
 }
 
 
@@ -137,7 +138,8 @@ class Config:
         """click's default_map: config values become option defaults (flags and env vars still win)."""
         model_keys = {k: v for k, v in self.values.items()
                       if k in ("model", "draft", "quant", "dtype", "device", "max_context", "block_size", "color",
-                               "compile", "engine", "device_map", "max_memory", "timeout", "threads")}
+                               "compile", "engine", "device_map", "max_memory", "timeout", "threads",
+                               "draft_window")}
         return {"generate": dict(self.values), "chat": dict(self.values), "bench": model_keys}
 
 

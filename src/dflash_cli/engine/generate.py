@@ -64,6 +64,7 @@ class _Tally:
         self.threads_before = threads.changes if threads is not None else 0
         self.block_rounds = [0] * block_size  # [n-1] = rounds run with n slots
         self.pause_reason = ""
+        self.draft_window = 0
         self.last_block = 0
         self.prefill_seconds = self.decode_seconds = self.draft_seconds = self.verify_seconds = 0.0
         self.generated = self.steps = self.drafted = self.accepted = 0
@@ -102,7 +103,7 @@ class _Tally:
             last_block=self.last_block, threads=self.threads.threads if self.threads is not None else 0,
             thread_changes=self.threads.changes - self.threads_before if self.threads is not None else 0,
             pause_reason=self.pause_reason if self.block_rounds and self.block_rounds[0] else "",
-            finish_reason=finish_reason)
+            draft_window=self.draft_window, finish_reason=finish_reason)
 
 
 def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[int], *,
@@ -151,15 +152,11 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
         t0 = time.perf_counter()
         if threads is not None:
             threads.check(force=True)  # the window since the last reply (or the load) says what is free now
-        logits, reused = state.prefill(list(prompt))
-        first = sample(logits, len(prompt))  # (1,) the token at position len(prompt)
-        state.commit(first_id := first.tolist(), None, anchor=first)
-        sample.advance(first_id)
-        if block > 1 and drafter is not None:
-            read_context(state, drafter)
+        first_id, reused = _read_prompt(state, sample, list(prompt), drafter if block > 1 else None)
         tally = _Tally(len(prompt), len(prompt) - reused, block, target.device, adaptive=controller is not None,
                        threads=threads)
         tally.prefill_seconds = time.perf_counter() - t0
+        tally.draft_window = (getattr(drafter, "context_window", None) or 0) if block > 1 else 0
         tally.generated = 1
 
         finish = _finish_reason(first_id, stops, len(state.tokens), limit, at_limit)
@@ -187,6 +184,19 @@ def stream_generate(target: Target, drafter: Drafter | None, prompt: Sequence[in
                 threads.check()  # before the next round: another process may have taken a core, or left one
     finally:
         state.repair()
+
+
+def _read_prompt(state: DecodeState, sample: Sampler, prompt: list[int],
+                 drafter: Drafter | None) -> tuple[list[int], int]:
+    """Prefills `prompt` (the drafter too, when one will draft) and commits the first token: (its id in a list,
+    how many prompt tokens the caches already held)."""
+    logits, reused = state.prefill(prompt)
+    first = sample(logits, len(prompt))  # (1,) the token at position len(prompt)
+    state.commit(first_id := first.tolist(), None, anchor=first)
+    sample.advance(first_id)
+    if drafter is not None:
+        read_context(state, drafter)
+    return first_id, reused
 
 
 def _sampler(target: Target, tokenizer: Any, sampler: Sampler, output_format: OutputFormat | None,

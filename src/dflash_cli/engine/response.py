@@ -36,6 +36,7 @@ class GenerationStats:
     threads: int = 0  # CPU threads of the latest round (engine/cpu/threads.py); 0: not chosen here (a GPU, a server)
     thread_changes: int = 0  # times the thread count changed during this generation (a core taken or freed)
     pause_reason: str = ""  # adaptive runs that paused drafting: why, at the latest pause (engine/adaptive.py)
+    draft_window: int = 0  # the drafter's context window in tokens (--draft-window); 0: the whole context
     finish_reason: str | None = None
     # a remote engine (runtime/remote.py): whether it reported speculative counters, and the tokens it streamed
     # after the first (it reports no per-step histogram to count them from)

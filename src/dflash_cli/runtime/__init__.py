@@ -51,6 +51,7 @@ class ModelOptions:
     engine: str | None = None
     timeout: float | None = None
     threads: int | None = None  # CPU threads; None: chosen from the free cores while generating
+    draft_window: int | None = None  # the drafter's context window in tokens; None: the whole context
 
 
 @runtime_checkable
@@ -156,7 +157,8 @@ def open_local(options: ModelOptions, *, block_size: int | None = None, on_statu
     with _busy(busy, f"Loading {options.model} ...") as update:
         runtime = load_runtime(pair.target_dir, pair.drafter_dir, quant=pair.quant, quant_auto=pair.quant_auto,
                                dtype=options.dtype, placement=placement, compile=options.compile,
-                               max_context=options.max_context, threads=options.threads, on_notice=on_notice,
+                               max_context=options.max_context, threads=options.threads,
+                               draft_window=options.draft_window, on_notice=on_notice,
                                on_status=update if callable(update) else status, before_weights=before_weights)
     runtime.drafter_entry, runtime.note = pair.drafter_entry, pair.drafter_note
     return runtime

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from dflash_cli import settings as S
 from dflash_cli.engine.errors import CheckpointError, InvalidSettingError
@@ -142,7 +142,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
                  device_map: str | None = None, max_memory: str | dict[str, int] | None = None,
                  placement: Placement | None = None, on_status: Status | None = None,
                  on_notice: Status | None = None, before_weights: Callable[[Any], None] | None = None,
-                 quant_auto: bool = False, threads: int | None = None) -> LocalRuntime:
+                 quant_auto: bool = False, threads: int | None = None,
+                 draft_window: int | None = None) -> LocalRuntime:
     """Loads a target folder (and drafter folder), checking the pair before any weights load.
 
     Names, repo ids and built-in models become folders before this (`open_runtime`, models/resolve.py).
@@ -157,6 +158,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     `quant_auto`: `quant` was --quant auto's choice, so a weight-only one (q4/q8) that cannot run here
     (compile off, a target off the fast path) falls back to unquantized with a notice instead of an error.
     `threads`: the CPU thread count of a target on the CPU (None: chosen while generating, engine/cpu/threads.py).
+    `draft_window`: the drafter attends to that many of the latest context positions only (None: all).
     """
     from dflash_cli.engine.cpu.threads import ThreadGovernor
     from dflash_cli.engine.device import pick_dtype
@@ -197,6 +199,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
                                on_status=on_status, on_notice=on_notice, quant_auto=quant_auto)
     forward += built_note
     pair.target.threads = governor
+    if pair.drafter is not None and draft_window is not None:
+        cast(Any, pair.drafter).context_window = draft_window
     if quant in ("q4", "q8", "q4a8", "q8a8") and pair.target.weight_quant is None:  # --quant auto fell back
         quant = None
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed

@@ -97,6 +97,8 @@ def stats_block(stats: Any, *, load_seconds: float | None = None, wall_seconds: 
         speedup = stats.decode_tokens_per_second / baseline.decode_tokens_per_second
         rows += [("plain eval rate", f"{baseline.decode_tokens_per_second:.2f} tokens/s"),
                  ("speedup", f"{speedup:.2f}x (measured against plain decoding)")]
+    if getattr(stats, "draft_window", 0):
+        rows.append(("draft window", f"the last {stats.draft_window} tokens of context"))
     if getattr(stats, "threads", 0):
         changed = stats.thread_changes
         rows.append(("cpu threads", f"{stats.threads}" + (f" (changed {changed} time(s) as other processes took or "
@@ -151,4 +153,5 @@ def _stats_json(stats: Any) -> dict[str, Any]:
         "threads": getattr(stats, "threads", 0) or None,
         "thread_changes": getattr(stats, "thread_changes", 0),
         "pause_reason": getattr(stats, "pause_reason", "") or None,
+        "draft_window": getattr(stats, "draft_window", 0) or None,
     }

@@ -1,0 +1,57 @@
+"""--draft-window: the drafter attends to the last N context positions only; the target's output is unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from conftest import DEVICE, drafter_config, save_random_drafter, target_config
+from support.speculation import oracle_for
+
+import dflash_cli
+from dflash_cli.engine.generate import generate
+from dflash_cli.engine.load import load_pair
+from dflash_cli.ui.cli import cli
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-fast", "llama-fast"])
+def pair(request, tiny_models):
+    family, _, fast = request.param.partition("-")
+    pair = load_pair(tiny_models[family], tiny_models[f"{family}-drafter"], device=DEVICE, dtype="float32")
+    if fast:
+        assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
+    return pair
+
+
+@pytest.mark.parametrize("window", [1, 4, 64])
+def test_a_window_changes_the_drafts_only(pair, window):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    plain = generate(pair.target, None, prompt, max_new_tokens=40, stop_ids=[])
+    pair.drafter.context_window = window
+    try:
+        windowed = generate(pair.target, pair.drafter, prompt, max_new_tokens=40, stop_ids=[], block_size=4)
+        # a drafter right half the time: rejected drafts roll the windowed context back as well
+        oracle = oracle_for(pair, prompt, 40, acceptance=0.5, seed=1)
+        with_oracle = generate(pair.target, oracle, prompt, max_new_tokens=40, stop_ids=[], block_size=8)
+    finally:
+        pair.drafter.context_window = None
+    assert windowed.tokens == plain.tokens and with_oracle.tokens == plain.tokens
+    assert windowed.stats.draft_window == window
+
+
+def test_the_option_reaches_the_drafter_and_the_statistics(tiny_target_dir, tmp_path):
+    target = str(tiny_target_dir)
+    drafter = str(save_random_drafter(tmp_path / "drafter", drafter_config(target_config("qwen3")), seed=2))
+    runtime = dflash_cli.load(target, draft=drafter, draft_window=6)
+    assert runtime.drafter is not None and getattr(runtime.drafter, "context_window") == 6
+    args = ["generate", "-m", target, "--draft", drafter, "-n", "12", "--no-chat-template", "--json", "hello"]
+    windowed = CliRunner().invoke(cli, [*args, "--draft-window", "6"])
+    plain = CliRunner().invoke(cli, [*args, "--no-draft"])
+    assert windowed.exit_code == 0 and plain.exit_code == 0, windowed.stderr + plain.stderr
+    assert json.loads(windowed.stdout)["draft_window"] == 6
+    assert json.loads(windowed.stdout)["text"] == json.loads(plain.stdout)["text"]
+    verbose = CliRunner().invoke(cli, args[:-2] + ["-v", "hello"], env={"DFLASH_DRAFT_WINDOW": "5"})
+    assert verbose.exit_code == 0 and "draft window" in verbose.stderr and "last 5 tokens" in verbose.stderr
+    bad = CliRunner().invoke(cli, [*args, "--draft-window", "0"])
+    assert bad.exit_code == 2 and "--draft-window" in bad.stderr
