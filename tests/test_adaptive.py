@@ -192,3 +192,14 @@ def test_a_failing_re_probe_waits_longer_for_the_next():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps[:3] == sorted(gaps[:3]) and gaps[0] < gaps[2], gaps
     assert max(gaps) <= 8 * 24 + 1 and gaps[-1] > 4 * 24, gaps
+
+
+def test_an_unmeasured_block_is_estimated_with_the_draft_it_needs():
+    """A drafted round costs the whole block's draft plus a verify that grows with its rows: after one full
+    block and one plain round, a block of 2 is estimated at draft + a verify between the two, not on a
+    line from the plain round (which would underestimate it by most of a draft and try it for nothing)."""
+    controller = BlockSizeController(8)
+    controller.observe(8, 0, 0.040, draft_seconds=0.007)
+    controller.observe(1, 0, 0.009)
+    assert controller.cost(2) == pytest.approx(0.007 + 0.009 + (0.033 - 0.009) / 7)
+    assert controller.cost(8) == pytest.approx(0.040)

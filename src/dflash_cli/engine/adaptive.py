@@ -36,6 +36,7 @@ def length_bucket(length: int) -> int:
     return max(0, int(length) // FIRST_BUCKET).bit_length()
 
 
+DRAFT = 0  # the key of a bucket's cost table that holds the draft's own seconds (a block drafts in full)
 MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 
@@ -137,10 +138,12 @@ class BlockSizeController:
         if len(drafted) == 1:
             if 1 not in self._cost:
                 return self._cost[drafted[0]]  # one measurement: assume the block size barely matters
-            # a plain round and one block size measured: a line through both (a verify's cost grows with
-            # its length where compute, not weight reads, dominates: CPUs), so smaller blocks get tried
-            lo, hi = 1, drafted[0]
-            return max(self._cost[lo] + (self._cost[hi] - self._cost[lo]) * (n - lo) / (hi - lo), 1e-9)
+            # a plain round and one block size measured: the draft (the whole block, whatever is kept) plus
+            # a verify on a line through both verifies (its cost grows with its length where compute, not
+            # weight reads, dominates: CPUs), so smaller blocks get tried at what they will cost
+            hi, draft = drafted[0], self._cost.get(DRAFT, 0.0)
+            plain, verify = self._cost[1], self._cost[hi] - draft
+            return max(draft + plain + (verify - plain) * (n - 1) / (hi - 1), 1e-9)
         lo, hi = drafted[0], drafted[-1]
         slope = (self._cost[hi] - self._cost[lo]) / (hi - lo)
         return max(self._cost[lo] + slope * (n - lo), 1e-9)
@@ -194,8 +197,9 @@ class BlockSizeController:
         rates = {n: r for n, r in self.rates().items() if n > 1}
         return max(rates, key=rates.__getitem__) if rates else self.max_block
 
-    def observe(self, n: int, accepted: int, seconds: float) -> None:
-        """Records a round of n slots that accepted `accepted` drafts and took `seconds`."""
+    def observe(self, n: int, accepted: int, seconds: float, draft_seconds: float | None = None) -> None:
+        """Records a round of n slots that accepted `accepted` drafts and took `seconds`, `draft_seconds` of
+        them drafting."""
         self.rounds += 1
         self._plain_streak = self._plain_streak + 1 if n == 1 else 0
         if n > 1:
@@ -208,5 +212,7 @@ class BlockSizeController:
                     self.accepted[k] += 1.0
             self.shared.reached, self.shared.accepted = list(self.reached), list(self.accepted)
         here = self._costs.setdefault(self.bucket, {})
-        previous = here.get(n)
-        here[n] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        for key, value in ((n, seconds), (DRAFT, draft_seconds if n > 1 else None)):
+            if value is not None:
+                previous = here.get(key)
+                here[key] = value if previous is None else 0.8 * previous + 0.2 * value

@@ -94,5 +94,5 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         round_ = Round(host[: a + 1], n - 1, a, draft_watch.seconds, verify_watch.seconds,
                        time.perf_counter() - t0)
         if controller is not None:
-            controller.observe(n, a, round_.wall_seconds)
+            controller.observe(n, a, round_.wall_seconds, round_.draft_seconds)
         yield round_
