@@ -5,9 +5,9 @@ that the earlier ones were accepted (q_k), and the measured cost of a draft and 
 block size it has used. The expected tokens of a round of n slots are 1 + sum_k prod_{j<=k} q_j (the
 bonus token always counts), its cost draft(n) + verify(n); a plain round (n = 1) commits one token for
 verify(1). When nothing beats plain decoding, drafting pauses and is re-probed now and then (each probe
-that fails doubling the wait, up to 8 times), so a drafter that starts to pay again (code after prose, say)
-is noticed. Output stays lossless whatever is
-chosen: the block size only changes how many tokens each verify step can commit.
+that fails doubling the wait, up to 8 times), so a drafter that starts to pay again (code after prose,
+say) is noticed. Output stays lossless whatever is chosen: the block size only changes how many tokens
+each verify step can commit.
 
 Costs are kept per context length (buckets that double from 512 tokens): a verify of n rows attends over
 every cached position, and a draft over the drafter's context, so the costs learned at 200 tokens are not
@@ -19,8 +19,8 @@ block beats plain decoding, and comes back when a shorter context makes it pay a
 What rounds cost depends on the machine and the pair, not on the request, so the costs live in a
 `RoundCosts` shared by every controller of one loaded drafter (bench's prompts, serve's requests, calls
 from Python). A request after the first starts from measured costs and from the last request's acceptance
-(weighted as a few rounds, so its own text takes over quickly) instead of three full blocks of warm-up:
-where drafting does not pay, it pays nothing to find that out again.
+(weighted as a few rounds, so its own text takes over quickly) instead of a full block of warm-up: where
+drafting does not pay, it pays nothing to find that out again.
 """
 
 from __future__ import annotations
