@@ -19,8 +19,8 @@ block beats plain decoding, and comes back when a shorter context makes it pay a
 What rounds cost depends on the machine and the pair, not on the request, so the costs live in a
 `RoundCosts` shared by every controller of one loaded drafter (bench's prompts, serve's requests, calls
 from Python). A request after the first starts from measured costs and from the last request's acceptance
-(weighted as a few rounds, so its own text takes over quickly) instead of a full block of warm-up: where
-drafting does not pay, it pays nothing to find that out again.
+(weighted as a few rounds, so its own text takes over quickly) instead of three full blocks of warm-up:
+where drafting does not pay, it pays nothing to find that out again.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def shared_costs(drafter: object) -> RoundCosts:
 class BlockSizeController:
     """Chooses the block length (anchor included) of the next round, from 1 to `max_block`."""
 
-    def __init__(self, max_block: int, *, decay: float = 0.97, probe_every: int = 24, warmup: int = 1,
+    def __init__(self, max_block: int, *, decay: float = 0.97, probe_every: int = 24, warmup: int = 3,
                  cost: Callable[[int], float] | None = None, shared: RoundCosts | None = None):
         """`cost(n)`, when given, replaces measured round costs (tests and simulations); `shared`: the costs
         and acceptance earlier requests of the same drafter measured (`shared_costs`)."""
