@@ -6,22 +6,17 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from conftest import DEVICE, drafter_config, save_random_drafter, target_config
-from support.speculation import oracle_for
+from conftest import drafter_config, save_random_drafter, target_config
+from support.speculation import oracle_for, tiny_pair
 
 import dflash_cli
 from dflash_cli.engine.generate import generate
-from dflash_cli.engine.load import load_pair
 from dflash_cli.ui.cli import cli
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-fast", "llama-fast"])
 def pair(request, tiny_models):
-    family, _, fast = request.param.partition("-")
-    pair = load_pair(tiny_models[family], tiny_models[f"{family}-drafter"], device=DEVICE, dtype="float32")
-    if fast:
-        assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
-    return pair
+    return tiny_pair(tiny_models, request.param)
 
 
 @pytest.mark.parametrize("window", [1, 4, 64])

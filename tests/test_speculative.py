@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, MASK_ID, TargetForwardLog, interrupt_on_call
-from support.speculation import hf_greedy, oracle_for, random_prompts
+from conftest import MASK_ID, TargetForwardLog, interrupt_on_call
+from support.speculation import hf_greedy, oracle_for, random_prompts, tiny_pair
 
 from dflash_cli.engine.generate import generate, stream_generate
-from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.state import DecodeState
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3-fast", "llama-fast"])
 def pair(request, tiny_models):
     """Each tiny pair on transformers' forward and on the fast path (static cache, eager)."""
-    family, _, fast = request.param.partition("-")
-    pair = load_pair(tiny_models[family], tiny_models[f"{family}-drafter"], device=DEVICE, dtype="float32")
-    if fast:
-        assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
-    return pair
+    return tiny_pair(tiny_models, request.param)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 8])

@@ -19,6 +19,20 @@ def hf_greedy(target, prompt, max_new_tokens, eos=None):
     return out[0, len(prompt):].tolist()
 
 
+def tiny_pair(tiny_models, kind: str):
+    """A tiny pair loaded in fp32: kind "qwen3" or "llama" on transformers' forward, "...-fast" on the fast
+    path (static cache, eager)."""
+    from conftest import DEVICE
+
+    from dflash_cli.engine.load import load_pair
+
+    family, _, fast = kind.partition("-")
+    pair = load_pair(tiny_models[family], tiny_models[f"{family}-drafter"], device=DEVICE, dtype="float32")
+    if fast:
+        assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
+    return pair
+
+
 def random_prompts(n, seed):
     rng = random.Random(seed)
     return [[rng.randrange(3, 140) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
