@@ -6,6 +6,11 @@ intermediate 1536, vocabulary 49152); timings are medians over `--repeats` calls
 
     .venv/bin/python benchmarks/cpu_kernels.py                 # about 1 minute on 2 cores
     .venv/bin/python benchmarks/cpu_kernels.py --rows 1 8 16 --formats fp32 q4 q4a8
+    .venv/bin/python benchmarks/cpu_kernels.py --formats q4a8 q8a8 --variants   # each kernel build this CPU runs
+
+--variants runs q4a8/q8a8 once per kernel variant this CPU has the instructions for (AVX2's maddubs,
+AVX-VNNI, AVX-512 VNNI: engine/cpu/native.py), each built into a temporary folder, side by side; the last
+column is a verify of 8 rows against a 1-row decode, the ratio speculation lives on.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--variants", action="store_true", help="q4a8/q8a8 on every kernel variant this CPU runs")
     args = ap.parse_args()
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from cpu_formats import cpu_line
@@ -60,24 +66,45 @@ def main() -> None:
     print(f"{args.layers} layers of {shapes} + LM head ({args.vocab}, {h}); ms per call of the whole stack",
           flush=True)
     print()
-    print("| format | " + " | ".join(f"{r} rows" for r in args.rows) + " | LM head, 1 row | LM head, 8 rows |")
-    print("|---|" + "---:|" * (len(args.rows) + 2))
+    print("| format | " + " | ".join(f"{r} rows" for r in args.rows)
+          + " | LM head, 1 row | LM head, 8 rows | 8 rows / 1 row |")
+    print("|---|" + "---:|" * (len(args.rows) + 3))
     for fmt in args.formats:
         layers = [make(fmt, torch.randn(*s) * 0.02, False) for s in shapes]
         head = make(fmt, torch.randn(args.vocab, h) * 0.02, True)
         if any(m is None for m in layers) or head is None:
             print(f"| {fmt} | not available here |")
             continue
-        dtype = torch.bfloat16 if fmt in ("bf16", "q4", "q8") else torch.float32
-        cells = []
-        for rows in args.rows:
-            stack = sum(per_call(m, torch.randn(rows, m_in).to(dtype), args.repeats)
-                        for m, (_, m_in) in zip(layers, shapes)) * args.layers
-            cells.append(stack + per_call(head, torch.randn(rows, h).to(dtype), args.repeats))
-        heads = [per_call(head, torch.randn(r, h).to(dtype), args.repeats) for r in (1, 8)]
-        print(f"| {fmt} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {heads[0]:.2f} | {heads[1]:.2f} |",
-              flush=True)
+        for label, lib in kernel_builds(fmt, args.variants):
+            for m in (*layers, head):
+                if lib is not None:
+                    m.lib = lib  # type: ignore[union-attr]
+            print(f"| {label} | {row(fmt, layers, head, shapes, args)} |", flush=True)
 
+
+def kernel_builds(fmt: str, variants: bool) -> list[tuple[str, object]]:
+    """(label, library or None for the one loaded) for each kernel build the format runs on."""
+    if not variants or fmt not in ("q4a8", "q8a8"):
+        return [(fmt, None)]
+    import tempfile
+    from pathlib import Path
+
+    from dflash_cli.engine.cpu import native
+
+    folder = Path(tempfile.mkdtemp(prefix="dflash-variants-"))
+    return [(f"{fmt} ({v.name})", native.build_variant(v, folder)) for v in native.variants_for(native.cpu_flags())]
+
+
+def row(fmt: str, layers: list, head: nn.Module, shapes: list[tuple[int, int]], args: argparse.Namespace) -> str:
+    dtype = torch.bfloat16 if fmt in ("bf16", "q4", "q8") else torch.float32
+    cells = {}
+    for rows in sorted({*args.rows, 1, 8}):
+        stack = sum(per_call(m, torch.randn(rows, m_in).to(dtype), args.repeats)
+                    for m, (_, m_in) in zip(layers, shapes)) * args.layers
+        cells[rows] = stack + per_call(head, torch.randn(rows, args.hidden).to(dtype), args.repeats)
+    heads = [per_call(head, torch.randn(r, args.hidden).to(dtype), args.repeats) for r in (1, 8)]
+    return (" | ".join(f"{cells[r]:.1f}" for r in args.rows) + f" | {heads[0]:.2f} | {heads[1]:.2f} | "
+            f"{cells[8] / cells[1]:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -17,13 +17,10 @@ from dflash_cli.engine.cpu.c_layers import fuse_drafter
 from dflash_cli.engine.cpu.int8act import (
     Q4A8Linear,
     Q8A8Linear,
-    pack_q4,
-    pack_q8,
     quantize_act_rows,
     quantize_drafter,
-    unpack_q4,
-    unpack_q8,
 )
+from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, unpack_q4, unpack_q8
 from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
 from dflash_cli.engine.errors import InvalidSettingError, UnsupportedModelError
 from dflash_cli.engine.generate import generate

@@ -268,15 +268,17 @@ def _native_kernels(quant: str, quant_auto: bool, on_status: Status | None,
 
     built = native.library(on_status)
     if built is not None:
-        note = f"; kernels built for this CPU in {built.seconds:.1f}s, kept in {built.path.parent}" \
-            if built.seconds else ""
+        note = f"; {built.variant.name} kernels built for this CPU in {built.seconds:.1f}s, kept in " \
+            f"{built.path.parent}" if built.seconds else ""
         return quant, note
     if quant_auto:
         if on_notice is not None:
             on_notice(f"--quant auto: {quant} is not available ({native.unavailable()}); running unquantized")
         return None, ""
-    raise InvalidSettingError(f"--quant {quant} needs this project's AVX2 kernels: {native.unavailable()}",
-                              hint="install a C compiler (gcc), or use --quant q4, q8 or none")
+    why = native.unavailable() or ""
+    hint = f"unset {native.KERNELS_ENV}, or name a build this CPU runs (doctor lists them)" \
+        if native.KERNELS_ENV in why else "install a C compiler (gcc), or use --quant q4, q8 or none"
+    raise InvalidSettingError(f"--quant {quant} needs this project's AVX2 kernels: {why}", hint=hint)
 
 
 def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int | None, *, bnb_quant: str | None,

@@ -286,7 +286,27 @@ def check_cpu() -> list[Check]:
                             data={"quant": chosen, "why": why}))
     except Exception as error:  # engine import needs torch
         checks.append(Check("cpu format", f"unknown ({type(error).__name__})", data=None))
+    checks.append(_check_kernels())
     return checks
+
+
+def _check_kernels() -> Check:
+    """Which build of the q4a8/q8a8 kernels this CPU gets (engine/cpu/native.py's variants), without building."""
+    try:
+        from dflash_cli.engine.cpu import native
+
+        missing = native.available_without_building()
+        if missing is not None:
+            forced = native.KERNELS_ENV in missing
+            return Check("cpu kernels", f"none ({missing})", WARN if forced else OK,
+                         f"unset {native.KERNELS_ENV}, or name one this CPU runs" if forced else None, data=None)
+        variant, why = native.chosen_variant()
+        runs = [v.name for v in native.variants_for(native.cpu_flags())]
+    except Exception as error:  # engine import needs torch
+        return Check("cpu kernels", f"unknown ({type(error).__name__})", data=None)
+    others = [name for name in runs if name != variant.name]
+    value = f"{variant.name} ({why})" + (f"; this CPU also runs {', '.join(others)}" if others else "")
+    return Check("cpu kernels", value, data={"variant": variant.name, "why": why, "runs": runs})
 
 
 def _check_threads() -> Check:

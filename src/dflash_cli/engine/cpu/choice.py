@@ -69,8 +69,12 @@ def _key() -> str:
     digest = hashlib.sha256(torch.__version__.encode())
     digest.update(platform.processor().encode())
     digest.update(" ".join(sorted(native.cpu_flags())).encode())
-    for name in native.SOURCES:
-        digest.update((native.source_dir() / name).read_bytes())
+    for path in native.source_files():
+        digest.update(path.name.encode() + path.read_bytes())
+    try:
+        digest.update(native.chosen_variant()[0].name.encode())  # DFLASH_KERNELS changes the timings
+    except ValueError:
+        pass
     return digest.hexdigest()[:16]
 
 

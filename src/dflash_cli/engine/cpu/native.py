@@ -36,6 +36,60 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-
 ABI_VERSION = 2
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 COMPILE_TIMEOUT_S = 300
+KERNELS_ENV = "DFLASH_KERNELS"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the kernels: which instruction sums the 8-bit products (native/int8_matmul.c). Every
+    variant gives the same bits; they differ in speed only."""
+    name: str
+    cpu_flags: tuple[str, ...]  # what /proc/cpuinfo must list for it
+    compile_flags: tuple[str, ...]
+    define: str  # the macro that selects it in the C source ("" for AVX2)
+
+    def flags(self, emulate: bool = False) -> tuple[str, ...]:
+        """Compiler flags; `emulate` (tests only) takes the instructions from SIMDe's headers instead, so the
+        same source runs on a CPU without them."""
+        if emulate and self.define:
+            return (f"-D{self.define}", "-DDFQ_EMULATE")
+        return (*self.compile_flags, *((f"-D{self.define}",) if self.define else ()))
+
+
+# the fastest first: vpdpbusd on 16 lanes, on 8, then AVX2's maddubs + madd
+VARIANTS = (
+    Variant("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"), "DFQ_AVX512_VNNI"),
+    Variant("avx-vnni", ("avx_vnni",), ("-mavxvnni",), "DFQ_AVX_VNNI"),
+    Variant("avx2", (), (), ""),
+)
+
+
+def variant_named(name: str) -> Variant:
+    for variant in VARIANTS:
+        if variant.name == name:
+            return variant
+    raise ValueError(f"no kernel variant {name!r} (one of {', '.join(v.name for v in VARIANTS)})")
+
+
+def variants_for(flags: set[str]) -> list[Variant]:
+    """The variants a CPU with `flags` runs, the fastest first."""
+    return [v for v in VARIANTS if set(v.cpu_flags) <= flags]
+
+
+def chosen_variant(flags: set[str] | None = None) -> tuple[Variant, str]:
+    """The variant to build here and why: $DFLASH_KERNELS when it names one this CPU runs, else the fastest."""
+    flags = cpu_flags() if flags is None else flags
+    runs = variants_for(flags)
+    forced = os.environ.get(KERNELS_ENV, "").strip()
+    if forced:
+        variant = variant_named(forced)
+        if variant not in runs:
+            lacking = ", ".join(sorted(set(variant.cpu_flags) - flags))
+            raise ValueError(f"{KERNELS_ENV}={forced}: this CPU lacks {lacking}")
+        return variant, f"forced by {KERNELS_ENV}"
+    best = runs[0]
+    return best, (f"this CPU has {', '.join(best.cpu_flags)}" if best.cpu_flags else "no VNNI on this CPU")
 
 P, LONG = ctypes.c_void_p, ctypes.c_long
 SIGNATURES = {
@@ -75,6 +129,8 @@ class Built:
     lib: ctypes.CDLL
     path: Path
     seconds: float  # the compile's time, 0 when loaded from the cache
+    variant: Variant = VARIANTS[-1]
+    why: str = ""  # why this variant (doctor shows it)
 
 
 _lock = threading.Lock()
@@ -109,12 +165,17 @@ def cache_folder() -> Path:
     return cache_dir() / "kernels"
 
 
-def _key(cc: str) -> str:
+def source_files() -> list[Path]:
+    """Every file the build reads (sources and the headers they include)."""
+    return sorted(p for p in source_dir().iterdir() if p.suffix in (".c", ".h"))
+
+
+def _key(cc: str, variant: Variant) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(version.encode())
-    for name in SOURCES:
-        digest.update((source_dir() / name).read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+    for path in source_files():
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join((*FLAGS, *variant.flags())).encode())
     digest.update(" ".join(sorted(cpu_flags() & {"avx2", "fma", "f16c", "avx512f", "avx512_vnni"})).encode())
     return digest.hexdigest()[:16]
 
@@ -127,6 +188,10 @@ def _why_not_here(flags: set[str] | None = None, cc: str | None | bool = False) 
         return f"the CPU lacks {', '.join(missing)}"
     if (compiler() if cc is False else cc) is None:
         return "no C compiler (cc or gcc) on the PATH to build them with"
+    try:
+        chosen_variant(flags)
+    except ValueError as error:  # a DFLASH_KERNELS this CPU cannot run
+        return str(error)
     return None
 
 
@@ -148,12 +213,12 @@ def is_intact(library_path: Path) -> bool:
         return False
 
 
-def _build(cc: str, out: Path) -> float:
+def _build(cc: str, out: Path, variant: Variant = VARIANTS[-1], emulate: bool = False) -> float:
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         made = Path(tmp) / out.name
-        command = [cc, *FLAGS, *(str(source_dir() / s) for s in SOURCES), "-o", str(made)]
+        command = [cc, *FLAGS, *variant.flags(emulate), *(str(source_dir() / s) for s in SOURCES), "-o", str(made)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no message"])[0]
@@ -200,17 +265,76 @@ def _make(on_status: Callable[[str], None] | None) -> Built | str:
         return why
     cc = compiler()
     assert cc is not None
-    path = cache_folder() / _key(cc) / "libdflash_int8.so"
+    variant, reason = chosen_variant()  # _why_not_here checked it
+    built = _built(cc, variant, on_status)
+    built.why = reason
+    if variant.define and not kernels_agree(built.lib):
+        # never seen on a CPU with these instructions here: a wrong sum must cost speed, not answers
+        built = _built(cc, VARIANTS[-1], on_status)
+        built.why = f"the {variant.name} build gave wrong sums on its check: kept AVX2"
+    return built
+
+
+def _built(cc: str, variant: Variant, on_status: Callable[[str], None] | None) -> Built:
+    path = cache_folder() / _key(cc, variant) / "libdflash_int8.so"
     seconds = 0.0
     if not is_intact(path):  # not built yet, or damaged or replaced since: never opened
         if on_status is not None:
-            on_status(f"Building the 8-bit-activation kernels for this CPU with {cc} (once, a few seconds) ...")
-        seconds = _build(cc, path)
+            on_status(f"Building the 8-bit-activation kernels ({variant.name}) for this CPU with {cc} "
+                      "(once, a few seconds) ...")
+        seconds = _build(cc, path, variant)
     try:
-        return Built(_load(path), path, seconds)
+        return Built(_load(path), path, seconds, variant)
     except (OSError, AttributeError, RuntimeError) as error:
         # the file was ours and intact, and still did not load: a second build would not differ
         raise RuntimeError(f"{path} does not load ({error}); remove {path.parent} to build it again") from None
+
+
+def build_variant(variant: Variant, folder: Path, emulate: bool = False) -> ctypes.CDLL:
+    """`variant` built into `folder` and loaded, outside the cache (tests and benchmarks compare variants);
+    `emulate`: its instructions from SIMDe's portable headers (Variant.flags)."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on the PATH")
+    torch.get_num_threads()
+    path = folder / f"libdflash_int8-{variant.name}{'-emulated' if emulate else ''}.so"
+    _build(cc, path, variant, emulate)
+    return _load(path)
+
+
+def can_emulate() -> bool:
+    """Whether SIMDe's headers (Debian's libsimde-dev) are there to build an emulated variant."""
+    cc = compiler()
+    if cc is None:
+        return False
+    done = subprocess.run([cc, "-E", "-x", "c", "-"], input="#include <simde/x86/avx512.h>\n", capture_output=True,
+                          text=True, timeout=COMPILE_TIMEOUT_S)
+    return done.returncode == 0
+
+
+def kernels_agree(lib: ctypes.CDLL) -> bool:
+    """Whether `lib`'s q4 and q8 matmuls match a float64 reference of the same integer codes on a small
+    random problem (5 rows: a tile of 4 and one; 24 columns: a pair of groups and one alone)."""
+    from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, pack_scales
+
+    generator = torch.Generator().manual_seed(0)
+    m, n, k = 5, 24, 64
+    x = torch.randn(m, k, generator=generator)
+    aq, ad, asum = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 32)
+    lib.dfq_quantize_rows(x.data_ptr(), m, k, aq.data_ptr(), ad.data_ptr(), asum.data_ptr())
+    acts = (aq.double().view(m, k // 32, 32) * ad.double()[..., None]).view(m, k)
+    d = (torch.rand(n, k // 32, generator=generator) * 0.1).half()
+    mins = (torch.randn(n, k // 32, generator=generator) * 0.1).half()
+    codes4 = torch.randint(0, 16, (n, k), generator=generator)
+    codes8 = torch.randint(-127, 128, (n, k), generator=generator).to(torch.int8)
+    w4 = (codes4.double().view(n, k // 32, 32) * d.double()[..., None] + mins.double()[..., None]).view(n, k)
+    w8 = (codes8.double().view(n, k // 32, 32) * d.double()[..., None]).view(n, k)
+    got4, got8 = torch.empty(m, n), torch.empty(m, n)
+    packed = pack_q4(codes4), pack_q8(codes8), pack_scales(d), pack_scales(mins)  # alive through the calls
+    lib.dfq_q4_matmul(x.data_ptr(), m, k, packed[0].data_ptr(), packed[2].data_ptr(), packed[3].data_ptr(), n, None,
+                      got4.data_ptr())
+    lib.dfq_q8_matmul(x.data_ptr(), m, k, packed[1].data_ptr(), packed[2].data_ptr(), n, None, got8.data_ptr())
+    return all(torch.allclose(got.double(), acts @ w.T, rtol=1e-4, atol=1e-4) for got, w in ((got4, w4), (got8, w8)))
 
 
 def unavailable() -> str | None:

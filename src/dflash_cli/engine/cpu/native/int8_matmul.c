@@ -1,10 +1,10 @@
-/* 4-bit and 8-bit weights times 8-bit activations on AVX2 (what llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0
- * dot products compute), built once per CPU by engine/native.py and called through ctypes.
+/* 4-bit and 8-bit weights times 8-bit activations (what llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products
+ * compute), built once per CPU by engine/cpu/native.py and called through ctypes.
  *
  * Activations: each row is quantized on its own in blocks of 32 (a scale d = max|x| / 127, codes
  * round(x / d), and s = d * sum(codes)). Weights: q4 blocks of 32 with w = d * code + m (codes 0..15), q8
  * blocks of 32 with w = d * code (codes -127..127), d and m fp16, laid out 8 output columns at a time
- * (below). Integer dot products per block (maddubs), fp32 accumulation.
+ * (below). Integer dot products per block, fp32 accumulation.
  *
  * Row-exact: output (r, o) is computed from activation row r and weight row o alone, by the same sequence
  * of operations whatever the number of rows or threads (threads split the outputs, never a sum), so a
@@ -18,6 +18,23 @@
 #include <string.h>
 
 #include "dfq.h"
+
+/* Which instruction sums the 8-bit products, chosen per CPU at build time (native.py's variants): AVX2's
+ * maddubs (+ madd), or vpdpbusd (DFQ_AVX_VNNI: the VEX form on ymm; DFQ_AVX512_VNNI: the EVEX form, with
+ * int8_avx512.c taking two groups of 8 columns per zmm). Integer sums are exact in every variant and the
+ * float part is the same sequence per lane, so all variants give the same bits. DFQ_EMULATE (tests only)
+ * takes vpdpbusd from SIMDe's portable headers, so a CPU without it runs the same source. */
+#if defined(DFQ_EMULATE) && (defined(DFQ_AVX_VNNI) || defined(DFQ_AVX512_VNNI))
+#include <simde/x86/avx512.h>
+#define DFQ_VNNI 1
+#define dpbusd256 simde_mm256_dpbusd_epi32
+#elif defined(DFQ_AVX512_VNNI)
+#define DFQ_VNNI 1
+#define dpbusd256 _mm256_dpbusd_epi32
+#elif defined(DFQ_AVX_VNNI)
+#define DFQ_VNNI 1
+#define dpbusd256 _mm256_dpbusd_avx_epi32
+#endif
 
 int dfq_abi_version(void) { return 2; }
 
@@ -94,13 +111,16 @@ static inline __attribute__((always_inline)) void q4_group(const int R, const in
                                                            const uint16_t *d, const uint16_t *m, float *out,
                                                            long ldo, const float *bias, int accumulate) {
     const long nb = k / QK;
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+#ifndef DFQ_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *cb = codes + b * 128;
-        __m256i s16[4];
+        __m256i s16[4];  /* int32 sums with VNNI; without, int16 ones until the block's end */
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -110,16 +130,24 @@ static inline __attribute__((always_inline)) void q4_group(const int R, const in
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const int8_t *a = aq + r * k + b * QK;
+#ifdef DFQ_VNNI
+                s16[r] = dpbusd256(dpbusd256(s16[r], lo, bcast4(a + 4 * t)), hi, bcast4(a + 16 + 4 * t));
+#else
                 /* |sum| <= 8 * 2 * 15 * 127 = 30480: int16 holds the block's 8 maddubs terms */
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(a + 4 * t)));
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(a + 16 + 4 * t)));
+#endif
             }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 8)));
         const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * 8)));
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
+#ifdef DFQ_VNNI
+            const __m256 sums = _mm256_cvtepi32_ps(s16[r]);
+#else
             const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+#endif
             acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dw, _mm256_set1_ps(ad[r * nb + b])), acc[r]);
             acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[r * nb + b]), acc[r]);
         }
@@ -133,7 +161,9 @@ static inline __attribute__((always_inline)) void q8_group(const int R, const in
                                                            float *out, long ldo, const float *bias,
                                                            int accumulate) {
     const long nb = k / QK;
+#ifndef DFQ_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -149,7 +179,11 @@ static inline __attribute__((always_inline)) void q8_group(const int R, const in
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const __m256i a = _mm256_sign_epi8(bcast4(aq + r * k + b * QK + 4 * t), w);
+#ifdef DFQ_VNNI
+                s32[r] = dpbusd256(s32[r], wabs, a);
+#else
                 s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, a), ones));
+#endif
             }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 8)));
@@ -188,16 +222,32 @@ static void group_rows(const struct dfq_linear *w, long g, const int8_t *aq, con
     }
 }
 
-/* Groups of 8 columns shared out among the threads, each over all rows in tiles of 4: a thread reads a
- * group's weights once per 4 activation rows (from L1 after the first). */
+#ifdef DFQ_AVX512_VNNI
+#include "int8_avx512.h"
+#define GROUPS_PER_STEP 2
+#else
+#define GROUPS_PER_STEP 1
+#endif
+
+/* Groups of 8 columns (pairs of them on AVX-512) shared out among the threads, each over all rows in tiles of
+ * 4: a thread reads a group's weights once per 4 activation rows (from L1 after the first). */
 void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *ad, const float *as, long m,
                      float *out, long ldo, int accumulate) {
-    const long k = w->k, nb = k / QK, groups = w->n / 8;
+    const long k = w->k, nb = k / QK, groups = w->n / 8, steps = (groups + GROUPS_PER_STEP - 1) / GROUPS_PER_STEP;
 #pragma omp for schedule(static)
-    for (long g = 0; g < groups; g++)
-        for (long r = 0; r < m; r += 4)
-            group_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, m - r < 4 ? (int)(m - r) : 4, out + r * ldo, ldo,
-                       accumulate);
+    for (long step = 0; step < steps; step++) {
+        const long g = step * GROUPS_PER_STEP;
+        for (long r = 0; r < m; r += 4) {
+            const int rows = m - r < 4 ? (int)(m - r) : 4;
+#ifdef DFQ_AVX512_VNNI
+            if (g + 1 < groups) {
+                pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
+                continue;
+            }
+#endif
+            group_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
+        }
+    }
 }
 
 static void matmul(const struct dfq_linear *w, const float *x, long m, float *out) {

@@ -1,0 +1,153 @@
+/* int8_matmul.c's kernels on AVX-512 VNNI (included there when built with DFQ_AVX512_VNNI): two groups of 8
+ * output columns side by side in one 512-bit vector (the weight layout is unchanged: the two groups' bytes
+ * are loaded from their own places), their 8-bit products summed by vpdpbusd, 4 activation bytes broadcast
+ * to all 16 lanes. Per lane it computes what the AVX2 kernel computes: the same exact integer sum of a
+ * block, then the same float operations in the same order, so every output is bit-identical to it.
+ *
+ * With DFQ_EMULATE (tests only) the 512-bit operations come from SIMDe, so the source runs on an AVX2 CPU. */
+#ifdef DFQ_EMULATE
+#define W(name) simde##name
+typedef simde__m512i wide_i;
+typedef simde__m512 wide_f;
+typedef simde__mmask64 mask64;
+/* SIMDe 0.7 has no _mm512_cvtepi32_ps: the two halves through AVX's conversion (exact either way) */
+static inline wide_f simde_mm512_cvtepi32_ps(wide_i v) {
+    const __m256 lo = _mm256_cvtepi32_ps(simde_mm512_castsi512_si256(v));
+    const __m256 hi = _mm256_cvtepi32_ps(simde_mm512_extracti64x4_epi64(v, 1));
+    return simde_mm512_castpd_ps(simde_mm512_insertf64x4(simde_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                                         _mm256_castps_pd(hi), 1));
+}
+#else
+#define W(name) name
+typedef __m512i wide_i;
+typedef __m512 wide_f;
+typedef __mmask64 mask64;
+#endif
+
+/* 32 bytes of each group, group a's in lanes 0-7 and group b's in lanes 8-15 */
+static inline wide_i load_pair(const void *a, const void *b) {
+    return W(_mm512_inserti64x4)(W(_mm512_castsi256_si512)(_mm256_loadu_si256((const __m256i *)a)),
+                                 _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* 8 fp16 scales of each group as 16 floats */
+static inline wide_f scales_pair(const uint16_t *a, const uint16_t *b) {
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)a));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+    return W(_mm512_castpd_ps)(W(_mm512_insertf64x4)(W(_mm512_castpd256_pd512)(_mm256_castps_pd(lo)),
+                                                     _mm256_castps_pd(hi), 1));
+}
+
+static inline wide_i bcast4_wide(const int8_t *a) {
+    int32_t v;
+    memcpy(&v, a, 4);
+    return W(_mm512_set1_epi32)(v);
+}
+
+/* the 16 outputs of a pair: + bias, then = or += (as store8, per lane) */
+static inline void store16(float *out, wide_f y, const float *bias, int accumulate) {
+    if (bias) y = W(_mm512_add_ps)(y, W(_mm512_loadu_ps)(bias));
+    if (accumulate) y = W(_mm512_add_ps)(W(_mm512_loadu_ps)(out), y);
+    W(_mm512_storeu_ps)(out, y);
+}
+
+static inline __attribute__((always_inline)) void q4_pair(const int R, const int8_t *aq, const float *ad,
+                                                          const float *as, long k, const uint8_t *codes,
+                                                          const uint16_t *d, const uint16_t *m, float *out,
+                                                          long ldo, const float *bias, int accumulate) {
+    const long nb = k / QK;  /* group b's codes and scales follow group a's whole rows of blocks */
+    const wide_i low = W(_mm512_set1_epi8)(0x0f);
+    wide_f acc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *cb = codes + b * 128;
+        wide_i s32[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) s32[r] = W(_mm512_setzero_si512)();
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            const wide_i v = load_pair(cb + 32 * t, cb + nb * 128 + 32 * t);
+            const wide_i lo = W(_mm512_and_si512)(v, low);
+            const wide_i hi = W(_mm512_and_si512)(W(_mm512_srli_epi16)(v, 4), low);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int8_t *a = aq + r * k + b * QK;
+                s32[r] = W(_mm512_dpbusd_epi32)(s32[r], lo, bcast4_wide(a + 4 * t));
+                s32[r] = W(_mm512_dpbusd_epi32)(s32[r], hi, bcast4_wide(a + 16 + 4 * t));
+            }
+        }
+        const wide_f dw = scales_pair(d + b * 8, d + nb * 8 + b * 8);
+        const wide_f mw = scales_pair(m + b * 8, m + nb * 8 + b * 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const wide_f sums = W(_mm512_cvtepi32_ps)(s32[r]);
+            acc[r] = W(_mm512_fmadd_ps)(sums, W(_mm512_mul_ps)(dw, W(_mm512_set1_ps)(ad[r * nb + b])), acc[r]);
+            acc[r] = W(_mm512_fmadd_ps)(mw, W(_mm512_set1_ps)(as[r * nb + b]), acc[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) store16(out + r * ldo, acc[r], bias, accumulate);
+}
+
+static inline __attribute__((always_inline)) void q8_pair(const int R, const int8_t *aq, const float *ad, long k,
+                                                          const int8_t *codes, const uint16_t *d, float *out,
+                                                          long ldo, const float *bias, int accumulate) {
+    const long nb = k / QK;
+    const wide_i zero = W(_mm512_setzero_si512)();
+    wide_f acc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
+    for (long b = 0; b < nb; b++) {
+        const int8_t *cb = codes + b * 256;
+        wide_i s32[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) s32[r] = zero;
+#pragma GCC unroll 1
+        for (int t = 0; t < 8; t++) {
+            const wide_i w = load_pair(cb + 32 * t, cb + nb * 256 + 32 * t);
+            /* vpdpbusd takes unsigned x signed: |w| times the activation with w's sign (AVX2's sign trick) */
+            const wide_i wabs = W(_mm512_abs_epi8)(w);
+            const mask64 negative = W(_mm512_movepi8_mask)(w);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const wide_i a = bcast4_wide(aq + r * k + b * QK + 4 * t);
+                s32[r] = W(_mm512_dpbusd_epi32)(s32[r], wabs, W(_mm512_mask_sub_epi8)(a, negative, zero, a));
+            }
+        }
+        const wide_f dw = scales_pair(d + b * 8, d + nb * 8 + b * 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = W(_mm512_fmadd_ps)(W(_mm512_cvtepi32_ps)(s32[r]),
+                                        W(_mm512_mul_ps)(dw, W(_mm512_set1_ps)(ad[r * nb + b])), acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) store16(out + r * ldo, acc[r], bias, accumulate);
+}
+
+/* group_rows for groups g and g + 1 together */
+static void pair_rows(const struct dfq_linear *w, long g, const int8_t *aq, const float *ad, const float *as,
+                      int rows, float *out, long ldo, int accumulate) {
+    const long k = w->k, nb = k / QK;
+    const float *bias = w->bias ? w->bias + 8 * g : NULL;
+    out += 8 * g;
+    if (w->kind == 4) {
+        const uint8_t *codes = (const uint8_t *)w->codes + g * nb * 128;
+        const uint16_t *d = (const uint16_t *)w->d + g * nb * 8, *m = (const uint16_t *)w->m + g * nb * 8;
+        switch (rows) {
+        case 1: q4_pair(1, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        case 2: q4_pair(2, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        case 3: q4_pair(3, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        default: q4_pair(4, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        }
+    } else {
+        const int8_t *codes = (const int8_t *)w->codes + g * nb * 256;
+        const uint16_t *d = (const uint16_t *)w->d + g * nb * 8;
+        switch (rows) {
+        case 1: q8_pair(1, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 2: q8_pair(2, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 3: q8_pair(3, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        default: q8_pair(4, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        }
+    }
+}

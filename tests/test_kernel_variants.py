@@ -1,0 +1,203 @@
+"""The builds of the q4a8/q8a8 kernels (engine/cpu/native.py's VARIANTS: AVX-512 VNNI, AVX-VNNI, AVX2) give the
+AVX2 build's bits, alone and through whole target and drafter layers, and the choice between them.
+
+A variant runs natively where this CPU has its instructions. Elsewhere it is built against SIMDe's portable
+headers (Debian's libsimde-dev, which .ci/run installs): that checks the source's logic (the layout, pairs of
+column groups and a last one alone, row tiles, the float part per lane) on any CPU, not the instruction's
+encoding or its speed; where neither is possible the test is skipped and says which instructions are missing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.speculation import assert_speculative_equals_plain, random_prompts
+from support.weightonly import pairs  # noqa: F401 (a fixture)
+
+from dflash_cli.engine.cpu import native
+from dflash_cli.engine.cpu.c_layers import fuse_drafter
+from dflash_cli.engine.cpu.int8act import quantize_drafter
+from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, pack_scales
+from dflash_cli.engine.load import load_pair
+
+pytestmark = pytest.mark.skipif(native.available_without_building() is not None,
+                                reason=f"no kernels here: {native.available_without_building()}")
+
+FAST = [v.name for v in native.VARIANTS if v.define]  # the variants compared against AVX2's
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """name -> (library, "native" or "emulated") for every variant this machine can run one way or the other."""
+    folder = tmp_path_factory.mktemp("variants")
+    flags, emulate = native.cpu_flags(), native.can_emulate()
+    out = {}
+    for variant in native.VARIANTS:
+        if set(variant.cpu_flags) <= flags:
+            out[variant.name] = (native.build_variant(variant, folder), "native")
+        elif emulate:
+            out[variant.name] = (native.build_variant(variant, folder, emulate=True), "emulated")
+    return out
+
+
+def library(builds, name):
+    if name not in builds:
+        missing = sorted(set(native.variant_named(name).cpu_flags) - native.cpu_flags())
+        pytest.skip(f"this CPU lacks {', '.join(missing)} and SIMDe's headers (libsimde-dev) are not installed")
+    return builds[name][0]
+
+
+def matmuls(lib, x, q4, q8):
+    """(q4 with a bias, q8 without) outputs of `lib` for rows x."""
+    (codes4, d, mins, bias), (codes8, d8) = q4, q8
+    m, n = x.shape[0], bias.shape[0]
+    out4, out8 = torch.empty(m, n), torch.empty(m, n)
+    lib.dfq_q4_matmul(x.data_ptr(), m, x.shape[1], codes4.data_ptr(), d.data_ptr(), mins.data_ptr(), n,
+                      bias.data_ptr(), out4.data_ptr())
+    lib.dfq_q8_matmul(x.data_ptr(), m, x.shape[1], codes8.data_ptr(), d8.data_ptr(), n, None, out8.data_ptr())
+    return out4, out8
+
+
+def weights(n, k, generator):
+    """Random packed q4 and q8 weights, with the extreme codes and scales in their first blocks."""
+    codes4 = torch.randint(0, 16, (n, k), generator=generator)
+    codes8 = torch.randint(-127, 128, (n, k), generator=generator).to(torch.int8)
+    codes4[0, :32], codes8[0, :32], codes8[1, :32] = 15, 127, -127  # the largest integer sums a block has
+    d = torch.rand(n, k // 32, generator=generator) * 0.05
+    d[0, 0] = 60000.0  # near fp16's largest
+    mins = torch.randn(n, k // 32, generator=generator) * 0.05
+    bias = torch.randn(n, generator=generator)
+    return (pack_q4(codes4), pack_scales(d), pack_scales(mins), bias), (pack_q8(codes8), pack_scales(d))
+
+
+def activations(m, k, generator):
+    x = torch.randn(m, k, generator=generator) * 3
+    x[0, :4] = torch.tensor([1e4, -1e4, 1e-30, 0.0])  # one block's scale set by one huge value
+    if m > 1:
+        x[1, :32] = 0.0  # a block of zeros (scale 0)
+    if m > 2:
+        x[2, :32] = 127.0  # every code 127: the largest sums
+    return x
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_every_variant_gives_the_avx2_bits_on_random_and_extreme_inputs(builds, name):
+    lib, reference = library(builds, name), library(builds, "avx2")
+    generator = torch.Generator().manual_seed(1)
+    # 8 and 24 columns: one group alone; 16 and 136: pairs (136 = 8 pairs and one alone)
+    for n, k in ((8, 32), (16, 64), (24, 576), (136, 96)):
+        q4, q8 = weights(n, k, generator)
+        for m in (1, 2, 3, 4, 5, 8, 16):
+            x = activations(m, k, generator)
+            for got, want in zip(matmuls(lib, x, q4, q8), matmuls(reference, x, q4, q8)):
+                assert torch.equal(got, want), f"{name} ({builds[name][1]}) differs at n={n} k={k} rows={m}"
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_a_row_alone_equals_the_same_row_among_sixteen_on_every_variant(builds, name):
+    lib = library(builds, name)
+    generator = torch.Generator().manual_seed(2)
+    q4, q8 = weights(40, 128, generator)
+    x = activations(16, 128, generator)
+    together = matmuls(lib, x, q4, q8)
+    for r in range(16):
+        for alone, among in zip(matmuls(lib, x[r:r + 1].clone(), q4, q8), together):
+            assert torch.equal(alone[0], among[r])
+
+
+def run_pair(pairs, lib, variant, monkeypatch):
+    """A q4a8 pair loaded with `lib` as the process's kernels: the target's logits and taps of a prompt
+    (every layer one C call, outputs accumulated onto the residual), and a draft."""
+    monkeypatch.setitem(native._state, "result", native.Built(lib, native.source_dir(), 0.0, variant))
+    pair = load_pair(*pairs["qwen3"], device="cpu", quant="q4a8")
+    assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
+    assert quantize_drafter(pair.drafter) > 0 and fuse_drafter(pair.drafter)
+    fast = pair.target.fast
+    assert fast._module(True, False).fused is not None
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 30, 31, 40, 17]])
+    logits, taps = fast.forward(ids, fast.new_cache(), 0, taps=True, last_logit_only=False)
+    block = torch.randn(1, pair.drafter.block_size, pair.drafter.config.hidden_size,
+                        generator=torch.Generator().manual_seed(3))
+    drafted = pair.drafter(taps, block, taps.shape[1], pair.drafter.new_cache(64))
+    return pair, (logits, taps, drafted)
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_target_and_drafter_layers_give_the_avx2_bits_and_stay_lossless_on_every_variant(builds, name, pairs,
+                                                                                        monkeypatch):
+    lib, reference = library(builds, name), library(builds, "avx2")
+    _, want = run_pair(pairs, reference, native.variant_named("avx2"), monkeypatch)
+    pair, got = run_pair(pairs, lib, native.variant_named(name), monkeypatch)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert_speculative_equals_plain(pair, random_prompts, (2, 8), max_new_tokens=20)
+
+
+def test_the_fastest_variant_the_cpu_runs_is_chosen_and_dflash_kernels_forces_one(monkeypatch):
+    avx2 = {"avx2", "fma", "f16c"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    monkeypatch.delenv(native.KERNELS_ENV, raising=False)
+    assert native.chosen_variant(avx2) == (native.variant_named("avx2"), "no VNNI on this CPU")
+    assert native.chosen_variant(avx2 | {"avx_vnni"})[0].name == "avx-vnni"
+    assert native.chosen_variant(avx512 | {"avx_vnni"})[0].name == "avx512-vnni"
+    assert native.chosen_variant(avx512 - {"avx512vl"})[0].name == "avx2"  # VNNI without VL: no 256-bit form
+    monkeypatch.setenv(native.KERNELS_ENV, "avx2")
+    assert native.chosen_variant(avx512) == (native.variant_named("avx2"), "forced by DFLASH_KERNELS")
+    monkeypatch.setenv(native.KERNELS_ENV, "avx512-vnni")
+    with pytest.raises(ValueError, match="this CPU lacks avx512_vnni, avx512bw, avx512f, avx512vl"):
+        native.chosen_variant(avx2)
+    monkeypatch.setenv(native.KERNELS_ENV, "sse2")
+    with pytest.raises(ValueError, match="one of avx512-vnni, avx-vnni, avx2"):
+        native.chosen_variant(avx2)
+
+
+def test_a_forced_variant_this_cpu_cannot_run_is_one_line_and_exit_2(tiny_target_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash_cli.ui.cli import cli
+
+    lacking = next((v for v in native.VARIANTS if not set(v.cpu_flags) <= native.cpu_flags()), None)
+    if lacking is None:
+        pytest.skip("this CPU runs every variant")
+    monkeypatch.setenv(native.KERNELS_ENV, lacking.name)
+    native.reset_for_tests()
+    try:
+        result = CliRunner().invoke(cli, ["generate", "-m", str(tiny_target_dir), "--no-draft", "--quant", "q4a8",
+                                           "-n", "2", "hi"])
+    finally:
+        native.reset_for_tests()
+    assert result.exit_code == 2, result.output
+    assert f"{native.KERNELS_ENV}={lacking.name}: this CPU lacks" in result.stderr
+    assert f"unset {native.KERNELS_ENV}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_build_that_fails_its_check_is_never_used(builds, tmp_path, monkeypatch):
+    """kernels_agree refuses wrong sums (a build whose second group of a pair reads the first group's codes);
+    and a variant that fails it on the first start gives way to AVX2 and says why."""
+    if not native.can_emulate():
+        pytest.skip("SIMDe's headers (libsimde-dev) are not installed: no broken AVX-512 build to make here")
+    assert all(native.kernels_agree(lib) for lib, _ in builds.values())
+    broken_sources = tmp_path / "native"
+    broken_sources.mkdir()
+    for path in native.source_files():
+        text = path.read_text()
+        if path.name == "int8_avx512.h":
+            text = text.replace("cb + nb * 128 + 32 * t", "cb + 32 * t")
+        (broken_sources / path.name).write_text(text)
+    monkeypatch.setattr(native, "source_dir", lambda: broken_sources)
+    broken = native.build_variant(native.variant_named("avx512-vnni"), tmp_path, emulate=True)
+    assert not native.kernels_agree(broken)
+
+    monkeypatch.undo()
+    # the fallback: a CPU that claims AVX-VNNI, whose build fails the check (the build is never run here)
+    flags = native.cpu_flags() | {"avx_vnni"}
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(native, "kernels_agree", lambda lib: False)  # asked of the avx-vnni build only
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(native.KERNELS_ENV, raising=False)
+    native.reset_for_tests()
+    try:
+        built = native.library()
+    finally:
+        native.reset_for_tests()
+    assert built is not None and built.variant.name == "avx2"
+    assert built.why == "the avx-vnni build gave wrong sums on its check: kept AVX2"
