@@ -382,3 +382,27 @@ def test_train_prompt_specs_that_cannot_work_are_refused_before_the_target_loads
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_error_outside_every_command_guard_is_one_line_or_with_debug_the_traceback(monkeypatch, capsys, debug):
+    """main() is the last guard: whatever a command does before its body's own guard (click callbacks, option
+    parsing, work done while building the body) ends in one `Error:` line and exit 1, never a traceback."""
+    from dflash_cli.ui import cli as cli_module
+
+    def broken(**kwargs):
+        raise RuntimeError("a failure before the command's guard\nsecond line")
+
+    monkeypatch.setattr(cli_module, "cli", broken)
+    monkeypatch.setattr(sys, "argv", ["dflash-cli", "list", *(["--debug"] if debug else [])])
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    if debug:
+        with pytest.raises(RuntimeError, match="a failure before"):
+            cli_module.main()
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1
+    assert "Error: unexpected RuntimeError: a failure before the command's guard" in err
+    assert "second line" not in err and "Traceback" not in err and "--debug" in err

@@ -290,3 +290,37 @@ def test_the_cli_runs_q4a8_and_says_what_ran(tiny_target_dir):
     assert ok.exit_code == 0, ok.stderr
     assert "q4a8 weights" in ok.stderr and "each decoder layer one C call" in ok.stderr
     assert " q4a8 ·" in ok.stderr and "float32" in ok.stderr  # the load line: fp32 around the kernels
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.6, 1.0])
+def test_a_greedy_verify_runs_the_lm_head_only_up_to_the_first_rejected_draft(pairs, acceptance):
+    """On the CPU fast path the verify's LM head stops at the first rejected draft (speculative.greedy_prefix):
+    an oracle drafting 7 tokens that are all wrong gets the head on at most 2 rows per verify; all right, on
+    every row; and the replies stay the plain greedy ones."""
+    from dflash_cli.engine.oracle import OracleDrafter
+
+    pair = a8_pair(pairs, "qwen3", "q4a8")
+    assert pair.target.defers_head
+    prompt = [5, 9, 11, 3, 7, 2, 8]
+    plain = generate(pair.target, None, prompt, max_new_tokens=24, stop_ids=[]).tokens
+    oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=acceptance, seed=1, vocab_size=160)
+    head_rows: list[int] = []
+    finish = pair.target.logits_of
+
+    def counted(normed):  # the real head, with the rows it was given counted
+        head_rows.append(normed.shape[0])
+        return finish(normed)
+
+    pair.target.logits_of = counted
+    try:
+        got = generate(pair.target, oracle, prompt, max_new_tokens=24, block_size=8, stop_ids=[])
+    finally:
+        del pair.target.logits_of
+    assert got.tokens == plain
+    verifies = got.stats.steps
+    if acceptance == 0.0:  # 2 rows while the estimate of accepted drafts is near 1, then 1
+        assert got.stats.accepted == 0 and max(head_rows) <= 3 and sum(head_rows) < 2 * verifies
+    elif acceptance == 1.0:  # every verified slot's row once
+        assert got.stats.accepted > 0 and sum(head_rows) == got.stats.accepted + verifies
+    else:
+        assert sum(head_rows) < 8 * verifies

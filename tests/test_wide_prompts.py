@@ -149,4 +149,10 @@ def test_a_later_run_adds_a_set_after_the_stored_answers_and_keeps_them(tmp_path
     third = CliRunner().invoke(cli, [*common, "--prompts", f"{b}+{a}", "--steps", "6"])
     assert third.exit_code != 0 and "holds an answer to another prompt at place 0" in third.output
     assert read_index(out / "data")["shards"] == after
+    # only the last stored prompt changed: its old answer must not pair with the new text either
+    changed = tmp_path / "b2.txt"
+    changed.write_text(b.read_text().replace("Write line 4 of a song.", "Write line 4 of a poem."))
+    fourth = CliRunner().invoke(cli, [*common, "--prompts", f"{a}+{changed}", "--steps", "6"])
+    assert fourth.exit_code != 0 and "holds an answer to another prompt at place 16" in fourth.output
+    assert read_index(out / "data")["shards"] == after
 

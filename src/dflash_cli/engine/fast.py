@@ -135,7 +135,7 @@ class FastPath:
             self.freed_bytes += free_dense_weights([head])
         self.fallback_reason: str | None = None
         self.taps: list[int] = []
-        self._eager: dict[tuple[bool, bool], StaticForward] = {}
+        self._eager: dict[tuple[bool, bool, bool], StaticForward] = {}
         self._compiled: dict[bool, Callable[..., Any]] = {}
         self._shared: StaticCache | None = None
 
@@ -219,20 +219,33 @@ class FastPath:
         cache.crop(0)
         cache.owner = 0  # a DecodeState that held it reads its prompt anew
 
-    def _module(self, taps: bool, last_logit_only: bool) -> StaticForward:
-        key = (taps, last_logit_only)
+    def _module(self, taps: bool, last_logit_only: bool, logits: bool = True) -> StaticForward:
+        key = (taps, last_logit_only, logits)
         if key not in self._eager:
             self._eager[key] = StaticForward(self.model, self.taps if taps else [], self.projections, self.lm_head,
                                              last_logit_only=last_logit_only, devices=self.devices,
                                              row_exact=self.row_exact, ring=self.ring,
-                                             native_attention=self.weights in INT8_ACT_QUANTS)
+                                             native_attention=self.weights in INT8_ACT_QUANTS, logits=logits)
         return self._eager[key]
 
+    @property
+    def defers_head(self) -> bool:
+        """Whether forward(logits=False) pays: an eager CPU forward, where the LM head of a verify's rows is a
+        tenth to a quarter of the step and the rows after a rejected draft need none (GPU calls are
+        compiled whole, and a host sync per piece of head would cost more than it saves)."""
+        return self.device.type == "cpu" and not self.compiled
+
+    def logits_of(self, normed: torch.Tensor) -> torch.Tensor:
+        """(rows, V) logits of rows that forward(logits=False) returned."""
+        with torch.inference_mode():
+            return self._module(True, False, False).logits_of(normed)
+
     def forward(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,
-                last_logit_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_logit_only: bool, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs ids (1, n) at positions start..start+n-1; the cache then holds start+n positions.
 
         Returns logits (n, V) (or (1, V) with last_logit_only) and, with taps, the tapped states (1, n, F).
+        logits=False (eager calls only, see defers_head): the final-normed rows (n, H) instead of logits.
         """
         n = ids.shape[1]
         end = start + n
@@ -242,7 +255,7 @@ class FastPath:
             raise InvalidSettingError(f"the sequence needs {end} positions, the cache holds {self.context}",
                                       hint="raise --max-context")
         if cache.ring is not None and n > self.slack:  # a ring takes at most `slack` new rows per forward
-            return self._in_pieces(ids, cache, start, taps=taps, last_logit_only=last_logit_only)
+            return self._in_pieces(ids, cache, start, taps=taps, last_logit_only=last_logit_only, logits=logits)
         # before the forward (an interrupted one may have written some rows): a padded call's rows too
         cache.written = max(cache.written, start + bucket(n))
         with torch.inference_mode():
@@ -250,21 +263,21 @@ class FastPath:
                 cache.linear.settle(start)
             states = cache.linear.current() if cache.linear is not None else ((), ())
             out = None
-            if self.compiled and not last_logit_only and bucket(n) < self.capacity - self.context:
+            if self.compiled and logits and not last_logit_only and bucket(n) < self.capacity - self.context:
                 out = self._run_compiled(ids, cache, start, taps, states)
             if out is None:
                 positions = torch.arange(start, end, device=ids.device)
                 keys_at = key_positions(end, cache.capacity - 1, ids.device)
-                out = self._module(taps, last_logit_only)(ids, positions, keys_at, cache.keys, cache.values,
-                                                          *states, ring=cache.ring)
-            logits, hidden, records = out
+                out = self._module(taps, last_logit_only, logits)(ids, positions, keys_at, cache.keys, cache.values,
+                                                                  *states, ring=cache.ring)
+            result, hidden, records = out
             if cache.linear is not None:
                 # the records cover the last chunk of the tokens run (compiled calls are one chunk)
                 cache.linear.record(start + CHUNK * ((n - 1) // CHUNK), [BlockRecord(*r) for r in records])
                 if last_logit_only:  # a prompt: keep the state before its last token for /regen
                     cache.linear.save_checkpoint(end - 1)
         cache.length = end
-        return logits, hidden
+        return result, hidden
 
     def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, rows: slice, *,
                      taps: bool, last_logit_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -291,19 +304,20 @@ class FastPath:
         return logits, hidden
 
     def _in_pieces(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,
-                   last_logit_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   last_logit_only: bool, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A forward of more tokens than a sliding-window ring takes at once, as consecutive forwards."""
         assert cache.linear is None  # rings exist only for targets without linear-attention layers
-        logits, hidden = [], []
+        outs, hidden = [], []
         for at in range(0, ids.shape[1], self.slack):
             piece = ids[:, at:at + self.slack]
             last = at + self.slack >= ids.shape[1]
-            out, tapped = self.forward(piece, cache, start + at, taps=taps, last_logit_only=last_logit_only and last)
+            out, tapped = self.forward(piece, cache, start + at, taps=taps, last_logit_only=last_logit_only and last,
+                                       logits=logits)
             if not last_logit_only or last:
-                logits.append(out)
+                outs.append(out)
             if tapped is not None:
                 hidden.append(tapped)
-        return torch.cat(logits), (torch.cat(hidden, dim=1) if hidden else None)
+        return torch.cat(outs), (torch.cat(hidden, dim=1) if hidden else None)
 
     def _run_compiled(self, ids: torch.Tensor, cache: StaticCache, start: int, taps: bool, states):
         """A short call padded to the next power of two; None when compiling failed (eager takes over)."""

@@ -12,7 +12,7 @@ drafts are samples of its distribution coupled to the target's (docs/engine.md, 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,24 @@ def read_context(state: DecodeState, drafter: Drafter) -> None:
     state.pending = None
 
 
+def greedy_prefix(logits_of: Callable[[torch.Tensor], torch.Tensor], normed: torch.Tensor, drafts: list[int],
+                  first: int) -> list[int]:
+    """The target's greedy tokens at a verify's slots, up to and including the first slot whose token is not
+    the draft after it: what the round commits. The LM head runs on `first` rows, then on twice as many at a
+    time, and stops there; the rows after a rejected draft (most of them with a weak drafter) get no head.
+    On a row-exact head (the CPU formats that keep speculation lossless) each row's logits are its own in
+    any company, so the tokens are those the whole block's logits give."""
+    n = normed.shape[0]  # len(drafts) + 1
+    tokens: list[int] = []
+    at, size = 0, first if first < n - 1 else n
+    while True:
+        for token in logits_of(normed[at:at + size]).float().argmax(dim=-1).tolist():
+            tokens.append(token)
+            if len(tokens) > len(drafts) or token != drafts[len(tokens) - 1]:
+                return tokens
+        at, size = at + size, 2 * size
+
+
 def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *, block_size: int,
                        limit: int, controller: BlockSizeController | None = None) -> Iterator[Round]:
     """Yields one Round per target verify step until len(state.tokens) reaches `limit`.
@@ -60,6 +78,9 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
     """
     target = state.target
     draft_watch, verify_watch = Stopwatch(target.device), Stopwatch(target.device)
+    # greedy verifies on the CPU fast path stop the LM head at the first rejected draft (greedy_prefix)
+    defer_head = sample.greedy and not sample.constrained and target.defers_head
+    mean_accepted = 1.0  # drafts accepted per verify, recent rounds weighted most: sizes the head's first piece
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
         state.check_caches()
@@ -80,11 +101,18 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
 
         verify_watch.start()
         block = torch.cat([anchor, drafts])[None]  # (1, n)
-        logits, hidden = target.forward(block, state.target_cache, start, taps=True)  # (n, V), (1, n, F)
-        choice = sample.verify(logits, start + 1, drafts)  # (n,) the target's own token at every slot
-        # (positions start+1..; a grammar's sampler fills the slots after the first mismatch, never read)
-        accepted = (drafts == choice[:-1]).cumprod(dim=0).sum()
-        host = torch.cat([choice, accepted.view(1)]).tolist()  # the step's one host-device sync
+        if defer_head and n > 2:
+            normed, hidden = target.forward(block, state.target_cache, start, taps=True, logits=False)
+            host = greedy_prefix(target.logits_of, normed, drafts.tolist(), first=1 + round(mean_accepted))
+            host.append(len(host) - 1)
+            mean_accepted += 0.2 * (host[-1] - mean_accepted)
+            choice = torch.tensor(host[:-1], device=anchor.device)
+        else:
+            logits, hidden = target.forward(block, state.target_cache, start, taps=True)  # (n, V), (1, n, F)
+            choice = sample.verify(logits, start + 1, drafts)  # (n,) the target's own token at every slot
+            # (positions start+1..; a grammar's sampler fills the slots after the first mismatch, never read)
+            accepted = (drafts == choice[:-1]).cumprod(dim=0).sum()
+            host = torch.cat([choice, accepted.view(1)]).tolist()  # the step's one host-device sync
         verify_watch.stop()
 
         a = host[-1]

@@ -65,8 +65,10 @@ class StaticForward(nn.Module):
 
     def __init__(self, model: HFModule, taps: list[int], projections: nn.ModuleList, lm_head: nn.Module, *,
                  last_logit_only: bool = False, devices: Sequence[torch.device] | None = None,
-                 row_exact: bool = False, ring: tuple[int, int] | None = None, native_attention: bool = False):
+                 row_exact: bool = False, ring: tuple[int, int] | None = None, native_attention: bool = False,
+                 logits: bool = True):
         super().__init__()
+        self.logits = logits  # False: return the final-normed rows, for logits_of() to finish row by row
         self.row_exact = row_exact  # short calls attend through row_exact_attention
         decoder = model.get_decoder()
         config = decoder.config  # the text model's (a multimodal class nests it)
@@ -239,12 +241,16 @@ class StaticForward(nn.Module):
     def _head(self, h: torch.Tensor, tapped: dict[int, torch.Tensor], records: list[tuple[torch.Tensor, ...]]):
         if self.last_logit_only:
             h = h[:, -1:]
-        # (b*n, V); a 2-D input keeps CPU bf16 on the plain matmul
-        logits = self.lm_head(self.final_norm(h).flatten(0, 1))
+        normed = self.final_norm(h).flatten(0, 1)  # (b*n, H)
+        hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
+        return (self.logits_of(normed) if self.logits else normed), hidden, records
+
+    def logits_of(self, normed: torch.Tensor) -> torch.Tensor:
+        """(rows, V) logits of final-normed rows (rows, H); a 2-D input keeps CPU bf16 on the plain matmul."""
+        logits = self.lm_head(normed)
         if self.softcap:  # Gemma: cap * tanh(logits / cap), as transformers' forward
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
-        return logits, hidden, records
+        return logits
 
     def _fused_forward(self, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                        values: list[torch.Tensor]):

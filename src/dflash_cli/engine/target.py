@@ -188,6 +188,16 @@ class Target:
         return self.fast.lm_head if self.fast is not None else self.lm_head
 
     @property
+    def defers_head(self) -> bool:
+        """Whether forward(logits=False) is there and pays (FastTarget.defers_head)."""
+        return self.fast is not None and self.fast.defers_head
+
+    def logits_of(self, normed: torch.Tensor) -> torch.Tensor:
+        """The logits of rows that forward(logits=False) returned."""
+        assert self.fast is not None
+        return self.fast.logits_of(normed)
+
+    @property
     def fast_compiled(self) -> bool:
         return self.fast is not None and self.fast.compiled
 
@@ -242,14 +252,16 @@ class Target:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, start: int, *, last_logit_only: bool = False,
-                taps: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                taps: bool = False, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target forward over `ids` (1, T) at positions start..start+T-1, appending to `cache`.
 
         Returns logits (T, V) (or (1, V) with last_logit_only) and, with taps, the tapped layers'
-        hidden states concatenated in the drafter's order, (1, T, n_taps*H).
+        hidden states concatenated in the drafter's order, (1, T, n_taps*H). logits=False (only where
+        defers_head): the final-normed rows (T, H) instead, for logits_of().
         """
         if self.fast is not None:
-            return self.fast.forward(ids, cache, start, taps=taps, last_logit_only=last_logit_only)
+            return self.fast.forward(ids, cache, start, taps=taps, last_logit_only=last_logit_only, logits=logits)
+        assert logits, "forward(logits=False) needs the fast path (defers_head)"
         if self.dense_freed:
             raise UnsupportedModelError(f"{self.name} runs quantized only: its dense weights were freed",
                                         hint="load it again to run it unquantized")

@@ -99,3 +99,12 @@ def main() -> None:
         if signals.received is not None:  # stopped by SIGTERM/SIGHUP anywhere, even outside a command body
             sys.exit(signals.exit_code())
         raise
+    except Exception as error:  # work a command did outside its body's guard (ui/common.guarded): one line too
+        if "--debug" in sys.argv[1:] or S.debug_enabled():
+            raise
+        from dflash_cli.ui.errors import describe
+        from dflash_cli.ui.render import Output
+
+        message, hint, code = describe(error)
+        Output("auto").error(message, hint)
+        sys.exit(code)
