@@ -196,8 +196,41 @@ def test_a_build_that_fails_its_check_is_never_used(builds, tmp_path, monkeypatc
     monkeypatch.delenv(native.KERNELS_ENV, raising=False)
     native.reset_for_tests()
     try:
+        assert "avx-vnni (this CPU has avx_vnni; built at first use)" in kernels_line()
         built = native.library()
+        shown = kernels_line()  # doctor names the build that runs, and why
     finally:
         native.reset_for_tests()
     assert built is not None and built.variant.name == "avx2"
     assert built.why == "the avx-vnni build gave wrong sums on its check: kept AVX2"
+    assert shown.startswith("avx2 (the avx-vnni build gave wrong sums")
+
+
+def kernels_line() -> str:
+    from dflash_cli.ui.doctor import check_cpu
+
+    return next(c.value for c in check_cpu() if c.name == "cpu kernels")
+
+
+def test_a_compiler_that_cannot_build_a_variant_leaves_the_avx2_build(tmp_path, monkeypatch):
+    """A CPU with AVX-VNNI and a compiler without -mavxvnni (gcc before 11): the kernels still come, as AVX2."""
+    gcc = native.compiler()
+    old_gcc = tmp_path / "old-gcc"
+    old_gcc.write_text(f"""#!/bin/sh
+case "$*" in *-mavxvnni*) echo "{gcc}: error: unrecognized command-line option '-mavxvnni'" >&2; exit 1;; esac
+exec {gcc} "$@"
+""")
+    old_gcc.chmod(0o755)
+    flags = native.cpu_flags() | {"avx_vnni"}
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    monkeypatch.setenv("CC", str(old_gcc))
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(native.KERNELS_ENV, raising=False)
+    native.reset_for_tests()
+    try:
+        built = native.library()
+    finally:
+        native.reset_for_tests()
+    assert built is not None and built.variant.name == "avx2", native.unavailable()
+    assert built.why.startswith(f"{old_gcc} could not build avx-vnni") and "-mavxvnni" in built.why
+    assert built.why.endswith(": kept AVX2")

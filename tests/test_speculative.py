@@ -227,3 +227,12 @@ def test_the_prompt_is_read_into_the_drafter_with_the_prefill(pair):
                                 target.embed_weight, target.logits_head)
     assert eager_drafts.tolist() == lazy_drafts.tolist()
     steps.close()
+
+
+def test_the_verify_head_takes_few_rows_first_for_a_weak_drafter_and_more_for_a_strong_one():
+    from dflash_cli.engine.speculative import first_head_rows
+
+    assert first_head_rows(8, 0.0) == 1  # never right: one row, whose token is the bonus
+    assert first_head_rows(2, 5.0) == 2  # too short to split
+    firsts = [first_head_rows(16, m) for m in (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)]
+    assert firsts == sorted(firsts) and firsts[0] == 1 and 4 <= firsts[-1] < 16

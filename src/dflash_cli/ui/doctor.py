@@ -300,13 +300,16 @@ def _check_kernels() -> Check:
             forced = native.KERNELS_ENV in missing
             return Check("cpu kernels", f"none ({missing})", WARN if forced else OK,
                          f"unset {native.KERNELS_ENV}, or name one this CPU runs" if forced else None, data=None)
-        variant, why = native.chosen_variant()
+        built = native.library_if_built()  # the build that runs, after its check; else the one to build
+        variant, why = (built.variant, built.why) if built is not None else native.chosen_variant()
         runs = [v.name for v in native.variants_for(native.cpu_flags())]
     except Exception as error:  # engine import needs torch
         return Check("cpu kernels", f"unknown ({type(error).__name__})", data=None)
     others = [name for name in runs if name != variant.name]
-    value = f"{variant.name} ({why})" + (f"; this CPU also runs {', '.join(others)}" if others else "")
-    return Check("cpu kernels", value, data={"variant": variant.name, "why": why, "runs": runs})
+    value = (f"{variant.name} ({why}{'' if built is not None else '; built at first use'})"
+             + (f"; this CPU also runs {', '.join(others)}" if others else ""))
+    return Check("cpu kernels", value, data={"variant": variant.name, "why": why, "runs": runs,
+                                             "built": built is not None})
 
 
 def _check_threads() -> Check:

@@ -266,9 +266,18 @@ def _make(on_status: Callable[[str], None] | None) -> Built | str:
     cc = compiler()
     assert cc is not None
     variant, reason = chosen_variant()  # _why_not_here checked it
-    built = _built(cc, variant, on_status)
+    if not variant.define:
+        built = _built(cc, variant, on_status)
+        built.why = reason
+        return built
+    try:
+        built = _built(cc, variant, on_status)
+    except (RuntimeError, subprocess.SubprocessError) as error:  # a compiler too old for the instructions
+        built = _built(cc, VARIANTS[-1], on_status)
+        built.why = f"{cc} could not build {variant.name} ({error}): kept AVX2"
+        return built
     built.why = reason
-    if variant.define and not kernels_agree(built.lib):
+    if not kernels_agree(built.lib):
         # never seen on a CPU with these instructions here: a wrong sum must cost speed, not answers
         built = _built(cc, VARIANTS[-1], on_status)
         built.why = f"the {variant.name} build gave wrong sums on its check: kept AVX2"
@@ -335,6 +344,20 @@ def kernels_agree(lib: ctypes.CDLL) -> bool:
                       got4.data_ptr())
     lib.dfq_q8_matmul(x.data_ptr(), m, k, packed[1].data_ptr(), packed[2].data_ptr(), n, None, got8.data_ptr())
     return all(torch.allclose(got.double(), acts @ w.T, rtol=1e-4, atol=1e-4) for got, w in ((got4, w4), (got8, w8)))
+
+
+def library_if_built() -> Built | None:
+    """library(), where it needs no compiling: the chosen build is in the cache (doctor asks, and then says
+    which build really runs, after its check); else None."""
+    got = _state.get("result")
+    if got is not None:
+        return got if isinstance(got, Built) else None
+    cc = compiler()
+    if _why_not_here() is not None or cc is None:
+        return None
+    if not is_intact(cache_folder() / _key(cc, chosen_variant()[0]) / "libdflash_int8.so"):
+        return None
+    return library()
 
 
 def unavailable() -> str | None:
