@@ -226,11 +226,15 @@ exec {gcc} "$@"
     monkeypatch.setenv("CC", str(old_gcc))
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(native.KERNELS_ENV, raising=False)
+    heard: list[str] = []
     native.reset_for_tests()
     try:
         built = native.library()
+        native.reset_for_tests()
+        again = native.library(heard.append)  # the next start: neither build tried again
     finally:
         native.reset_for_tests()
     assert built is not None and built.variant.name == "avx2", native.unavailable()
     assert built.why.startswith(f"{old_gcc} could not build avx-vnni") and "-mavxvnni" in built.why
     assert built.why.endswith(": kept AVX2")
+    assert again is not None and again.variant.name == "avx2" and again.why == built.why and heard == []

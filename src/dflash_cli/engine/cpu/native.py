@@ -270,9 +270,17 @@ def _make(on_status: Callable[[str], None] | None) -> Built | str:
         built = _built(cc, variant, on_status)
         built.why = reason
         return built
+    failed = cache_folder() / _key(cc, variant) / "build-failed.txt"  # kept: the next start does not try again
     try:
+        if failed.exists():
+            raise RuntimeError(failed.read_text().strip())
         built = _built(cc, variant, on_status)
-    except (RuntimeError, subprocess.SubprocessError) as error:  # a compiler too old for the instructions
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:  # a compiler too old for the instructions
+        try:
+            failed.parent.mkdir(parents=True, exist_ok=True)
+            failed.write_text(str(error))
+        except OSError:
+            pass
         built = _built(cc, VARIANTS[-1], on_status)
         built.why = f"{cc} could not build {variant.name} ({error}): kept AVX2"
         return built
