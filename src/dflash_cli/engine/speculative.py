@@ -119,7 +119,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
 
         verify_watch.start()
         block = torch.cat([anchor, drafts])[None]  # (1, n)
-        if defer_head and n > 2:
+        if defer_head and n > 1:
             normed, hidden = target.forward(block, state.target_cache, start, taps=True, logits=False)
             host = greedy_prefix(target.logits_of, normed, drafts.tolist(), first=first_head_rows(n, mean_accepted))
             host.append(len(host) - 1)
