@@ -85,7 +85,7 @@ def test_constant_groups_survive_4_bits():
     torch.testing.assert_close(back, w, rtol=2**-8, atol=1e-6)
 
 
-def test_the_planner_counts_the_8bit_lm_head_copy():
+def test_the_planner_counts_the_8bit_lm_head_copy_and_no_dense_copy_of_layers_loaded_by_layer():
     from support.hf_configs import cfg
 
     from dflash_cli.models.memory.sizes import target_weight_bytes
@@ -95,7 +95,20 @@ def test_the_planner_counts_the_8bit_lm_head_copy():
         bf16, q4 = target_weight_bytes(config, "bf16"), target_weight_bytes(config, "q4")
         head_rows = config["vocab_size"] * config["hidden_size"]
         assert q4.components["lm_head"] - bf16.components["lm_head"] == head_rows  # one byte per weight
-        assert q4.components["layers_linear"] > bf16.components["layers_linear"]  # the dense copy stays
+        # loaded layer by layer (engine/layerwise.py): the codes and one layer's 16-bit linears, no dense copy
+        layers = config["num_hidden_layers"]
+        one_layer = bf16.components["layers_linear"] // layers
+        assert one_layer < q4.components["layers_linear"] < bf16.components["layers_linear"] / 2 + one_layer
+    moe = cfg("Qwen__Qwen3-Coder-30B-A3B-Instruct")  # loads whole: the 16-bit attention linears stay beside the codes
+    bf16, q4 = target_weight_bytes(moe, "bf16"), target_weight_bytes(moe, "q4")
+    assert q4.components["layers_linear"] > bf16.components["layers_linear"]
+
+
+def test_the_planner_loads_by_layer_the_families_the_loader_does():
+    from dflash_cli.engine.fast_layers import FAMILIES
+    from dflash_cli.models.memory.sizes import LAYERWISE_TYPES
+
+    assert LAYERWISE_TYPES == FAMILIES
 
 
 def test_what_cannot_be_quantized_stays_as_it_is():

@@ -37,7 +37,14 @@ from torch import nn
 from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS
 from dflash_cli.engine.cpu.packed import PackedLinear, room_to_pack
 from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
-from dflash_cli.engine.fast_layers import first_attention, free_dense_weights, layer_device, layer_projections
+from dflash_cli.engine.fast_layers import (
+    QuantizedLayers,
+    codes_lookup,
+    first_attention,
+    free_dense_weights,
+    layer_device,
+    layer_projections,
+)
 from dflash_cli.engine.hf_config import PREFILL_CHUNK
 from dflash_cli.engine.hf_module import HFModule
 from dflash_cli.engine.linear_attention import CHUNK, BlockRecord, is_linear_attention
@@ -64,12 +71,14 @@ class FastPath:
         free_dense: drop the dense weights of the linears quantized here (and of an untied LM head under
             q4a8/q8a8): the model then runs on this path only (Target.enable_fast_path; train's batched
             generator keeps them, its training reads the LM head).
+        quantized: the layers' projections made while the target loaded (engine/layerwise.py), in `weights`.
     """
 
     def __init__(self, model: HFModule, context: int, *, pad_to: int = 1,
                  compile_step: Callable[[nn.Module], Callable[..., Any]] | None = None,
                  on_fallback: Callable[[str], None] | None = None, weights: str | None = None,
-                 q4_codes: dict[str, Q4Codes] | None = None, slack: int | None = None, free_dense: bool = False):
+                 q4_codes: dict[str, Q4Codes] | None = None, slack: int | None = None, free_dense: bool = False,
+                 quantized: QuantizedLayers | None = None):
         attn = first_attention(model)
         self.model = model
         self.context = context
@@ -109,18 +118,19 @@ class FastPath:
         # the weights to the compiler.
         self.packed = pack = compile_step is None and room_to_pack(model)
         self.weights = weights
-        used: list[str] = []
-        codes = _codes_lookup(model, q4_codes, used) if q4_codes else None
         # quantized linears compute each row on their own; attention then must too (row_exact_attention)
         # (q4a8/q8a8 quantize every row's activations: an fp32 attention's ~1e-7 differences between a decode
         # and a verify would change their codes, so they attend row-exact in fp32 too)
         self.row_exact = bool(weights) and self.device.type == "cpu" and (
             self.dtype != torch.float32 or weights in INT8_ACT_QUANTS)
-        replaced: list[nn.Module] = []
-        self.projections = nn.ModuleList(layer_projections(layer, pack, weights, codes, replaced)
-                                         for layer in model.get_decoder().layers)
-        self.freed_bytes = free_dense_weights(replaced) if free_dense else 0
-        self.codes_used = len(set(used))  # linears that run the checkpoint's own codes
+        self.quantized_as_loaded = quantized is not None
+        if quantized is None:
+            quantized = _quantize_layers(model, pack, weights, q4_codes, free_dense)
+        elif quantized.weights != weights:
+            raise ValueError(f"layers loaded as {quantized.weights}, asked to run {weights}")
+        self.projections = quantized.projections
+        self.freed_bytes = quantized.freed_bytes
+        self.codes_used = quantized.codes_used  # linears that run the checkpoint's own codes
         head = model.get_output_embeddings()
         # keep_source: a draft vocabulary takes its rows from the dense head (drafter.draft_head). Under q4 the
         # LM head is q8: 4-bit groups cost it 9% of its weight (the demo's tau fell from 1.7 to 1.1), as fast
@@ -150,7 +160,8 @@ class FastPath:
             own = f" ({self.codes_used} linears with the checkpoint's own 4-bit codes)" if self.codes_used else ""
             experts = f", {self.quantized_experts} layers of {self.weights} experts" if self.quantized_experts else ""
             layers = ", each decoder layer one C call" if self._module(False, True).fused is not None else ""
-            return f"{self.weights} weights{own}{experts}{layers}"
+            loaded = ", quantized layer by layer as they loaded" if self.quantized_as_loaded else ""
+            return f"{self.weights} weights{own}{experts}{loaded}{layers}"
         return "packed weights" if self.packed else ""
 
     @property
@@ -352,24 +363,14 @@ class FastPath:
         return logits, hidden, records
 
 
-def _codes_lookup(model: nn.Module, codes: dict[str, Q4Codes],
-                  used: list[str]) -> Callable[[nn.Module], Q4Codes | None]:
-    """Finds a linear's ready 4-bit codes by its module name (noting it in `used`); codes of another shape
-    are a CheckpointError."""
-    from dflash_cli.engine.errors import CheckpointError
-
-    names = {id(m): name for name, m in model.named_modules()}
-
-    def lookup(linear: nn.Module) -> Q4Codes | None:
-        name = names.get(id(linear))
-        found = codes.get(name) if name is not None else None
-        weight = getattr(linear, "weight", None)
-        if found is not None and weight is not None and tuple(found.codes.shape) != tuple(weight.shape):
-            raise CheckpointError(f"the 4-bit codes of {name} have shape {list(found.codes.shape)}, "
-                                  f"the weight {list(weight.shape)}", hint="delete the codes file")
-        if found is not None and name is not None:
-            used.append(name)
-        return found
-
-    return lookup
-
+def _quantize_layers(model: HFModule, pack: bool, weights: str | None, q4_codes: dict[str, Q4Codes] | None,
+                     free_dense: bool) -> QuantizedLayers:
+    """Each decoder layer's projections as the fast path runs them (quantized when `weights`, else packed or
+    the layer's own), the dense weights of the quantized ones freed when `free_dense`."""
+    used: list[str] = []
+    codes = codes_lookup(model, q4_codes, used) if q4_codes else None
+    replaced: list[nn.Module] = []
+    projections = nn.ModuleList(layer_projections(layer, pack, weights, codes, replaced)
+                                for layer in model.get_decoder().layers)
+    freed = free_dense_weights(replaced) if free_dense else 0
+    return QuantizedLayers(weights, projections, len(set(used)), freed)

@@ -8,6 +8,7 @@ the target's forward; engine/fast.py builds them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,14 +33,31 @@ HYBRID_FAMILIES = HYBRID_MODEL_TYPES
 GEMMA_FAMILIES = ("gemma4", "gemma4_text")
 
 
-def fast_path_unsupported(model: HFModule) -> str | None:
-    """Why `model` cannot take the fast path, or None when it can."""
-    config = model.config
-    model_type = getattr(config, "model_type", None)
+@dataclass
+class QuantizedLayers:
+    """Each decoder layer's projections (`layer_projections`) in a CPU integer format, made while the target
+    loaded (engine/layerwise.py) rather than by the fast path, whose dense weights were never all held."""
+
+    weights: str | None  # q4, q8, q4a8 or q8a8 (None: packed or the layers' own modules)
+    projections: nn.ModuleList
+    codes_used: int  # linears that run the checkpoint's own 4-bit codes
+    freed_bytes: int
+
+
+def fast_path_unsupported(model: HFModule, *, quantized: QuantizedLayers | None = None) -> str | None:
+    """Why `model` cannot take the fast path, or None when it can (`quantized`: its layers were quantized as
+    they loaded, so their dense weights are gone by design)."""
     if any(p.device.type == "meta" for p in model.parameters()):
         return "layers offloaded to cpu/disk (accelerate copies their weights in on every forward)"
-    if freed_weights(model):
+    if quantized is None and freed_weights(model):
         return "its dense weights were freed by an earlier quantized fast path (load it again)"
+    return architecture_unsupported(model)
+
+
+def architecture_unsupported(model: HFModule) -> str | None:
+    """Why the fast path cannot run `model`'s kind of layers, or None (weights not looked at)."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
     supported = FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES + GEMMA_FAMILIES
     if model_type not in supported:
         return f"model type {model_type!r} (fast path: {', '.join(supported)})"
@@ -103,6 +121,28 @@ def freed_weights(model: nn.Module) -> bool:
 
 def _gated_mlp(mlp: nn.Module) -> bool:
     return all(hasattr(mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def codes_lookup(model: nn.Module, codes: dict[str, Q4Codes],
+                  used: list[str]) -> Callable[[nn.Module], Q4Codes | None]:
+    """Finds a linear's ready 4-bit codes by its module name (noting it in `used`); codes of another shape
+    are a CheckpointError."""
+    from dflash_cli.engine.errors import CheckpointError
+
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def lookup(linear: nn.Module) -> Q4Codes | None:
+        name = names.get(id(linear))
+        found = codes.get(name) if name is not None else None
+        weight = getattr(linear, "weight", None)
+        if found is not None and weight is not None and tuple(found.codes.shape) != tuple(weight.shape):
+            raise CheckpointError(f"the 4-bit codes of {name} have shape {list(found.codes.shape)}, "
+                                  f"the weight {list(weight.shape)}", hint="delete the codes file")
+        if found is not None and name is not None:
+            used.append(name)
+        return found
+
+    return lookup
 
 
 def layer_projections(layer: HFModule, pack: bool, quant: str | None = None,

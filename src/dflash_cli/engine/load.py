@@ -150,7 +150,8 @@ def _load_kwargs(folder: Path, device: torch.device, dtype: torch.dtype, quant: 
 
 def load_target(folder: str | Path, *, device: torch.device | str | None = None,
                 dtype: torch.dtype | str | None = None, quant: str | None = None,
-                layer_devices: Sequence[str] | None = None, offload_dir: str | Path | None = None) -> Target:
+                layer_devices: Sequence[str] | None = None, offload_dir: str | Path | None = None,
+                by_layer: bool = False) -> Target:
     """Loads a causal LM from a local folder through transformers' AutoModelForCausalLM.
 
     Args:
@@ -165,6 +166,9 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
             plans them; accelerate offloads the layers on cpu (when the hot device is a GPU) and disk.
         offload_dir: where disk-offloaded weights go (in a temporary folder inside it, removed with the
             target); default: the system's temporary folder, which is often in RAM (tmpfs).
+        by_layer: with a CPU `quant` (q4, q8, q4a8, q8a8), quantize each decoder layer as it loads where the
+            checkpoint allows (engine/layerwise.py): the full-precision weights are never all in memory, and
+            the target runs on the fast path only (the CLI's choice unless --compile off).
     """
     folder = Path(folder)
     device = pick_device(str(device) if device is not None else None)
@@ -178,7 +182,17 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
                                       hint="on a GPU use --quant nf4 or int8 (bitsandbytes)")
     config = read_config(folder, "target")
     check_target_config(config, str(folder))
-    safetensors_files(folder, "target")
+    files = safetensors_files(folder, "target")
+    codes = folder / Q4_CODES_FILE
+    codes_file = codes if weight_quant in ("q4", "q4a8") and codes.is_file() else None
+    if by_layer and weight_quant is not None and text_model_class(config) is None:
+        from dflash_cli.engine.layerwise import load_by_layer
+
+        loaded = load_by_layer(folder, files, config, dtype, weight_quant, codes_file)
+        if loaded is not None:
+            target = _target_of(loaded[0], folder, weight_quant, codes_file)
+            target.quantized_layers, target.dense_freed = loaded[1], True
+            return target
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -210,12 +224,16 @@ def load_target(folder: str | Path, *, device: torch.device | str | None = None,
         if bars:
             hf_logging.enable_progress_bar()
     model.eval().requires_grad_(False)
+    target = _target_of(model, folder, weight_quant, codes_file)
+    target.offload_dir = offloaded  # removed with the target
+    return target
+
+
+def _target_of(model: Any, folder: Path, weight_quant: str | None, codes_file: Path | None) -> Target:
     logging.getLogger(__name__).debug("loaded %s as %s", folder, type(model).__name__)
     target = Target(model, name=str(folder))
-    target.offload_dir = offloaded  # removed with the target
     target.weight_quant = weight_quant
-    codes = folder / Q4_CODES_FILE
-    target.q4_codes_file = codes if weight_quant in ("q4", "q4a8") and codes.is_file() else None
+    target.q4_codes_file = codes_file
     return target
 
 
@@ -271,11 +289,12 @@ def attach_drafter(target: Target, drafter: DFlashDrafter, *, drafter_name: str 
 def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,
               device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
               quant: str | None = None, drafter_quant: str | None = None,
-              layer_devices: Sequence[str] | None = None, offload_dir: str | Path | None = None) -> Pair:
+              layer_devices: Sequence[str] | None = None, offload_dir: str | Path | None = None,
+              by_layer: bool = False) -> Pair:
     """Loads a target and (optionally) its drafter, checking the pairing from configs before any weights.
 
     With `layer_devices` (a split, see load_target) the drafter goes on the hot device `device`, beside
-    the target's embeddings and LM head, which it uses on every draft."""
+    the target's embeddings and LM head, which it uses on every draft. `by_layer`: see load_target."""
     device = pick_device(str(device) if device is not None else None)
     dtype = dtype if isinstance(dtype, torch.dtype) else pick_dtype(dtype, device, check_quant(quant))
     drafter_cfg = None
@@ -284,7 +303,7 @@ def load_pair(target_folder: str | Path, drafter_folder: str | Path | None, *,
         check_pair(read_config(Path(target_folder), "target"), drafter_cfg,
                    target_name=str(target_folder), drafter_name=str(drafter_folder))
     target = load_target(target_folder, device=device, dtype=dtype, quant=quant, layer_devices=layer_devices,
-                         offload_dir=offload_dir)
+                         offload_dir=offload_dir, by_layer=by_layer)
     drafter = None
     if drafter_folder is not None:
         drafter = load_drafter(drafter_folder, device=target.device, dtype=dtype, quant=drafter_quant)

@@ -21,6 +21,7 @@ from dflash_cli.engine.linear_attention import is_linear_attention
 if TYPE_CHECKING:
     from dflash_cli.engine.cpu.threads import ThreadGovernor
     from dflash_cli.engine.fast import FastPath
+    from dflash_cli.engine.fast_layers import QuantizedLayers
 
 
 def decoder_layers(model: HFModule) -> nn.ModuleList:
@@ -122,6 +123,8 @@ class Target:
         self.offload_dir: Any = None  # a TemporaryDirectory holding disk-offloaded weights, if any
         self.weight_quant: str | None = None  # "q4"/"q8"/"q4a8"/"q8a8": the fast path runs the linears quantized
         self.q4_codes_file: Any = None  # a Path of ready 4-bit codes (weightonly.Q4_CODES_FILE), if any
+        # the layers' projections in weight_quant's format, made as they loaded (engine/layerwise.py), if so
+        self.quantized_layers: QuantizedLayers | None = None
         # on a CPU, the thread count of its generations (engine/cpu/threads.py); None: torch's default, untouched
         self.threads: ThreadGovernor | None = None
         # set once a quantized fast path freed the dense weights it replaced: transformers' forward cannot run
@@ -156,16 +159,18 @@ class Target:
         from dflash_cli.engine.fast import FastPath
         from dflash_cli.engine.fast_layers import fast_path_unsupported
 
-        reason = fast_path_unsupported(self.model)
+        quantized = self.quantized_layers
+        reason = fast_path_unsupported(self.model, quantized=quantized)
         if reason is not None:
             return reason
         codes = None
-        if self.weight_quant in ("q4", "q4a8") and self.q4_codes_file is not None:
+        if quantized is None and self.weight_quant in ("q4", "q4a8") and self.q4_codes_file is not None:
             from dflash_cli.engine.cpu.weightonly import read_q4_codes
 
             codes = read_q4_codes(self.q4_codes_file)
         self.fast = FastPath(self.model, context, pad_to=pad_to, compile_step=compile_step,
-                             on_fallback=on_fallback, weights=self.weight_quant, q4_codes=codes, free_dense=True)
+                             on_fallback=on_fallback, weights=self.weight_quant, q4_codes=codes, free_dense=True,
+                             quantized=quantized)
         self.fast.set_taps(self._taps)
         self.dense_freed = self.dense_freed or self.fast.freed_bytes > 0
         return None

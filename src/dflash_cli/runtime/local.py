@@ -193,7 +193,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     if before_weights is not None:
         before_weights(tokenizer)
     pair = load_pair(target_dir, drafter_dir, device=dev, dtype=dt, quant=quant, layer_devices=layer_devices,
-                     offload_dir=S.cache_dir() / "offload")  # on disk: the system's temp folder may be RAM
+                     offload_dir=S.cache_dir() / "offload",  # on disk: the system's temp folder may be RAM
+                     by_layer=compile != "off")  # --compile off runs transformers' forward, on dense weights
     forward = enable_fast_path(pair.target, pair.drafter, compile, max_context,
                                bnb_quant=quant if quant in ("int8", "nf4") else None,
                                on_status=on_status, on_notice=on_notice, quant_auto=quant_auto)

@@ -116,8 +116,11 @@ def _plain_bytes(quant: str) -> int:
     return 4 if quant in ("fp32", "q4a8", "q8a8") else 2
 
 
-def _linear_bytes(lin: Linear, quant: str, double_quant: bool) -> int:
+def _linear_bytes(lin: Linear, quant: str, double_quant: bool, dense_held: bool = True) -> int:
+    """Bytes of one kind of linear under `quant`; `dense_held` False: the codes alone (a target quantized layer
+    by layer as it loads never holds its full-precision linears beside them)."""
     per = lin.inp * lin.out
+    held = 1 if dense_held else 0
     bias = lin.biases * _plain_bytes(quant)
     if quant in ("bf16", "fp16"):
         w = 2 * per
@@ -128,13 +131,13 @@ def _linear_bytes(lin: Linear, quant: str, double_quant: bool) -> int:
     elif quant in ("q4", "q8"):
         # weight-only CPU kernels (engine/cpu/weightonly.py): the 16-bit weights loaded stay beside the codes
         codes = math.ceil(per / 2) + 4 * math.ceil(per / Q4_GROUP) if quant == "q4" else per + 2 * lin.out
-        w = 2 * per + codes
+        w = held * 2 * per + codes
     elif quant in ("q4a8", "q8a8"):
         # 8-bit-activation kernels (engine/cpu/int8act.py): fp32 weights as loaded plus the codes, with fp32 d
         # (and q4's m) per block of 32
         blocks = math.ceil(per / Q4_GROUP)
         codes = math.ceil(per / 2) + 8 * blocks if quant == "q4a8" else per + 4 * blocks
-        w = 4 * per + codes
+        w = held * 4 * per + codes
     elif quant == "nf4":
         blocks = math.ceil(per / NF4_BLOCK)
         absmax = (blocks + 4 * math.ceil(blocks / NF4_DOUBLE_QUANT_GROUP) + 4) if double_quant else 4 * blocks
@@ -153,6 +156,16 @@ def _expert_code_bytes(mats: list[tuple[int, int, int]], quant: str) -> int:
     if any(cols % Q4_GROUP or rows % 16 for _, rows, cols in mats):  # q4 cannot take them: the engine uses q8
         return _expert_code_bytes(mats, "q8")
     return sum(m * rows * cols // 2 + 4 * (m * rows * cols // Q4_GROUP) for m, rows, cols in mats)
+
+
+# Dense targets that load one decoder layer at a time under q4/q8/q4a8/q8a8 (engine/layerwise.py; its
+# fast_layers.FAMILIES): their full-precision linears never sit beside the codes, one layer's at most.
+LAYERWISE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _loads_by_layer(config: dict[str, Any], quant: str) -> bool:
+    return (quant in ("q4", "q8", "q4a8", "q8a8") and text_config(config).get("model_type") in LAYERWISE_TYPES
+            and prequantized(config) is None)
 
 
 # MoE model types whose experts the q4/q8 fast path turns into 4/8-bit ones (engine/moe.py, engine/fast.py)
@@ -290,8 +303,16 @@ def _estimate(c: Counts, config: dict[str, Any], quant: str, double_quant: bool,
     plain = _plain_bytes(quant)
     linear_w = sum(lin.weights for lin in c.linears)
     linear_b = sum(lin.biases for lin in c.linears)
-    linear_bytes = sum(_linear_bytes(lin, quant, double_quant) for lin in c.linears)
     notes = list(c.notes)
+    if not drafter and _loads_by_layer(config, quant):
+        layers = max(int(text_config(config).get("num_hidden_layers") or 1), 1)
+        one_layer = sum(lin.weights * plain for lin in c.linears) // layers  # read, quantized, then freed
+        linear_bytes = sum(_linear_bytes(lin, quant, double_quant, dense_held=False) for lin in c.linears)
+        linear_bytes += one_layer
+        notes.append(f"{quant} loads layer by layer: the codes and one layer's {8 * plain}-bit linears "
+                     f"({one_layer / 2**20:.0f} MiB) at most")
+    else:
+        linear_bytes = sum(_linear_bytes(lin, quant, double_quant) for lin in c.linears)
     mxfp4 = None
     if drafter:
         components = {"fc": c.fc * plain, "layers_linear": linear_bytes, "norms_other": c.norms_other * plain}
