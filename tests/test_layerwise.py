@@ -41,6 +41,24 @@ def first_logits(pair, prompt: list[int]) -> torch.Tensor:
     return logits
 
 
+def record_drafts(pair, prompt: list[int]) -> list[torch.Tensor]:
+    """The drafter's logits of every round of a greedy speculative generation."""
+    from dflash_cli.engine.generate import generate
+
+    seen, postprocess = [], pair.drafter.postprocess_logits
+
+    def recording(logits):
+        seen.append(logits.clone())
+        return postprocess(logits)
+
+    pair.drafter.postprocess_logits = recording
+    try:
+        generate(pair.target, pair.drafter, prompt, max_new_tokens=16, block_size=4, stop_ids=[])
+    finally:
+        del pair.drafter.postprocess_logits
+    return seen
+
+
 CASES = [("qwen3", True, torch.bfloat16, "q4a8"), ("llama", False, torch.float32, "q8a8"),
          ("qwen3", False, torch.float32, "q8"), ("llama", True, torch.bfloat16, "q4")]
 
@@ -62,8 +80,21 @@ def test_layer_by_layer_runs_the_whole_loads_model_and_stays_lossless(tmp_path, 
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     assert by_layer.target.fast.freed_bytes == whole.target.fast.freed_bytes > 0
     assert model.generation_config.eos_token_id == whole.target.model.generation_config.eos_token_id == 2
+    # a float32 target keeps 16-bit embeddings as saved (half the memory, the same values widened)
+    kept = saved == torch.bfloat16 and by_layer.target.fast.dtype == torch.float32
+    assert by_layer.target.embed_weight.dtype == (saved if kept else by_layer.target.fast.dtype)
+    assert whole.target.embed_weight.dtype == whole.target.fast.dtype == by_layer.target.fast.dtype
     for prompt in random_prompts(3, seed=5):
         assert torch.equal(first_logits(by_layer, prompt), first_logits(whole, prompt))
+    # a draft vocabulary's head, made from the LM head's rows, in the drafter's dtype either way
+    rows = torch.randn(3, cfg["hidden_size"], dtype=whole.target.fast.dtype)
+    heads = []
+    for pair in (whole, by_layer):
+        pair.drafter.draft_vocab = torch.arange(3, VOCAB, 2)
+        heads.append(pair.drafter.draft_head(pair.target.logits_head)(rows))
+    assert heads[0].dtype == rows.dtype and torch.equal(heads[0], heads[1])
+    drafts = [record_drafts(pair, random_prompts(1, seed=7)[0]) for pair in (whole, by_layer)]
+    assert len(drafts[0]) > 1 and all(torch.equal(a, b) for a, b in zip(*drafts, strict=True))
     assert_speculative_equals_plain(by_layer, random_prompts, (4,), max_new_tokens=20)
 
 

@@ -386,7 +386,7 @@ class DFlashDrafter(nn.Module):
             return logits.float().argmax(-1) if sampler is None else sampler(logits, start + 1)
         h = self.draft_hidden(context, anchor, start, block_len, cache, embed_weight, keep)
         head = self.draft_head(lm_head)
-        logits = self.postprocess_logits(head(h.to(lm_head_dtype(head) or embed_weight.dtype))).float()  # (keep, V')
+        logits = self.postprocess_logits(head(h.to(lm_head_dtype(head) or h.dtype))).float()  # (keep, V')
         if sampler is None or (sampler.greedy and not sampler.constrained):  # the vocabulary is sorted: the
             # same first maximum as over `full`
             return self.draft_vocab[logits.argmax(-1)]
@@ -401,7 +401,8 @@ class DFlashDrafter(nn.Module):
         # a quantized head that kept no dense weight (its codes are the weight): its rows come from the codes
         weight = dense_weight(lm_head)
         owner: Any = weight if weight is not None else lm_head
-        like = weight if weight is not None else self.draft_vocab.new_empty(0, dtype=torch.float32)
+        # in the drafter's dtype: a 16-bit embedding a float32 target keeps (engine/layerwise.py) widens exactly
+        like = (weight if weight is not None else self.draft_vocab).new_empty(0, dtype=self.hidden_norm.weight.dtype)
         cached = self._draft_head
         # made again for another head (a weak reference: a freed target's id may be reused), dtype, device
         # or vocabulary
@@ -426,7 +427,7 @@ class DFlashDrafter(nn.Module):
                      keep: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The normed hidden states (keep, H) and post-processed draft logits (keep, V) of slots 1..keep."""
         h = self.draft_hidden(context, anchor, start, block_len, cache, embed_weight, keep)
-        return h, self.postprocess_logits(lm_head(h.to(lm_head_dtype(lm_head) or embed_weight.dtype)))
+        return h, self.postprocess_logits(lm_head(h.to(lm_head_dtype(lm_head) or h.dtype)))
 
     def draft_hidden(self, context, anchor, start, block_len, cache, embed_weight, keep: int | None) -> torch.Tensor:
         """The normed hidden states (keep, H) of slots 1..keep of a block of `block_len` slots."""

@@ -104,7 +104,8 @@ class FastPath:
             if window + 2 * self.slack < self.capacity:
                 self.ring = (window + 2 * self.slack, window)
         self.ring_layers = set(windows) if self.ring is not None else set()
-        self.dtype = model.get_input_embeddings().weight.dtype
+        # the compute dtype (a float32 target may keep its embeddings 16-bit: engine/layerwise.py)
+        self.dtype = model.get_decoder().norm.weight.dtype
         self.device = model.get_input_embeddings().weight.device  # the hot device: ids, logits, taps
         devices = [layer_device(layer) for layer in layers]
         # each layer's device under a device map; None on one device (no boundary checks at all)

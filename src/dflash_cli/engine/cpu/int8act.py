@@ -45,6 +45,21 @@ def quantize_q4_1(weight: torch.Tensor) -> Q4Codes:
     return Q4Codes(codes.reshape(out, cols), d, m + 8 * d, GROUP, mins=m)
 
 
+def quantize_q8_0(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit codes per block of 32 in GGUF Q8_0's form (d = absmax / 127, rounded to fp16 as the kernel reads
+    it), `chunk` rows at a time: an LM head's fp32 temporaries would otherwise be three times its size."""
+    out, cols = weight.shape
+    codes = torch.empty(out, cols, dtype=torch.int8)
+    d = torch.empty(out, cols // GROUP)
+    for start in range(0, out, chunk):
+        w = weight[start:start + chunk].detach().float().reshape(-1, cols // GROUP, GROUP)
+        scale = (w.abs().amax(-1) / 127).half().float()
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        codes[start:start + chunk] = torch.round(w * inv[..., None]).clamp_(-127, 127).reshape(-1, cols)
+        d[start:start + chunk] = scale
+    return codes, d
+
+
 def _need_library() -> native.Built:
     built = native.library()
     if built is None:
@@ -111,10 +126,7 @@ class Q8A8Linear(Int8ActLinear):
         self.lib = _need_library().lib
         out, cols = weight.shape
         self.in_features = int(cols)
-        w = weight.detach().float().reshape(out, cols // GROUP, GROUP)
-        d = (w.abs().amax(-1) / 127).half().float()  # fp16, as the kernel reads it (GGUF's Q8_0)
-        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        codes = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out, cols)
+        codes, d = quantize_q8_0(weight)
         self.padded = round_up8(out)
         extra = self.padded - out
         if extra:
