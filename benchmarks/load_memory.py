@@ -89,9 +89,6 @@ def child(folder: Path, quant: str, mode: str, context: int) -> None:
     import gc
 
     gc.collect()
-    if "TRIM" in __import__("os").environ:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
     out = dict(mode=mode, load_s=seconds, peak=status_kib("VmHWM") * 1024, resident=status_kib("VmRSS") * 1024,
                anon=status_kib("RssAnon") * 1024, file=status_kib("RssFile") * 1024,
                codes=tensor_bytes(fast.projections) + tensor_bytes(fast.lm_head),
