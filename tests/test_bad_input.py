@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -197,10 +198,10 @@ def test_an_interrupted_json_run_says_so_in_finish_reason(smollm2_converted, mon
 # -- 6. a damaged chat history ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("damage, why", [
-    (os.urandom(64) + b"\xff\xfe", "bytes that are not UTF-8"),
+    (random.Random(6).randbytes(64) + b"\xff\xfe", "bytes that are not UTF-8"),
     (b"\n# 2026-01-01\n+hello\n\n# 2026-01-02\n+sec\x00ret\n", "a NUL character"),
     (b"\n# 2026-01-01\n+hello\nstray text\n", "line 4 is not a history entry"),
-])
+], ids=["not-utf8", "nul", "stray-line"])  # fixed ids: parallel workers (pytest-xdist) must collect the same tests
 def test_a_damaged_history_file_is_moved_aside_and_a_new_one_started(tmp_path, damage, why):
     path = tmp_path / "chat_history"
     path.write_bytes(damage)
