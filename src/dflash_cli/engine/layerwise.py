@@ -119,7 +119,7 @@ def _release_freed_heap() -> None:
     between the codes allocated after them, and the process's memory grows by them layer after layer)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    except (OSError, AttributeError, TypeError):  # not glibc
         return
     trim(0)
 
