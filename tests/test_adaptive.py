@@ -194,20 +194,6 @@ def test_a_failing_re_probe_waits_longer_for_the_next():
     assert max(gaps) <= 8 * 24 + 1 and gaps[-1] > 4 * 24, gaps
 
 
-def test_a_paused_drafter_is_not_re_probed_in_every_short_request():
-    """Requests of 30 rounds sharing a drafter's RoundCosts (bench's prompts, serve's requests): the re-probe
-    schedule runs across them, so a drafter that never pays is probed a few times in 300 rounds, not once in
-    every request."""
-    from dflash_cli.engine.adaptive import RoundCosts
-
-    cost = round_cost(draft=0.3, verify_slope=0.05)
-    shared = RoundCosts()
-    run_rounds(BlockSizeController(8, shared=shared), 0.0, cost, 100, random.Random(1))
-    rounds = [n for i in range(10)
-              for n in run_rounds(BlockSizeController(8, shared=shared), 0.0, cost, 30, random.Random(i))]
-    assert 1 <= sum(n > 1 for n in rounds) <= 3, rounds
-
-
 def test_an_unmeasured_block_is_estimated_with_the_draft_it_needs():
     """A drafted round costs the whole block's draft plus a verify that grows with its rows: after one full
     block and one plain round, a block of 2 is estimated at draft + a verify between the two, not on a

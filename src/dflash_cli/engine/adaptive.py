@@ -20,8 +20,7 @@ What rounds cost depends on the machine and the pair, not on the request, so the
 `RoundCosts` shared by every controller of one loaded drafter (bench's prompts, serve's requests, calls
 from Python). A request after the first starts from measured costs and from the last request's acceptance
 (weighted as a few rounds, so its own text takes over quickly) instead of three full blocks of warm-up:
-where drafting does not pay, it pays nothing to find that out again. The re-probe schedule is shared too:
-a paused drafter is re-probed after so many plain rounds of all the requests, not at every reply's 24th.
+where drafting does not pay, it pays nothing to find that out again.
 """
 
 from __future__ import annotations
@@ -50,10 +49,6 @@ class RoundCosts:
         self.seconds: dict[int, dict[int, float]] = {}  # length bucket -> block length -> smoothed seconds
         self.reached: list[float] = []  # the latest controller's decayed counts (BlockSizeController's)
         self.accepted: list[float] = []
-        # the re-probe schedule of a paused drafter, kept across requests: short replies (bench's, serve's)
-        # would otherwise each pay a probe at their 24th round
-        self.plain_streak = 0  # plain rounds since the last drafted one
-        self.probe_gap = 0  # plain rounds before the next re-probe (0: not set yet)
 
     def drafting_measured(self) -> bool:
         return any(n > 1 for costs in self.seconds.values() for n in costs)
@@ -89,7 +84,8 @@ class BlockSizeController:
         self._costs = self.shared.seconds
         self.bucket = 0  # the bucket of the context the next rounds run at
         self.rounds = 0
-        self.shared.probe_gap = self.shared.probe_gap or probe_every
+        self._plain_streak = 0
+        self._probe_gap = probe_every  # plain rounds before the next re-probe of a paused drafter
         self.choice = max_block
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
 
@@ -173,16 +169,16 @@ class BlockSizeController:
             self.choice = max(self._best_drafting(), 2)  # a new context length: what a block costs here
         elif self.cost(1) is None or (self.injected_cost is None and not self.measured_here(1)):
             self.choice = 1  # measure what plain decoding costs (here) once
-        elif self.choice == 1 and self.shared.plain_streak >= self.shared.probe_gap:
+        elif self.choice == 1 and self._plain_streak >= self._probe_gap:
             self.choice = max(self._best_drafting(), 2)  # re-probe a paused drafter
             # each probe that does not end the pause waits twice as long for the next (up to 8x): a probe
             # costs more than the plain round it replaces
-            self.shared.probe_gap = min(2 * self.shared.probe_gap, MAX_PROBE_GAP * self.probe_every)
+            self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP * self.probe_every)
         else:
             rates = self.rates()
             self.choice = max(rates, key=rates.__getitem__) if rates else self.max_block
             if self.choice > 1:
-                self.shared.probe_gap = self.probe_every
+                self._probe_gap = self.probe_every
             elif length is not None:
                 self.pause_reason = self._why_paused(length)
         return self.choice
@@ -205,7 +201,7 @@ class BlockSizeController:
         """Records a round of n slots that accepted `accepted` drafts and took `seconds`, `draft_seconds` of
         them drafting."""
         self.rounds += 1
-        self.shared.plain_streak = self.shared.plain_streak + 1 if n == 1 else 0
+        self._plain_streak = self._plain_streak + 1 if n == 1 else 0
         if n > 1:
             for k in range(1, self.max_block):
                 self.reached[k] *= self.decay
