@@ -60,12 +60,20 @@ def record_drafts(pair, prompt: list[int]) -> list[torch.Tensor]:
 
 
 CASES = [("qwen3", True, torch.bfloat16, "q4a8"), ("llama", False, torch.float32, "q8a8"),
-         ("qwen3", False, torch.float32, "q8"), ("llama", True, torch.bfloat16, "q4")]
+         ("qwen3", False, torch.float32, "q8"), ("llama", True, torch.bfloat16, "q4"),
+         ("qwen2", True, torch.bfloat16, "q8a8")]  # Qwen2: q/k/v biases
+
+
+def config_of(family: str, tied: bool) -> dict:
+    if family == "qwen2":  # Llama's shape with Qwen2's attention biases
+        return target_config("llama", model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                             use_sliding_window=False, tie_word_embeddings=tied)
+    return target_config(family, tie_word_embeddings=tied)
 
 
 @pytest.mark.parametrize("family,tied,saved,kind", CASES)
 def test_layer_by_layer_runs_the_whole_loads_model_and_stays_lossless(tmp_path, family, tied, saved, kind):
-    cfg = target_config(family, tie_word_embeddings=tied)
+    cfg = config_of(family, tied)
     folder = save_in(tmp_path / "target", cfg, saved)
     drafter = save_random_drafter(tmp_path / "drafter", drafter_config(cfg), seed=2)
     whole = load_pair(folder, drafter, device="cpu", quant=kind)
