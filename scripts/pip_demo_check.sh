@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 venv=$(mktemp -d)/venv
 trap 'rm -rf "$(dirname "$venv")"' EXIT
 "${PYTHON:-python3}" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" -c scripts/constraints.txt .
 # without the model wheel, -m demo says in one line what to install

@@ -269,8 +269,10 @@ def test_an_incomplete_reply_warns_on_stderr(folders):
 
 
 @pytest.mark.slow
-def test_the_demo_with_a_schema_gives_parseable_json():
+def test_the_demo_with_a_schema_gives_parseable_json(smollm2_converted, monkeypatch):
     from dflash_cli.ui.cli import cli
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(smollm2_converted.cache))  # reuse this run's conversion
 
     result = CliRunner().invoke(cli, ["generate", "-m", "demo", "-q", "-n", "120", "--schema", "name, age int, colour",
                                       "Tom is a 3 year old black cat. Give his name, age and colour as JSON."])

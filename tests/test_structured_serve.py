@@ -151,13 +151,15 @@ def test_read_calls_takes_the_templates_blocks_and_leaves_the_rest():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strnig"}}}}, "response_format"),
-    ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strnig"}}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"regex": "a", "grammar": "start: \"a\""}}, "structured_outputs"),
     ({"tools": {"name": "x"}}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": True}},
      "chat_template_kwargs"),

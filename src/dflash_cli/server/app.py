@@ -35,6 +35,7 @@ from dflash_cli.server.protocol import (
     finish_reason,
     live_metrics,
     parse_request,
+    read_body,
     timings,
     usage,
 )
@@ -72,7 +73,8 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def read_json(request: Request) -> Any:
+async def read_body_bytes(request: Request) -> bytes:
+    """The body, refused with a 413 as soon as it grows past MAX_BODY_BYTES (before any of it is parsed)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
@@ -81,12 +83,7 @@ async def read_json(request: Request) -> Any:
         body += part
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-    except RecursionError:  # arrays or objects nested thousands deep
-        raise ApiError(400, "the request body is nested too deeply") from None
+    return bytes(body)
 
 
 def check_key(state: ServerState, request: Request) -> None:
@@ -127,11 +124,11 @@ async def completions(request: Request, *, chat: bool) -> Response:
     state: ServerState = request.app.state.server
     try:
         check_key(state, request)
-        body = await read_json(request)
-        if isinstance(body, dict) and body.get("model") not in (None, state.model):
-            raise ApiError(404, f"the model {body.get('model')!r} is not served here (this server serves "
+        body = read_body(await read_body_bytes(request), chat=chat)
+        if body.model not in (None, state.model):
+            raise ApiError(404, f"the model {body.model!r} is not served here (this server serves "
                                 f"{state.model!r})", param="model", code="model_not_found")
-        parsed = parse_request(body, chat=chat, defaults=state.defaults, max_tokens_cap=state.max_tokens_cap)
+        parsed = parse_request(body, defaults=state.defaults, max_tokens_cap=state.max_tokens_cap)
         ids, inside = await run_in_threadpool(encoded, state, parsed)  # a long prompt takes a while
     except ApiError as e:
         return error_response(e)

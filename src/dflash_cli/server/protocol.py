@@ -8,7 +8,6 @@ vLLM's per-request field names (see README, "Using it from other programs").
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -23,12 +22,20 @@ from dflash_cli.engine.output_format import (
     schema_format,
 )
 from dflash_cli.engine.response import FINISH_STOP, GenerationStats
-from dflash_cli.server.tools import ToolError, ToolRequest, parse_tools
+from dflash_cli.server.requests import (
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    RequestError,
+    ResponseFormat,
+    StructuredOutputs,
+    read_request,
+)
+from dflash_cli.server.tools import ToolError, ToolRequest, tool_request
 
 UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "suffix", "echo", "best_of")
-ROLES = ("system", "developer", "user", "assistant", "tool")
-PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # refused unless neutral
+PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # refused unless so
 
 
 class ApiError(Exception):
@@ -53,178 +60,116 @@ class ParsedRequest:
     tools: ToolRequest | None = None
 
 
-def _number(body: dict, name: str, low: float, high: float, default: Any, *, integer: bool = False) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or (not integer and not math.isfinite(value)):
-        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}", param=name)
-    if not low <= value <= high:
-        raise ApiError(400, f"'{name}' must be between {low:g} and {high:g}, got {value}", param=name)
-    return value
+def read_body(raw: bytes, *, chat: bool) -> ChatRequest | CompletionRequest:
+    """The request in a body's JSON text, or a 400 naming the first field that is wrong (server/requests.py)."""
+    try:
+        return read_request(raw, chat=chat)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
-        if message["role"] not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, not {message['role']!r}",
-                           param="messages")
-        content = message.get("content")
-        if content is None and message["role"] == "assistant":  # a turn that only called tools
-            content = ""
-        if content is None:
-            raise ApiError(400, f"messages[{i}].content must be a string (only an assistant's may be null)",
-                           param="messages")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
-        kept: dict[str, Any] = {"role": message["role"], "content": content}
-        for key in ("tool_calls", "tool_call_id", "name"):  # a tool-using turn, for the chat template
-            if message.get(key) is not None:
-                kept[key] = message[key]
-        out.append(kept)
-    return out
-
-
-def _prompt(body: dict) -> str | list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise ApiError(400, "'prompt' must be a non-empty string (or one string, or a list of token ids)", param="prompt")
-
-
-def parse_request(body: Any, *, chat: bool, defaults: GenerationSettings, max_tokens_cap: int) -> ParsedRequest:
-    """Checks a request body against what `serve` supports; `defaults` are the server's own settings, and no
-    request may ask for more than `max_tokens_cap` new tokens."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+def parse_request(request: ChatRequest | CompletionRequest, *, defaults: GenerationSettings,
+                  max_tokens_cap: int) -> ParsedRequest:
+    """Turns a request into engine settings: `defaults` are the server's own, what the server cannot do is a
+    422, and no request may ask for more than `max_tokens_cap` new tokens."""
     for name in UNSUPPORTED:
-        if body.get(name) not in (None, False, [], {}):
+        if getattr(request, name) not in (None, False, [], {}):
             raise ApiError(422, f"'{name}' is not supported by this server yet", param=name, code="unsupported")
-    if _number(body, "n", 1, 1_000_000, 1, integer=True) != 1:
+    if request.n != 1:
         raise ApiError(422, "'n' > 1 is not supported by this server yet", param="n", code="unsupported")
-    for name in PENALTIES:
-        neutral = 1.0 if name == "repetition_penalty" else 0.0
-        if _number(body, name, -2, 2 if neutral == 0.0 else 10, neutral) != neutral:
+    for name, neutral in PENALTIES.items():
+        if getattr(request, name) != neutral:
             raise ApiError(422, f"'{name}' is not supported by this server yet: decoding is lossless, only "
                                 "temperature, top_p and top_k shape it", param=name, code="unsupported")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    limit = body.get(name)
+    name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    limit = getattr(request, name)
+    if limit is not None and limit > max_tokens_cap:
+        raise ApiError(400, f"'{name}' must be at most {max_tokens_cap} on this server, got {limit}", param=name)
     settings = replace(
-        defaults,
-        max_tokens=_number({name: limit}, name, 1, max_tokens_cap, defaults.max_tokens, integer=True),
-        temperature=float(_number(body, "temperature", 0, 2, defaults.temperature)),
-        top_p=float(_number(body, "top_p", 1e-9, 1, defaults.top_p)),
-        top_k=max(_number(body, "top_k", -1, 1 << 31, defaults.top_k, integer=True), 0),  # -1: off
-        seed=_number(body, "seed", -(1 << 63), (1 << 63) - 1, defaults.seed, integer=True))
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
-    if stop is not None and (not isinstance(stop, (str, list)) or not all(isinstance(s, str) for s in stops)
-                             or len(stops) > 4):
-        raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
-    stream = body.get("stream", False)
-    stream_options = body.get("stream_options") or {}
-    kwargs = body.get("chat_template_kwargs") or {}
-    for name, value, kind in (("stream", stream, bool), ("stream_options", stream_options, dict),
-                              ("chat_template_kwargs", kwargs, dict)):
-        if not isinstance(value, kind):
-            raise ApiError(400, f"'{name}' must be {'a boolean' if kind is bool else 'an object'}", param=name)
-    if not isinstance(stream_options.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
-    thinking = kwargs.get("enable_thinking")
-    if thinking is not None and not isinstance(thinking, bool):
-        raise ApiError(400, "'chat_template_kwargs.enable_thinking' must be a boolean", param="chat_template_kwargs")
-    if thinking is not None:
-        settings = replace(settings, think=thinking)
+        defaults, max_tokens=defaults.max_tokens if limit is None else limit,
+        temperature=defaults.temperature if request.temperature is None else request.temperature,
+        top_p=defaults.top_p if request.top_p is None else request.top_p,
+        top_k=defaults.top_k if request.top_k is None else max(request.top_k, 0),  # -1: off
+        seed=defaults.seed if request.seed is None else request.seed)
+    stops = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    include_usage = request.stream_options is not None and request.stream_options.include_usage
+    if not isinstance(request, ChatRequest):
+        prompt = request.prompt[0] if isinstance(request.prompt, list) and isinstance(request.prompt[0], str) \
+            else request.prompt
+        return ParsedRequest(False, None, prompt, settings, stops, request.stream, include_usage)
+    kwargs = request.chat_template_kwargs
+    if kwargs is not None and kwargs.enable_thinking is not None:
+        settings = replace(settings, think=kwargs.enable_thinking)
     try:
-        tools = parse_tools(body) if chat else None
+        tools = tool_request(request)
     except ToolError as e:
         raise ApiError(400, str(e), param=e.param) from None
-    fmt = _output_format(body, tools)
+    fmt = _output_format(request, tools)
     if fmt is not None:
         if settings.think:
             raise ApiError(400, "a structured reply cannot also think first: set enable_thinking to false (or "
                                 "leave it out)", param="chat_template_kwargs")
         settings = replace(settings, output_format=fmt)
-    return ParsedRequest(chat, _messages(body) if chat else None, None if chat else _prompt(body), settings,
-                         stops, stream, bool(stream_options.get("include_usage")), tools)
+    return ParsedRequest(True, [_message(m) for m in request.messages], None, settings, stops, request.stream,
+                         include_usage, tools)
 
 
-def _output_format(body: dict, tools: ToolRequest | None) -> OutputFormat | None:
+def _message(message: Message) -> dict[str, Any]:
+    """A message as the chat template takes it: text content, and a tool-using turn's fields."""
+    kept: dict[str, Any] = {"role": message.role, "content": message.text()}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        if getattr(message, key) is not None:
+            kept[key] = getattr(message, key)
+    return kept
+
+
+def _output_format(request: ChatRequest, tools: ToolRequest | None) -> OutputFormat | None:
     """What the reply must follow: response_format (OpenAI's json_object and json_schema), vLLM's
     structured_outputs (json, regex, grammar, choice), or a forced tool call; each checked now."""
-    given = [name for name in ("response_format", "structured_outputs") if body.get(name) not in (None, {})]
-    fmt = None
-    if "response_format" in given:
-        fmt = _response_format(body["response_format"])
-    if "structured_outputs" in given:
-        fmt = _structured_outputs(body["structured_outputs"])
-        given = given if fmt is not None else given[:1]
+    if request.response_format is not None and request.structured_outputs is not None:
+        raise ApiError(400, "give 'response_format' or 'structured_outputs', not both", param="structured_outputs")
+    fmt, param = None, None
+    if request.response_format is not None:
+        fmt, param = _response_format(request.response_format), "response_format.json_schema.schema"
+    elif request.structured_outputs is not None:
+        fmt, param = _structured_outputs(request.structured_outputs)
     if tools is not None and tools.forced:
         if fmt is not None:
             raise ApiError(400, "a forced tool call cannot also follow a response format", param="tool_choice")
-        fmt, given = tools.output_format(), ["tool_choice"]
-    if len(given) > 1 and fmt is not None:
-        raise ApiError(400, "give 'response_format' or 'structured_outputs', not both", param="structured_outputs")
+        fmt, param = tools.output_format(), "tool_choice"
     if fmt is not None:
         try:
             fmt.grammar()
         except OutputFormatError as e:
-            raise ApiError(400, str(e) + (f" ({e.hint})" if e.hint else ""), param=given[0]) from None
+            raise ApiError(400, str(e) + (f" ({e.hint})" if e.hint else ""), param=param) from None
     return fmt
 
 
-def _response_format(value: Any) -> OutputFormat | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
+def _response_format(value: ResponseFormat) -> OutputFormat | None:
+    if value.type == "text":
         return None
-    if kind == "json_object":
+    if value.type == "json_object":
         return json_format(object_only=True)
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON Schema object",
-                           param="response_format")
-        return _checked(lambda: schema_format(schema, str(spec.get("name") or "")), "response_format")
-    raise ApiError(400, "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"",
-                   param="response_format")
+    spec = value.json_schema
+    assert spec is not None  # ResponseFormat requires it for json_schema
+    schema = spec.schema_
+    return _checked(lambda: schema_format(schema, spec.name or ""), "response_format.json_schema.schema")
 
 
-def _structured_outputs(value: Any) -> OutputFormat | None:
-    """vLLM's `structured_outputs`: one of json (a schema), regex, grammar (Lark or GBNF), choice (strings)."""
-    keys = [k for k in ("json", "regex", "grammar", "choice") if isinstance(value, dict) and value.get(k) is not None]
-    if len(keys) != 1:
-        raise ApiError(400, "'structured_outputs' must set one of json, regex, grammar or choice",
-                       param="structured_outputs")
-    item = value[keys[0]]
-    if keys[0] == "json":
-        if not isinstance(item, (dict, str)):
-            raise ApiError(400, "'structured_outputs.json' must be a JSON Schema", param="structured_outputs")
-        return _checked(lambda: schema_format(item, "structured_outputs.json"), "structured_outputs")
-    if keys[0] == "choice":
-        if not isinstance(item, list) or not item or not all(isinstance(c, str) for c in item):
-            raise ApiError(400, "'structured_outputs.choice' must be a non-empty list of strings",
-                           param="structured_outputs")
-        return OutputFormat("grammar", "start: " + " | ".join(json.dumps(c) for c in item) + "\n", "(choice)")
-    if not isinstance(item, str) or not item:
-        raise ApiError(400, f"'structured_outputs.{keys[0]}' must be a non-empty string", param="structured_outputs")
-    return regex_format(item) if keys[0] == "regex" else OutputFormat("grammar", item, "structured_outputs.grammar")
+def _structured_outputs(value: StructuredOutputs) -> tuple[OutputFormat, str]:
+    """vLLM's `structured_outputs`: one of json (a schema), regex, grammar (Lark or GBNF), choice (strings);
+    and the field, for the 400 of one that does not compile."""
+    if value.json_ is not None:
+        schema = value.json_
+        where = "structured_outputs.json"
+        return _checked(lambda: schema_format(schema, where), where), where
+    if value.choice is not None:
+        choices = " | ".join(json.dumps(c) for c in value.choice)
+        return OutputFormat("grammar", f"start: {choices}\n", "(choice)"), "structured_outputs.choice"
+    if value.regex is not None:
+        return regex_format(value.regex), "structured_outputs.regex"
+    assert value.grammar is not None  # StructuredOutputs holds exactly one
+    return OutputFormat("grammar", value.grammar, "structured_outputs.grammar"), "structured_outputs.grammar"
 
 
 def _checked(make: Any, param: str) -> OutputFormat:

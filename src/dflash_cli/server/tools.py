@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_cli.engine.output_format import OutputFormat
+from dflash_cli.server.requests import ChatRequest, Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -71,44 +72,28 @@ class ToolRequest:
         return OutputFormat("grammar", lark, "(tool call)")
 
 
-def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
-    """The request's tools and tool_choice, checked; None when it has no tools."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if tools in (None, []):
+def tool_request(request: ChatRequest) -> ToolRequest | None:
+    """The request's tools and tool_choice (their shapes checked by server/requests.py), checked against each
+    other; None when it has no tools."""
+    choice = request.tool_choice
+    if not request.tools:
         if choice not in (None, "none", "auto"):
             raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
         return None
-    if not isinstance(tools, list):
-        raise ToolError("'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise ToolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
-        if not isinstance(function.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", function["name"]):
-            raise ToolError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -", "tools")
-        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise ToolError(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
-    names = [t["function"]["name"] for t in tools]
+    names = [tool.function.name for tool in request.tools]
     if len(set(names)) != len(names):
         raise ToolError("two tools have the same name", "tools")
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise ToolError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    return ToolRequest(tools, _choice(choice, names), parallel)
+    if choice is None or isinstance(choice, str):
+        return ToolRequest(_as_sent(request.tools), choice or "auto", request.parallel_tool_calls)
+    if choice.function.name not in names:
+        raise ToolError(f"'tool_choice' names {choice.function.name!r}, which is not among the tools",
+                        "tool_choice.function.name")
+    return ToolRequest(_as_sent(request.tools), choice.function.name, request.parallel_tool_calls)
 
 
-def _choice(choice: Any, names: list[str]) -> str:
-    if choice is None:
-        return "auto"
-    if choice in ("auto", "required", "none"):
-        return choice
-    function = choice.get("function") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(function, dict):
-        raise ToolError("'tool_choice' must be \"auto\", \"required\", \"none\" or "
-                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-    if function.get("name") not in names:
-        raise ToolError(f"'tool_choice' names {function.get('name')!r}, which is not among the tools", "tool_choice")
-    return str(function["name"])
+def _as_sent(tools: list[Tool]) -> list[dict[str, Any]]:
+    """The tools as the client sent them (fields this server does not read included), for the chat template."""
+    return [tool.model_dump(mode="json", by_alias=True, exclude_unset=True) for tool in tools]
 
 
 def template_takes_tools(template: str | None) -> bool:

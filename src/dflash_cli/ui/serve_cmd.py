@@ -11,7 +11,7 @@ import click
 from dflash_cli.ui.common import guarded
 from dflash_cli.ui.options import command_options, common_options, model_options, sampling_options
 
-INSTALL = "pip install 'dflash-cli[serve]' (starlette and uvicorn)"
+INSTALL = "pip install 'dflash-cli[serve]' (starlette, uvicorn and pydantic)"
 
 
 @click.command("serve")
