@@ -259,6 +259,9 @@ def test_the_api_key_is_required_when_set(runtime):
 
 
 def test_metrics_count_under_vllms_names(server):
+    # a reply first: on a pytest-xdist worker this test may be the first to use the module's server
+    body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 8}
+    assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
     text = httpx.get(server.url + "/metrics").text
     for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total"):

@@ -198,3 +198,15 @@ def test_forced_calls_stream_as_deltas_whatever_the_pieces(step):
         mine = [d for d in deltas if d["index"] == index]
         assert mine[0]["function"]["name"] == call["function"]["name"] and mine[0]["id"] == call["id"]
         assert "".join(d["function"]["arguments"] for d in mine) == call["function"]["arguments"]
+
+
+def test_tools_reach_the_chat_template_as_sent(server, runtime):
+    """Every field of a tool, those this server does not read included, is rendered into the prompt."""
+    tool = {"type": "function", "function": {**WEATHER["function"], "description": "Weather now, in a city",
+                                             "strict": True}, "x-vendor": {"cache": True}}
+    body = {"messages": ASK, "tools": [tool], "tool_choice": "none", "max_tokens": 1}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    ids = encode_prompt(runtime.tokenizer, ASK, enable_thinking=False, tools=[tool])
+    assert response.json()["usage"]["prompt_tokens"] == len(ids)
+    assert len(ids) > len(encode_prompt(runtime.tokenizer, ASK, enable_thinking=False, tools=[WEATHER]))
