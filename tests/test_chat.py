@@ -157,6 +157,7 @@ def test_regen_replaces_the_last_reply(runtime):
 def test_sampled_regen_moves_to_the_next_seed_and_reads_no_stale_cache(runtime):
     sampled = dict(max_tokens=16, temperature=1.0, seed=5)
     run = drive(runtime, "Hello\r/regen\r", settings=GenerationSettings(**sampled))
+    run.session.conversation.state.check()  # now: the fresh conversations below take the model's caches over
     first, second = ["".join(s.text for s in r) for r in replies(run)]
     # fresh conversations with seeds 5 and 6 give what the chat printed: the regenerated reply was
     # computed from the prompt alone, not from caches still holding the dropped reply
@@ -164,7 +165,6 @@ def test_sampled_regen_moves_to_the_next_seed_and_reads_no_stale_cache(runtime):
              for seed in (5, 6)]
     assert [run.messages[1]["content"] for run in fresh] == [first, second]
     assert run.messages[1]["content"] == second and run.session.settings.seed == 6
-    run.session.conversation.state.check()
     assert first != second
 
 

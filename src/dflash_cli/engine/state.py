@@ -117,7 +117,9 @@ class DecodeState:
         return sum(p.shape[1] for p in self._pending)
 
     def check(self) -> None:
-        """Asserts the invariant above; the tests call it after every step."""
+        """Asserts the invariant above; the tests call it after every step. Only a state that still holds the
+        caches has it: another that prefilled since owns them (and this one reads its prompt anew)."""
+        assert self.holds_caches, "another state took this one's caches"
         assert cache_length(self.target_cache) == self.start, (cache_length(self.target_cache), self.start)
         if self.draft_cache is not None:
             assert self.draft_cache.length + self.pending_rows == self.start, (
