@@ -206,9 +206,14 @@ def test_incomplete_folder_is_replaced_and_conversion_is_deterministic(converted
     (leftover / "model.safetensors").write_bytes(b"half written")
     assert not is_converted(cache)
 
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    library = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
     messages: list[str] = []
     folder = ensure_smollm2(cache, on_status=messages.append)
 
+    assert (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint) == library  # the one-parse shortcut is undone
     assert folder == target
     assert messages, "an incomplete folder must be converted again, not trusted"
     assert (folder / ".complete").is_file()

@@ -8,11 +8,12 @@ the folder on its own terms. Where the folder lives, and installing it safely, i
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from dflash_cli.engine.errors import DFlashError
 from dflash_cli.engine.pairing import PICKLE_SUFFIXES
@@ -63,19 +64,48 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def _one_parse(source: Path) -> Iterator[Any]:
+    """One parse of the GGUF for the whole conversion: transformers parses the file (its 49k-token vocabulary
+    and merges, 7-10 s on a slow CPU) for the tokenizer and again for the config, and the weights need a
+    third. Meanwhile its metadata parse is remembered and the reader shared (both are read-only); where
+    transformers stops calling these two by name the conversion is only slower."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    made, load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    reader = made(str(source))
+    parsed: dict[str, Any] = {}
+
+    def reader_of(path: Any, *args: Any, **kwargs: Any) -> Any:
+        return reader if Path(path) == source and not args and not kwargs else made(path, *args, **kwargs)
+
+    def metadata_of(path: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
+        if return_tensors or kwargs or Path(path) != source:
+            return load(path, return_tensors, **kwargs)
+        if "metadata" not in parsed:
+            parsed["metadata"] = load(path)
+        return copy.deepcopy(parsed["metadata"])  # callers pop keys out of what they get
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = reader_of, metadata_of
+    try:
+        yield reader
+    finally:
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = made, load
+
+
 def convert(source: Path, out: Path, dtype: str) -> None:
     """Dequantize the GGUF into a plain ``LlamaForCausalLM`` checkpoint saved in ``out``."""
     import torch
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = getattr(torch, dtype)
-    with quiet_transformers():
+    with quiet_transformers(), _one_parse(source) as reader:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
         # One reader for the weights and the 4-bit codes (transformers' own GGUF model loader would parse
         # the file's 100k vocabulary strings again and map its names: 10 of a cold start's 15 s).
-        state, codes = _read_gguf_weights(GGUFReader(str(source)), config)
+        state, codes = _read_gguf_weights(reader, config)
 
     if hasattr(config, "quantization_config"):
         del config.quantization_config
