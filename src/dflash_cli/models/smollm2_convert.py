@@ -87,11 +87,13 @@ def _one_parse(source: Path) -> Iterator[Any]:
             parsed["metadata"] = load(path)
         return copy.deepcopy(parsed["metadata"])  # callers pop keys out of what they get
 
-    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = reader_of, metadata_of
+    setattr(gguf, "GGUFReader", reader_of)
+    setattr(hf_gguf, "load_gguf_checkpoint", metadata_of)
     try:
         yield reader
     finally:
-        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = made, load
+        setattr(gguf, "GGUFReader", made)
+        setattr(hf_gguf, "load_gguf_checkpoint", load)
 
 
 def convert(source: Path, out: Path, dtype: str) -> None:
