@@ -112,7 +112,7 @@ def test_fast_forward_equals_transformers_forward(pair):
 
 @pytest.mark.parametrize("block_size", [3, 8, 16])
 def test_greedy_speculation_equals_transformers_generate(pair, block_size):
-    for prompt in prompts(2, seed=block_size):
+    for prompt in prompts(2, seed=3):  # the same prompts at every block size: their references are computed once
         reference = hf_greedy(pair.target, prompt, 30)
         assert generate(pair.target, None, prompt, max_new_tokens=30, stop_ids=[]).tokens == reference
         got = generate(pair.target, pair.drafter, prompt, max_new_tokens=30, stop_ids=[], block_size=block_size,

@@ -94,7 +94,7 @@ def test_block_solution_matches_transformers_recurrence():
 
 @pytest.mark.parametrize("pair, block_size", per_family("block_sizes"), indirect=["pair"])
 def test_greedy_speculation_equals_transformers_generate(pair, block_size):
-    for prompt in prompts(3, seed=block_size):
+    for prompt in prompts(3, seed=3):  # the same prompts at every block size: their references are computed once
         reference = hf_greedy(pair.target, prompt, 30)
         assert generate(pair.target, None, prompt, max_new_tokens=30, stop_ids=[]).tokens == reference
         assert generate(pair.target, pair.drafter, prompt, max_new_tokens=30, stop_ids=[],
