@@ -27,7 +27,6 @@ from pydantic import (
 )
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
-ROLES = ("system", "developer", "user", "assistant", "tool")
 INT64 = 1 << 63
 
 
