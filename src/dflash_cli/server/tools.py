@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_cli.engine.output_format import OutputFormat
-from dflash_cli.server.requests import ChatRequest, Tool
+from dflash_cli.server.requests import ChatRequest, NamedToolChoice, Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -83,12 +83,10 @@ def tool_request(request: ChatRequest) -> ToolRequest | None:
     names = [tool.function.name for tool in request.tools]
     if len(set(names)) != len(names):
         raise ToolError("two tools have the same name", "tools")
-    if choice is None or isinstance(choice, str):
-        return ToolRequest(_as_sent(request.tools), choice or "auto", request.parallel_tool_calls)
-    if choice.function.name not in names:
-        raise ToolError(f"'tool_choice' names {choice.function.name!r}, which is not among the tools",
-                        "tool_choice.function.name")
-    return ToolRequest(_as_sent(request.tools), choice.function.name, request.parallel_tool_calls)
+    chosen = choice.function.name if isinstance(choice, NamedToolChoice) else choice or "auto"
+    if isinstance(choice, NamedToolChoice) and chosen not in names:
+        raise ToolError(f"'tool_choice' names {chosen!r}, which is not among the tools", "tool_choice.function.name")
+    return ToolRequest(_as_sent(request.tools), chosen, request.parallel_tool_calls)
 
 
 def _as_sent(tools: list[Tool]) -> list[dict[str, Any]]:
