@@ -8,7 +8,8 @@ PY=${PYTHON:-python3}
 stamp=.venv/.dflash-setup
 want=$(cat pyproject.toml scripts/constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
-# --no-compile: Python compiles what it imports when first imported; compiling all of torch up front costs 30 s
+# --no-compile: Python compiles what it imports when first imported (test.sh and run.sh let it keep the
+# bytecode even where PYTHONDONTWRITEBYTECODE is set); compiling all of torch up front costs 30 s
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile)
 # torch first, on its own: otherwise bitsandbytes/accelerate pull a multi-GB CUDA build.
 # On a machine with a GPU, install the CUDA torch you want before running this script.
