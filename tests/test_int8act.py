@@ -174,24 +174,30 @@ def test_an_untied_head_is_freed_and_a_draft_vocabulary_takes_its_rows_from_the_
     assert_speculative_equals_plain(pair, random_prompts, (4, 8), max_new_tokens=20)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_the_c_layer_computes_what_the_op_by_op_forward_does(pairs, family):
+@pytest.mark.parametrize("family, last_tapped", [("qwen3", False), ("llama", False), ("qwen3", True)])
+def test_the_c_layer_computes_what_the_op_by_op_forward_does(pairs, family, last_tapped):
     pair = a8_pair(pairs, family, "q4a8")
     fast = pair.target.fast
     ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 30, 31, 40]])
     results = []
+    module = fast._module(True, False)
+    kept_taps = module.taps
+    if last_tapped:  # a drafter that taps the last layer reads it after the final norm, as transformers gives it
+        module.taps = [1, len(module.layers) - 1]
     for fused in (True, False):
-        module = fast._module(True, False)
         kept = module.fused
         if not fused:
             module.fused = None  # the same linears and C attention, the rest as torch ops
         cache = fast.new_cache()
-        results.append(fast.forward(ids, cache, 0, taps=True, last_logit_only=False))
+        # a prompt of 10 rows, then one decoding step (the taps of both are the drafter's context)
+        results.append([fast.forward(ids, cache, 0, taps=True, last_logit_only=False),
+                        fast.forward(ids[:, :1], cache, 10, taps=True, last_logit_only=False)])
         module.fused = kept
-    (logits, taps), (ref_logits, ref_taps) = results
-    # both quantize activations to 8 bits: a last-bit difference of a norm may move a code, no more
-    torch.testing.assert_close(taps, ref_taps, rtol=0.02, atol=0.02 * float(ref_taps.abs().max()))
-    torch.testing.assert_close(logits, ref_logits, rtol=0.02, atol=0.02 * float(ref_logits.abs().max()))
+    module.taps = kept_taps
+    for (logits, taps), (ref_logits, ref_taps) in zip(*results):
+        # both quantize activations to 8 bits: a last-bit difference of a norm may move a code, no more
+        torch.testing.assert_close(taps, ref_taps, rtol=0.02, atol=0.02 * float(ref_taps.abs().max()))
+        torch.testing.assert_close(logits, ref_logits, rtol=0.02, atol=0.02 * float(ref_logits.abs().max()))
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -130,31 +130,36 @@ class BlockSizeController:
         """Seconds per round of n slots: measured, or interpolated linearly from measured sizes."""
         if self.injected_cost is not None:
             return self.injected_cost(n)
-        if n in self._cost:
-            return self._cost[n]
-        drafted = sorted(m for m in self._cost if m > 1)
+        table = self._cost
+        if n in table:
+            return table[n]
+        drafted = sorted(m for m in table if m > 1)
         if not drafted or n == 1:
             return None
         if len(drafted) == 1:
-            if 1 not in self._cost:
-                return self._cost[drafted[0]]  # one measurement: assume the block size barely matters
+            if 1 not in table:
+                return table[drafted[0]]  # one measurement: assume the block size barely matters
             # a plain round and one block size measured: the draft (the whole block, whatever is kept) plus
             # a verify on a line through both verifies (its cost grows with its length where compute, not
             # weight reads, dominates: CPUs), so smaller blocks get tried at what they will cost
-            hi, draft = drafted[0], self._cost.get(DRAFT, 0.0)
-            plain, verify = self._cost[1], self._cost[hi] - draft
+            hi, draft = drafted[0], table.get(DRAFT, 0.0)
+            plain, verify = table[1], table[hi] - draft
             return max(draft + plain + (verify - plain) * (n - 1) / (hi - 1), 1e-9)
         lo, hi = drafted[0], drafted[-1]
-        slope = (self._cost[hi] - self._cost[lo]) / (hi - lo)
-        return max(self._cost[lo] + slope * (n - lo), 1e-9)
+        slope = (table[hi] - table[lo]) / (hi - lo)
+        return max(table[lo] + slope * (n - lo), 1e-9)
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per second at each block size whose cost is known or can be estimated."""
         out = {}
+        tokens, run = 1.0, 1.0  # expected_tokens(n), built up one position at a time (this runs every round)
         for n in range(1, self.max_block + 1):
+            if n > 1:
+                run *= self.acceptance(n - 1)
+                tokens += run
             c = self.cost(n)
             if c:
-                out[n] = self.expected_tokens(n) / c
+                out[n] = tokens / c
         return out
 
     # -- decisions -----------------------------------------------------------------------------------
@@ -176,10 +181,10 @@ class BlockSizeController:
             self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP * self.probe_every)
         else:
             rates = self.rates()
-            self.choice = max(rates, key=rates.__getitem__) if rates else self.max_block
+            before, self.choice = self.choice, max(rates, key=rates.__getitem__) if rates else self.max_block
             if self.choice > 1:
                 self._probe_gap = self.probe_every
-            elif length is not None:
+            elif before > 1 and length is not None:  # drafting pauses (or a probe did not end the pause): why
                 self.pause_reason = self._why_paused(length)
         return self.choice
 

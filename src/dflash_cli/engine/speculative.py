@@ -118,7 +118,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         draft_watch.stop()
 
         verify_watch.start()
-        block = torch.cat([anchor, drafts])[None]  # (1, n)
+        block = torch.cat([anchor, drafts])[None] if n > 1 else anchor[None]  # (1, n)
         if defer_head and n > 1:
             normed, hidden = target.forward(block, state.target_cache, start, taps=True, logits=False)
             host = greedy_prefix(target.logits_of, normed, drafts.tolist(), first=first_head_rows(n, mean_accepted))
@@ -129,8 +129,11 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
             logits, hidden = target.forward(block, state.target_cache, start, taps=True)  # (n, V), (1, n, F)
             choice = sample.verify(logits, start + 1, drafts)  # (n,) the target's own token at every slot
             # (positions start+1..; a grammar's sampler fills the slots after the first mismatch, never read)
-            accepted = (drafts == choice[:-1]).cumprod(dim=0).sum()
-            host = torch.cat([choice, accepted.view(1)]).tolist()  # the step's one host-device sync
+            if n > 1:
+                accepted = (drafts == choice[:-1]).cumprod(dim=0).sum()
+                host = torch.cat([choice, accepted.view(1)]).tolist()  # the step's one host-device sync
+            else:  # a paused drafter's plain round: as cheap as plain decoding's
+                host = choice.tolist() + [0]
         verify_watch.stop()
 
         a = host[-1]

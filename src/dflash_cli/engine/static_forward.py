@@ -236,13 +236,12 @@ class StaticForward(nn.Module):
                 tapped[i] = self.final_norm(tap) if i == last else tap
         if here != hot:
             h = move(h, hot)
-        return self._head(h, tapped, records)
+        return self._head(h, torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None, records)
 
-    def _head(self, h: torch.Tensor, tapped: dict[int, torch.Tensor], records: list[tuple[torch.Tensor, ...]]):
+    def _head(self, h: torch.Tensor, hidden: torch.Tensor | None, records: list[tuple[torch.Tensor, ...]]):
         if self.last_logit_only:
             h = h[:, -1:]
         normed = self.final_norm(h).flatten(0, 1)  # (b*n, H)
-        hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else None
         return (self.logits_of(normed) if self.logits else normed), hidden, records
 
     def logits_of(self, normed: torch.Tensor) -> torch.Tensor:
@@ -261,13 +260,17 @@ class StaticForward(nn.Module):
         half = cos.shape[-1] // 2
         cos, signed = cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         positions = positions.contiguous()
-        wanted, last = set(self.taps), len(self.layers) - 1
-        tapped: dict[int, torch.Tensor] = {}
+        size, last = h.shape[-1], len(self.layers) - 1
+        # the tapped states (1, n, taps * H), each tap layer's output written into its columns by the layer's call
+        hidden = h.new_empty(1, h.shape[1], len(self.taps) * size) if self.taps else None
+        columns = {i: hidden[..., j * size:(j + 1) * size] for j, i in enumerate(self.taps)} if hidden is not None \
+            else {}
         for i, layer in enumerate(self.fused):
-            run_layer(self.native, layer, h, positions, cos, signed, keys[i], values[i])
-            if i in wanted:
-                tapped[i] = self.final_norm(h) if i == last else h.clone()
-        return self._head(h, tapped, [])
+            tap = columns.get(i)
+            run_layer(self.native, layer, h, positions, cos, signed, keys[i], values[i], tap if i != last else None)
+            if tap is not None and i == last:  # transformers' hidden_states[-1] is after the final norm
+                tap.copy_(self.final_norm(h))
+        return self._head(h, hidden, [])
 
     def _sandwich(self, i: int, layer: Any, proj: Any, h: torch.Tensor, attended: torch.Tensor,
                   exact: bool = False) -> torch.Tensor:

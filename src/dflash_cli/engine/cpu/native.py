@@ -33,7 +33,7 @@ SOURCES = ("int8_matmul.c", "attention.c", "layer.c")
 # scheduling flags keep the kernels' accumulators in registers (gcc otherwise spills them)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-tree-reassoc",
          "-fschedule-insns", "-fsched-pressure", "-fPIC", "-shared")
-ABI_VERSION = 2
+ABI_VERSION = 3
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 COMPILE_TIMEOUT_S = 300
 KERNELS_ENV = "DFLASH_KERNELS"
@@ -98,7 +98,7 @@ SIGNATURES = {
     "dfq_q4_matmul": [P, LONG, LONG, P, P, P, LONG, P, P],
     "dfq_q8_matmul": [P, LONG, LONG, P, P, LONG, P, P],
     "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P],
-    "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG],
+    "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG, P, LONG],
     "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],
 }
 

@@ -14,6 +14,14 @@ struct dfq_linear {
     const float *bias;
 };
 
+/* how many groups of 8 output columns dfq_matmul_rows gives a thread at a time (16 columns per instruction
+ * with AVX-512) */
+#ifdef DFQ_AVX512_VNNI
+#define DFQ_GROUPS_PER_STEP 2
+#else
+#define DFQ_GROUPS_PER_STEP 1
+#endif
+
 /* Rows of k floats as 8-bit blocks: codes q (k), scales d and sums s (k/32) per row. */
 void dfq_quantize_row(const float *x, long k, int8_t *q, float *d, float *s);
 

@@ -36,7 +36,7 @@
 #define dpbusd256 _mm256_dpbusd_avx_epi32
 #endif
 
-int dfq_abi_version(void) { return 2; }
+int dfq_abi_version(void) { return 3; }
 
 int dfq_max_threads(void) {
 #ifdef _OPENMP
@@ -224,19 +224,17 @@ static void group_rows(const struct dfq_linear *w, long g, const int8_t *aq, con
 
 #ifdef DFQ_AVX512_VNNI
 #include "int8_avx512.h"
-#define GROUPS_PER_STEP 2
-#else
-#define GROUPS_PER_STEP 1
 #endif
 
 /* Groups of 8 columns (pairs of them on AVX-512) shared out among the threads, each over all rows in tiles of
  * 4: a thread reads a group's weights once per 4 activation rows (from L1 after the first). */
 void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *ad, const float *as, long m,
                      float *out, long ldo, int accumulate) {
-    const long k = w->k, nb = k / QK, groups = w->n / 8, steps = (groups + GROUPS_PER_STEP - 1) / GROUPS_PER_STEP;
+    const long k = w->k, nb = k / QK, groups = w->n / 8;
+    const long steps = (groups + DFQ_GROUPS_PER_STEP - 1) / DFQ_GROUPS_PER_STEP;
 #pragma omp for schedule(static)
     for (long step = 0; step < steps; step++) {
-        const long g = step * GROUPS_PER_STEP;
+        const long g = step * DFQ_GROUPS_PER_STEP;
         for (long r = 0; r < m; r += 4) {
             const int rows = m - r < 4 ? (int)(m - r) : 4;
 #ifdef DFQ_AVX512_VNNI

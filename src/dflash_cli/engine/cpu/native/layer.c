@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "dfq.h"
 
@@ -55,9 +56,12 @@ static void silu_mul(const float *gate, const float *up, long k, float *out) {
 }
 
 /* Runs the layer on h (n, hidden), in place, for tokens at `positions` (n); cos and signed_sin: (n, hd)
- * rotary tables; keys/values: (kv, capacity, hd) cache buffers whose row r holds position r. */
+ * rotary tables; keys/values: (kv, capacity, hd) cache buffers whose row r holds position r. With tap (not
+ * NULL), the layer's output rows are also copied to tap + r * tap_stride (the drafter's tapped states): by
+ * the threads that wrote their columns, inside the call (a torch copy between two calls cost ~30 us each). */
 void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_t *positions, const float *cos,
-                       const float *signed_sin, float *keys, float *values, long capacity) {
+                       const float *signed_sin, float *keys, float *values, long capacity, float *tap,
+                       long tap_stride) {
     const long H = L->hidden, heads = L->heads, kv = L->kv, hd = L->hd, I = L->inter;
     const long wide = (heads + 2 * kv) * hd, widest = I > H ? (I > heads * hd ? I : heads * hd) : H;
     float *xn = malloc(sizeof(float) * (size_t)(n * (H > heads * hd ? H : heads * hd)));
@@ -118,6 +122,14 @@ void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_
             dfq_quantize_row(act + r * I, I, aq + r * I, ad + r * (I / QK), as + r * (I / QK));
         }
         dfq_matmul_rows(&L->down, aq, ad, as, n, h, H, 1);
+        if (tap) {
+            const long width = 8 * DFQ_GROUPS_PER_STEP, steps = (H + width - 1) / width;
+#pragma omp for schedule(static) /* as dfq_matmul_rows shares out the columns: each thread copies its own */
+            for (long step = 0; step < steps; step++) {
+                const long lo = step * width, hi = lo + width < H ? lo + width : H;
+                for (long r = 0; r < n; r++) memcpy(tap + r * tap_stride + lo, h + r * H + lo, sizeof(float) * (size_t)(hi - lo));
+            }
+        }
     }
     free(xn);
     free(qkv);
