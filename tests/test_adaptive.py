@@ -194,6 +194,39 @@ def test_a_failing_re_probe_waits_longer_for_the_next():
     assert max(gaps) <= 8 * 24 + 1 and gaps[-1] > 4 * 24, gaps
 
 
+def test_short_requests_keep_the_re_probe_schedule_of_the_ones_before():
+    """Replies of 40 tokens from a drafter that never pays, each request a new controller over the drafter's
+    shared costs: the probes back off across requests as they do within one long reply, instead of each
+    reply paying its own probe after 24 plain rounds."""
+    from dflash_cli.engine.adaptive import RoundCosts
+
+    cost = round_cost(draft=0.3, verify_slope=0.05)
+    shared = RoundCosts()
+    chosen = [n for seed in range(30)
+              for n in run_rounds(BlockSizeController(8, shared=shared), 0.0, cost, 40, random.Random(seed))]
+    one_reply = run_rounds(BlockSizeController(8), 0.0, cost, len(chosen), random.Random(0))
+    probes, alone = sum(n > 1 for n in chosen[10:]), sum(n > 1 for n in one_reply[10:])
+    assert probes <= alone + 1 and probes < 15, (probes, alone)
+
+
+def test_a_first_plain_round_that_carried_a_one_time_cost_is_measured_again():
+    """A plain round costs 1.0 s, but the first one measured took 1.6 s (a one-time cost: a first call, a page
+    fault). Drafting at q = 0.5 commits 1.9 tokens per 2.1 s block of 4 (0.9 tokens/s): between the two.
+    The controller measures plain decoding again while drafting, keeps the lower time, and pauses."""
+    cost = round_cost(draft=0.5, verify_slope=0.2)
+    controller, rng, chosen, plain_rounds = BlockSizeController(8), random.Random(4), [], 0
+    for _ in range(300):
+        n = controller.choose()
+        accepted = 0
+        while accepted < n - 1 and rng.random() < 0.5:
+            accepted += 1
+        plain_rounds += n == 1
+        controller.observe(n, accepted, 1.6 if n == 1 and plain_rounds == 1 else cost(n), 0.5 if n > 1 else None)
+        chosen.append(n)
+    assert controller.cost(1) == pytest.approx(1.0)
+    assert sum(n == 1 for n in chosen[-100:]) > 90, chosen[-100:]
+
+
 def test_an_unmeasured_block_is_estimated_with_the_draft_it_needs():
     """A drafted round costs the whole block's draft plus a verify that grows with its rows: after one full
     block and one plain round, a block of 2 is estimated at draft + a verify between the two, not on a

@@ -20,7 +20,10 @@ What rounds cost depends on the machine and the pair, not on the request, so the
 `RoundCosts` shared by every controller of one loaded drafter (bench's prompts, serve's requests, calls
 from Python). A request after the first starts from measured costs and from the last request's acceptance
 (weighted as a few rounds, so its own text takes over quickly) instead of three full blocks of warm-up:
-where drafting does not pay, it pays nothing to find that out again.
+where drafting does not pay, it pays nothing to find that out again, and a paused drafter's re-probes keep
+the schedule they had backed off to. A cost's first rounds keep the least time seen (a one-time cost, a
+first call or a page fault, only ever adds time), and plain decoding measured once is measured again
+while drafting, so one unlucky round does not keep a drafter on that is slower than plain decoding.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def length_bucket(length: int) -> int:
 DRAFT = 0  # the key of a bucket's cost table that holds the draft's own seconds (a block drafts in full)
 MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
+FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the later ones a moving average
 
 
 class RoundCosts:
@@ -47,8 +51,14 @@ class RoundCosts:
 
     def __init__(self) -> None:
         self.seconds: dict[int, dict[int, float]] = {}  # length bucket -> block length -> smoothed seconds
+        self.samples: dict[int, dict[int, int]] = {}  # how many rounds each of those has seen
         self.reached: list[float] = []  # the latest controller's decayed counts (BlockSizeController's)
         self.accepted: list[float] = []
+        # a paused drafter's re-probe schedule goes on from request to request: a reply of 64 tokens would
+        # otherwise pay a probe or two (a draft and a verify of 2: ~3 decodes on a CPU) however often
+        # probes have failed before
+        self.probe_gap = 0  # 0: no controller has paused yet
+        self.plain_streak = 0
 
     def drafting_measured(self) -> bool:
         return any(n > 1 for costs in self.seconds.values() for n in costs)
@@ -84,8 +94,10 @@ class BlockSizeController:
         self._costs = self.shared.seconds
         self.bucket = 0  # the bucket of the context the next rounds run at
         self.rounds = 0
-        self._plain_streak = 0
-        self._probe_gap = probe_every  # plain rounds before the next re-probe of a paused drafter
+        # plain rounds since the last drafted one, and before the next re-probe of a paused drafter
+        self._plain_streak = self.shared.plain_streak
+        self._probe_gap = self.shared.probe_gap or probe_every
+        self._since_plain = 0  # drafted rounds since the last plain one
         self.choice = max_block
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
 
@@ -174,6 +186,9 @@ class BlockSizeController:
             self.choice = max(self._best_drafting(), 2)  # a new context length: what a block costs here
         elif self.cost(1) is None or (self.injected_cost is None and not self.measured_here(1)):
             self.choice = 1  # measure what plain decoding costs (here) once
+        elif (self.injected_cost is None and self.choice > 1 and self._since_plain >= self.probe_every
+              and self.shared.samples.get(self.bucket, {}).get(1, 0) < FIRST_SAMPLES):
+            self.choice = 1  # and again now and then while drafting: one round may have carried a one-time cost
         elif self.choice == 1 and self._plain_streak >= self._probe_gap:
             self.choice = max(self._best_drafting(), 2)  # re-probe a paused drafter
             # each probe that does not end the pause waits twice as long for the next (up to 8x): a probe
@@ -207,6 +222,8 @@ class BlockSizeController:
         them drafting."""
         self.rounds += 1
         self._plain_streak = self._plain_streak + 1 if n == 1 else 0
+        self._since_plain = 0 if n == 1 else self._since_plain + 1
+        self.shared.plain_streak, self.shared.probe_gap = self._plain_streak, self._probe_gap
         if n > 1:
             for k in range(1, self.max_block):
                 self.reached[k] *= self.decay
@@ -217,7 +234,14 @@ class BlockSizeController:
                     self.accepted[k] += 1.0
             self.shared.reached, self.shared.accepted = list(self.reached), list(self.accepted)
         here = self._costs.setdefault(self.bucket, {})
+        counts = self.shared.samples.setdefault(self.bucket, {})
         for key, value in ((n, seconds), (DRAFT, draft_seconds if n > 1 else None)):
             if value is not None:
-                previous = here.get(key)
-                here[key] = value if previous is None else 0.8 * previous + 0.2 * value
+                previous, count = here.get(key), counts.get(key, 0)
+                counts[key] = count + 1
+                if previous is None:
+                    here[key] = value
+                elif count < FIRST_SAMPLES:  # a one-time cost (a first call, a page fault) only ever adds time
+                    here[key] = min(previous, value)
+                else:
+                    here[key] = 0.8 * previous + 0.2 * value
