@@ -295,12 +295,13 @@ def engine_row(name: str, results: list, plain: list | None, block: int) -> dict
     return row
 
 
-def run_engine(name: str, target: Target, make_drafter, prompts: list[list[int]], new_tokens: int) -> list:
+def run_engine(name: str, target: Target, make_drafter, prompts: list[list[int]], new_tokens: int,
+               adaptive: bool = False) -> list:
     results = []
     for i, prompt in enumerate(prompts):
         drafter = make_drafter(i)
-        # full blocks: the oracle rows measure the engine at a chosen tau, not the adaptive controller
-        results.append(generate(target, drafter, prompt, max_new_tokens=new_tokens, stop_ids=[], adaptive=False))
+        # full blocks by default: the oracle rows measure the engine at a chosen tau, not the adaptive controller
+        results.append(generate(target, drafter, prompt, max_new_tokens=new_tokens, stop_ids=[], adaptive=adaptive))
         log(f"  {name} prompt {i + 1}/{len(prompts)}: {results[-1].stats.decode_tokens_per_second:.1f} tok/s, "
             f"tau {results[-1].stats.acceptance_length:.2f}")
     return results
@@ -456,6 +457,8 @@ def parse_args(argv=None):
     p.add_argument("--hf-new-tokens", type=int, default=128,
                    help="new tokens for the transformers baselines, at most --new-tokens (default 128)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="speculative rows choose their block sizes as generate does (default: full blocks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
     p.add_argument("--json", metavar="FILE", help="also write all numbers to FILE")
@@ -579,7 +582,7 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
     plain = run_engine("plain", target, lambda i: None, prompts, new_tokens)
     rows = out["rows"] = [engine_row("plain", plain, None, 1)]
     log(f"[{path}] speculative, random drafter")
-    spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens)
+    spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens, args.adaptive)
     rows.append(engine_row("dflash random drafter", spec, plain, block))
     refs = [p + r.tokens for p, r in zip(prompts, plain)]
     for tau in args.taus:
@@ -587,7 +590,7 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
         log(f"[{path}] speculative, oracle tau {tau} (q={q:.3f})")
         res = run_engine(f"oracle {tau}", target,
                          lambda i: OracleDrafter(drafter, refs[i], acceptance=q, seed=args.seed + i,
-                                                 vocab_size=target.vocab_rows), prompts, new_tokens)
+                                                 vocab_size=target.vocab_rows), prompts, new_tokens, args.adaptive)
         rows.append(dict(engine_row(f"dflash oracle tau {tau:g}", res, plain, block), tau_goal=tau, acceptance_q=q))
     for r in rows[1:]:
         r["ideal_speedup"] = r["tau"] * units["decode_1"] / (units[f"verify_{block}"] + units[f"draft_{block}"])
