@@ -227,6 +227,23 @@ def test_a_first_plain_round_that_carried_a_one_time_cost_is_measured_again():
     assert sum(n == 1 for n in chosen[-100:]) > 90, chosen[-100:]
 
 
+@pytest.mark.parametrize("full_block_cost, warm_up_blocks", [(14.0, 1), (2.5, 3)])
+def test_the_warm_up_stops_after_one_full_block_where_a_block_costs_many_decodes(full_block_cost, warm_up_blocks):
+    """A fresh controller (a one-shot `generate`) measures acceptance with full blocks first: three where a block
+    costs a few decodes, one where it costs many (a big drafter on a CPU: each more would cost 10+ decodes),
+    and a plain round right after the first, so it knows what a block is compared with."""
+    def cost(n: int) -> float:
+        return 1.0 if n == 1 else 1.0 + (full_block_cost - 1.0) * (n - 1) / 15
+
+    controller, chosen = BlockSizeController(16), []
+    for _ in range(6):
+        n = controller.choose()
+        controller.observe(n, 1 if n > 1 else 0, cost(n), 0.3 * full_block_cost if n > 1 else None)
+        chosen.append(n)
+    assert chosen[:2] == [16, 1]
+    assert sum(n == 16 for n in chosen) == warm_up_blocks, chosen
+
+
 def test_an_unmeasured_block_is_estimated_with_the_draft_it_needs():
     """A drafted round costs the whole block's draft plus a verify that grows with its rows: after one full
     block and one plain round, a block of 2 is estimated at draft + a verify between the two, not on a

@@ -42,6 +42,7 @@ def length_bucket(length: int) -> int:
 DRAFT = 0  # the key of a bucket's cost table that holds the draft's own seconds (a block drafts in full)
 MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
+WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
 FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the later ones a moving average
 
 
@@ -180,8 +181,14 @@ class BlockSizeController:
         if length is not None:
             self.at(length)
         drafted_here = any(n > 1 and self.measured_here(n) for n in range(2, self.max_block + 1))
+        if self.rounds < self.warmup and self._dear_full_block():
+            self.warmup = self.rounds  # one full block told enough: more would cost several decodes each
         if self.rounds < self.warmup:
-            self.choice = self.max_block  # measure acceptance with full blocks first
+            # measure acceptance with full blocks first, and after the first what a plain round costs
+            if self.injected_cost is None and self.measured_here(self.max_block) and not self.measured_here(1):
+                self.choice, self.warmup = 1, self.warmup + 1
+            else:
+                self.choice = self.max_block
         elif self.injected_cost is None and self._costs and not drafted_here:
             self.choice = max(self._best_drafting(), 2)  # a new context length: what a block costs here
         elif self.cost(1) is None or (self.injected_cost is None and not self.measured_here(1)):
@@ -202,6 +209,12 @@ class BlockSizeController:
             elif before > 1 and length is not None:  # drafting pauses (or a probe did not end the pause): why
                 self.pause_reason = self._why_paused(length)
         return self.choice
+
+    def _dear_full_block(self) -> bool:
+        """Whether a full block was measured to cost more than WARMUP_MAX_COST plain rounds (a CPU running a
+        big drafter: a block of 16 of a Qwen3-1.7B-shaped pair costs 14 decodes on 2 Zen 1 cores)."""
+        full, plain = self._costs.get(self.bucket, {}).get(self.max_block), self._costs.get(self.bucket, {}).get(1)
+        return self.injected_cost is None and full is not None and plain is not None and full > WARMUP_MAX_COST * plain
 
     def _why_paused(self, length: int) -> str:
         """The measured costs against the measured acceptance that paused drafting, in words."""
