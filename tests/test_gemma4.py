@@ -174,9 +174,11 @@ def test_chat_turns_reuse_the_state(pair, path):
             assert second.tokens == reference2
             third = generate(pair.target, pair.drafter, turn3, max_new_tokens=8, stop_ids=[], state=state)
             state.check()
-            # back to the edit (the fast path's buffers hold every position), or from the start where the
-            # cache keeps only the last window of a sliding layer (transformers' own)
-            assert log.take()[0] == len(turn3) - (3 if path == "fast" else 0)
+            # back to the edit (the fast path's buffers hold every position); transformers' own cache keeps only
+            # the last window of a sliding layer, so it reads from the edit or from the start, as the block sizes
+            # the controller chose left that window, never from past the edit
+            read = log.take()[0]
+            assert read == len(turn3) - 3 if path == "fast" else read in (len(turn3) - 3, len(turn3))
             assert third.tokens == reference3
 
 
