@@ -213,7 +213,8 @@ class BlockSizeController:
     def _dear_full_block(self) -> bool:
         """Whether a full block was measured to cost more than WARMUP_MAX_COST plain rounds (a CPU running a
         big drafter: a block of 16 of a Qwen3-1.7B-shaped pair costs 14 decodes on 2 Zen 1 cores)."""
-        full, plain = self._costs.get(self.bucket, {}).get(self.max_block), self._costs.get(self.bucket, {}).get(1)
+        here = self._costs.get(self.bucket, {})
+        full, plain = here.get(self.max_block), here.get(1)
         return self.injected_cost is None and full is not None and plain is not None and full > WARMUP_MAX_COST * plain
 
     def _why_paused(self, length: int) -> str:
