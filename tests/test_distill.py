@@ -427,6 +427,22 @@ def test_init_can_change_the_block_size_keeping_every_weight(tmp_path, tiny_targ
     assert load_drafter(out, device=DEVICE, dtype="float32").block_size == 4
 
 
+def test_a_fine_tune_keeps_its_init_drafters_draft_vocabulary(tmp_path, tiny_target_dir):
+    """A fine-tune on narrower data must not lose the ids its starting drafter drafted (the demo's round 5
+    shrank 21,902 ids to 14,568 and lost on math and code): the new vocabulary is both sets."""
+    from dflash_cli.train.api import train_drafter
+
+    kept = torch.arange(VOCAB - 40, VOCAB, 3)  # ids a short reply run is unlikely to produce
+    start = _drafter_with_vocab(tmp_path, kept)
+    out = train_drafter(tiny_target_dir, tmp_path / "out", prompts=PROMPTS[:4], init=start, steps=1, batch=2,
+                        anchors=4, max_new_tokens=12, draft_vocab=True, device=DEVICE, dtype="float32").folder
+    vocab = load_drafter(out, device=DEVICE, dtype="float32").draft_vocab
+    assert vocab is not None
+    replies = set(vocab.tolist()) - set(kept.tolist())
+    assert set(kept.tolist()) <= set(vocab.tolist()) and replies, "both the init's ids and the replies' ids"
+    assert vocab.tolist() == sorted(set(vocab.tolist()))
+
+
 def test_init_with_a_drafter_of_another_target_is_refused_before_any_weights(tmp_path, tiny_target_dir,
                                                                             monkeypatch):
     import dflash_cli.train.api as api

@@ -76,6 +76,9 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, config: TrainConf
     prompt_set = _resolve_prompts(prompts, _self_sampler(target, tokenizer, out_dir, config, on_progress))
     shape = drafter_shape(config, start_from, init, out_dir, target.num_layers)
     data = training_data(target, tokenizer, prompt_set, shape.taps, out_dir, config, on_progress)
+    if start_from is not None and data.vocab is not None and start_from.draft_vocab is not None:
+        # a fine-tune keeps the ids its --init drafter drafted: a narrower round must not lose them
+        data.vocab = torch.unique(torch.cat([data.vocab, start_from.draft_vocab.to(data.vocab.device)]))
     draft_vocab = data.vocab.to(dev) if config.draft_vocab and data.vocab is not None else None
     raw, origin = drafter_raw(shape, target, tokenizer, data.train + data.heldout)
     # recorded before the drafter is built: its config, saved with each checkpoint, keeps it for a resumed run

@@ -49,7 +49,6 @@ def read_init(init: str | Path, target_dir: str | Path, layers: int | None,
     check_pair(read_config(Path(target_dir), "target"), read_drafter_config(Path(init)),
                target_name=str(target_dir), drafter_name=str(init))
     drafter = load_drafter(init, device="cpu", dtype=torch.float32)
-    drafter.draft_vocab = None  # the new training vocabulary decides it
     cfg = drafter.config
     if cfg.is_dflash2:
         raise InvalidSettingError(f"{init} is a DFlash 2 drafter", hint="train starts from DFlash v1 drafters only")
@@ -176,7 +175,8 @@ def build_drafter(raw: dict, target: Any, device: torch.device, seed: int, shape
     final_norm = getattr(target.model.get_decoder(), "norm", None)
     drafter = init_drafter(raw, device, seed, final_norm.weight.detach() if final_norm is not None else None)
     if shape.init is not None:
-        drafter.load_state_dict({k: v.float() for k, v in shape.init.state_dict().items()}, strict=True)
+        weights = {k: v.float() for k, v in shape.init.state_dict().items() if k != "draft_vocab"}
+        drafter.load_state_dict(weights, strict=True)  # the draft vocabulary is the training data's (api.py)
     return drafter
 
 

@@ -88,7 +88,8 @@ def _parse_taps(_ctx, _param, value):
               metavar="K", help="Store the target's K most likely tokens per response position (needed by --distill).")
 @click.option("--draft-vocab/--no-draft-vocab", default=TrainConfig.draft_vocab, show_default=True,
               help="Ship the training vocabulary with the drafter: drafts come from those ids only, and the "
-                   "LM head runs on those rows (cheaper drafts on a CPU; output unchanged).")
+                   "LM head runs on those rows (cheaper drafts on a CPU; output unchanged). With --init, the ids "
+                   "of its draft vocabulary are kept too.")
 @click.option("--format", "drafter_format", type=click.Choice(FORMATS), default=TrainConfig.drafter_format,
               show_default=True, help="Drafter folder format: z-lab's DFlash checkpoints, or transformers' own "
                                       "(muse_glimmer_assistant). --draft reads both.")
