@@ -86,7 +86,7 @@ def test_every_variant_gives_the_avx2_bits_on_random_and_extreme_inputs(builds, 
     # 8 and 24 columns: one group alone; 16 and 136: pairs (136 = 8 pairs and one alone)
     for n, k in ((8, 32), (16, 64), (24, 576), (136, 96)):
         q4, q8 = weights(n, k, generator)
-        for m in (1, 2, 3, 4, 5, 8, 16):
+        for m in (1, 2, 3, 4, 5, 8, 16, 21):  # 21: a tile of 16 rows, then 5 on the VNNI kernel
             x = activations(m, k, generator)
             for got, want in zip(matmuls(lib, x, q4, q8), matmuls(reference, x, q4, q8)):
                 assert torch.equal(got, want), f"{name} ({builds[name][1]}) differs at n={n} k={k} rows={m}"
@@ -102,6 +102,30 @@ def test_a_row_alone_equals_the_same_row_among_sixteen_on_every_variant(builds, 
     for r in range(16):
         for alone, among in zip(matmuls(lib, x[r:r + 1].clone(), q4, q8), together):
             assert torch.equal(alone[0], among[r])
+
+
+def test_tiles_give_the_avx2_bits_at_every_row_count(builds):
+    """The AMX build with tiles from one row up (DFLASH_AMX_MIN_ROWS's setter): every tile height 1-16, and
+    16-row tiles followed by the VNNI kernel's rows."""
+    lib, reference = library(builds, "amx"), library(builds, "avx2")
+    default = lib.dfq_amx_min_rows()
+    assert default > 1, "tiles are not used by this build (the OS refused tile state?)"
+    generator = torch.Generator().manual_seed(4)
+    q4, q8 = weights(40, 96, generator)
+    lib.dfq_amx_set_min_rows(1)
+    try:
+        assert lib.dfq_amx_min_rows() == 1
+        for m in (*range(1, 18), 33, 40):
+            x = activations(m, 96, generator)
+            for got, want in zip(matmuls(lib, x, q4, q8), matmuls(reference, x, q4, q8)):
+                assert torch.equal(got, want), f"amx ({builds['amx'][1]}) differs at rows={m}"
+        lib.dfq_amx_set_min_rows(0)  # as where Linux lends no tile state: doctor says so
+        assert "tiles unused" in native._tiles_note(native.Built(lib, native.source_dir(), 0.0,
+                                                                 native.variant_named("amx")))
+    finally:
+        lib.dfq_amx_set_min_rows(default)
+    built = native.Built(lib, native.source_dir(), 0.0, native.variant_named("amx"))
+    assert native._tiles_note(built) == f"; tiles for calls of {default}+ rows"
 
 
 def run_pair(pairs, lib, variant, monkeypatch):
@@ -136,6 +160,8 @@ def test_the_fastest_variant_the_cpu_runs_is_chosen_and_dflash_kernels_forces_on
     avx2 = {"avx2", "fma", "f16c"}
     avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
     monkeypatch.delenv(native.KERNELS_ENV, raising=False)
+    assert native.chosen_variant(avx512 | {"amx_tile", "amx_int8", "amx_bf16"})[0].name == "amx"
+    assert native.chosen_variant(avx512 | {"amx_tile", "amx_bf16"})[0].name == "avx512-vnni"  # tiles, no int8
     assert native.chosen_variant(avx2) == (native.variant_named("avx2"), "no VNNI on this CPU")
     assert native.chosen_variant(avx2 | {"avx_vnni"})[0].name == "avx-vnni"
     assert native.chosen_variant(avx512 | {"avx_vnni"})[0].name == "avx512-vnni"
@@ -146,7 +172,7 @@ def test_the_fastest_variant_the_cpu_runs_is_chosen_and_dflash_kernels_forces_on
     with pytest.raises(ValueError, match="this CPU lacks avx512_vnni, avx512bw, avx512f, avx512vl"):
         native.chosen_variant(avx2)
     monkeypatch.setenv(native.KERNELS_ENV, "sse2")
-    with pytest.raises(ValueError, match="one of avx512-vnni, avx-vnni, avx2"):
+    with pytest.raises(ValueError, match="one of amx, avx512-vnni, avx-vnni, avx2"):
         native.chosen_variant(avx2)
 
 
@@ -171,10 +197,14 @@ def test_a_forced_variant_this_cpu_cannot_run_is_one_line_and_exit_2(tiny_target
 
 
 def test_a_build_that_fails_its_check_is_never_used(builds, tmp_path, monkeypatch):
-    """kernels_agree refuses wrong sums (a build whose second group of a pair reads the first group's codes);
-    and a variant that fails it on the first start gives way to AVX2 and says why."""
+    """kernels_agree refuses wrong sums (a build whose second group of a pair reads the first group's codes), in
+    the child process a new build's first check runs in; a variant whose build dies on that check (a CPU that
+    claims AVX-VNNI and lacks it: SIGILL) gives way to AVX2, says why, and the process lives on; the next start
+    remembers it (no build, no child)."""
     if not native.can_emulate():
         pytest.skip("SIMDe's headers (libsimde-dev) are not installed: no broken AVX-512 build to make here")
+    if "avx_vnni" in native.cpu_flags():
+        pytest.skip("this CPU has AVX-VNNI: its build would not crash")
     assert all(native.kernels_agree(lib) for lib, _ in builds.values())
     broken_sources = tmp_path / "native"
     broken_sources.mkdir()
@@ -184,26 +214,31 @@ def test_a_build_that_fails_its_check_is_never_used(builds, tmp_path, monkeypatc
             text = text.replace("cb + nb * 128 + 32 * t", "cb + 32 * t")
         (broken_sources / path.name).write_text(text)
     monkeypatch.setattr(native, "source_dir", lambda: broken_sources)
-    broken = native.build_variant(native.variant_named("avx512-vnni"), tmp_path, emulate=True)
+    variant = native.variant_named("avx512-vnni")
+    broken = native.build_variant(variant, tmp_path, emulate=True)
     assert not native.kernels_agree(broken)
+    path = tmp_path / f"libdflash_int8-{variant.name}-emulated.so"
+    assert native._check_apart(path, variant) == "the avx512-vnni build gave wrong sums on its check"
 
     monkeypatch.undo()
-    # the fallback: a CPU that claims AVX-VNNI, whose build fails the check (the build is never run here)
     flags = native.cpu_flags() | {"avx_vnni"}
     monkeypatch.setattr(native, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(native, "kernels_agree", lambda lib: False)  # asked of the avx-vnni build only
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(native.KERNELS_ENV, raising=False)
+    heard: list[str] = []
     native.reset_for_tests()
     try:
         assert "avx-vnni (this CPU has avx_vnni; built at first use)" in kernels_line()
         built = native.library()
         shown = kernels_line()  # doctor names the build that runs, and why
+        native.reset_for_tests()
+        again = native.library(heard.append)
     finally:
         native.reset_for_tests()
     assert built is not None and built.variant.name == "avx2"
-    assert built.why == "the avx-vnni build gave wrong sums on its check: kept AVX2"
-    assert shown.startswith("avx2 (the avx-vnni build gave wrong sums")
+    assert built.why == "the avx-vnni build crashed on its check (SIGILL): kept AVX2"
+    assert shown.startswith("avx2 (the avx-vnni build crashed on its check")
+    assert again is not None and again.variant.name == "avx2" and again.why == built.why and heard == []
 
 
 def kernels_line() -> str:

@@ -18,7 +18,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -57,8 +59,11 @@ class Variant:
         return (*self.compile_flags, *((f"-D{self.define}",) if self.define else ()))
 
 
-# the fastest first: vpdpbusd on 16 lanes, on 8, then AVX2's maddubs + madd
+# the fastest first: tiles for several rows beside vpdpbusd on 16 lanes, vpdpbusd on 16 lanes, on 8, then AVX2's
+# maddubs + madd
 VARIANTS = (
+    Variant("amx", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"), "DFQ_AMX"),
     Variant("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"), "DFQ_AVX512_VNNI"),
     Variant("avx-vnni", ("avx_vnni",), ("-mavxvnni",), "DFQ_AVX_VNNI"),
@@ -100,6 +105,7 @@ SIGNATURES = {
     "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P],
     "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG, P, LONG],
     "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],
+    "dfq_amx_set_min_rows": [ctypes.c_int],
 }
 
 
@@ -177,7 +183,8 @@ def _key(cc: str, variant: Variant) -> str:
     for path in source_files():
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join((*FLAGS, *variant.flags())).encode())
-    digest.update(" ".join(sorted(cpu_flags() & {"avx2", "fma", "f16c", "avx512f", "avx512_vnni"})).encode())
+    keyed = {"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_int8"}
+    digest.update(" ".join(sorted(cpu_flags() & keyed)).encode())
     return digest.hexdigest()[:16]
 
 
@@ -266,31 +273,80 @@ def _make(on_status: Callable[[str], None] | None) -> Built | str:
         return why
     cc = compiler()
     assert cc is not None
-    variant, reason = chosen_variant()  # _why_not_here checked it
-    if not variant.define:
-        built = _built(cc, variant, on_status)
-        built.why = reason
-        return built
-    failed = cache_folder() / _key(cc, variant) / "build-failed.txt"  # kept: the next start does not try again
+    variant, why = chosen_variant()  # _why_not_here checked it
+    runs = variants_for(cpu_flags())
+    # the chosen build, else the next fastest this CPU runs (AVX2 last): a build that fails costs speed, never
+    # answers or the process
+    later = [v for v in runs[runs.index(variant) + 1:] if v.define]
+    candidates = [variant, *later, VARIANTS[-1]] if variant.define else [variant]
+    for candidate, after in zip(candidates, candidates[1:]):
+        got = _usable(cc, candidate, on_status)
+        if isinstance(got, Built):
+            got.why = why + _tiles_note(got)
+            return got
+        why = f"{got}: kept {'AVX2' if after is VARIANTS[-1] else after.name}"
+    built = _built(cc, VARIANTS[-1], on_status)
+    built.why = why
+    return built
+
+
+def _tiles_note(built: Built) -> str:
+    if built.variant.name != "amx":
+        return ""
+    rows = built.lib.dfq_amx_min_rows()
+    return (f"; tiles for calls of {rows}+ rows" if rows else
+            "; tiles unused (Linux lent no tile state, or DFLASH_AMX_MIN_ROWS=0): VNNI on every call")
+
+
+def _usable(cc: str, variant: Variant, on_status: Callable[[str], None] | None) -> Built | str:
+    """`variant`'s build when it compiles and passes its check, else what went wrong (remembered in its cache
+    folder, so the next start does not try again)."""
+    failed = cache_folder() / _key(cc, variant) / "build-failed.txt"
     try:
         if failed.exists():
-            raise RuntimeError(failed.read_text().strip())
+            return failed.read_text().strip()
+    except OSError:
+        pass
+    try:
         built = _built(cc, variant, on_status)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:  # a compiler too old for the instructions
-        try:
-            failed.parent.mkdir(parents=True, exist_ok=True)
-            failed.write_text(str(error))
-        except OSError:
-            pass
-        built = _built(cc, VARIANTS[-1], on_status)
-        built.why = f"{cc} could not build {variant.name} ({error}): kept AVX2"
-        return built
-    built.why = reason
-    if not kernels_agree(built.lib):
-        # never seen on a CPU with these instructions here: a wrong sum must cost speed, not answers
-        built = _built(cc, VARIANTS[-1], on_status)
-        built.why = f"the {variant.name} build gave wrong sums on its check: kept AVX2"
-    return built
+        problem = f"{cc} could not build {variant.name} ({error})"
+    else:
+        checked = _check_apart(built.path, variant)
+        if checked is None:
+            return built
+        problem = checked
+    try:
+        failed.parent.mkdir(parents=True, exist_ok=True)
+        failed.write_text(problem)
+    except OSError:
+        pass
+    return problem
+
+
+def _check_apart(path: Path, variant: Variant) -> str | None:
+    """kernels_agree for a new build, in a child process the first time: a build that dies on its first call
+    (an instruction this CPU lacks after all, a tile shape it refuses) must not take the user's process with it.
+    None when it passed (remembered beside the library)."""
+    passed = path.with_name("check-passed")
+    if passed.exists():
+        return None
+    code = ("import sys; from pathlib import Path; from dflash_cli.engine.cpu import native; "
+            "sys.exit(0 if native.kernels_agree(native._load(Path(sys.argv[1]))) else 3)")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"the {variant.name} build could not be checked ({error})"
+    if done.returncode < 0:
+        return f"the {variant.name} build crashed on its check ({signal.Signals(-done.returncode).name})"
+    if done.returncode != 0:
+        return f"the {variant.name} build gave wrong sums on its check"
+    try:
+        passed.write_text("")
+    except OSError:
+        pass
+    return None
 
 
 def _built(cc: str, variant: Variant, on_status: Callable[[str], None] | None) -> Built:

@@ -6,6 +6,11 @@
 
 #define QK 32
 
+/* the AMX build is the AVX-512 VNNI build with tiles for calls of several rows (int8_amx.h) */
+#if defined(DFQ_AMX) && !defined(DFQ_AVX512_VNNI)
+#define DFQ_AVX512_VNNI
+#endif
+
 /* a linear (n outputs, a multiple of 8; k inputs, a multiple of 32) in 4 bits (kind 4, w = d * code + m)
  * or 8 bits (kind 8, w = d * code), codes and fp16 d (and m) in int8_matmul.c's layout; bias (n) or NULL */
 struct dfq_linear {

@@ -21,7 +21,8 @@
 
 /* Which instruction sums the 8-bit products, chosen per CPU at build time (native.py's variants): AVX2's
  * maddubs (+ madd), or vpdpbusd (DFQ_AVX_VNNI: the VEX form on ymm; DFQ_AVX512_VNNI: the EVEX form, with
- * int8_avx512.c taking two groups of 8 columns per zmm). Integer sums are exact in every variant and the
+ * int8_avx512.h taking two groups of 8 columns per zmm; DFQ_AMX: that and tiles for several rows, int8_amx.h).
+ * Integer sums are exact in every variant and the
  * float part is the same sequence per lane, so all variants give the same bits. DFQ_EMULATE (tests only)
  * takes vpdpbusd from SIMDe's portable headers, so a CPU without it runs the same source. */
 #if defined(DFQ_EMULATE) && (defined(DFQ_AVX_VNNI) || defined(DFQ_AVX512_VNNI))
@@ -225,6 +226,12 @@ static void group_rows(const struct dfq_linear *w, long g, const int8_t *aq, con
 #ifdef DFQ_AVX512_VNNI
 #include "int8_avx512.h"
 #endif
+#ifdef DFQ_AMX
+#include "int8_amx.h"
+#else
+int dfq_amx_min_rows(void) { return 0; }
+void dfq_amx_set_min_rows(int rows) { (void)rows; }
+#endif
 
 /* Groups of 8 columns (pairs of them on AVX-512) shared out among the threads, each over all rows in tiles of
  * 4: a thread reads a group's weights once per 4 activation rows (from L1 after the first). */
@@ -232,10 +239,20 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
                      float *out, long ldo, int accumulate) {
     const long k = w->k, nb = k / QK, groups = w->n / 8;
     const long steps = (groups + DFQ_GROUPS_PER_STEP - 1) / DFQ_GROUPS_PER_STEP;
+#ifdef DFQ_AMX
+    const long tile_rows = amx_rows_for(m);  /* rows past the last whole tile take the VNNI kernel */
+    if (tile_rows) amx_configure(tile_rows);  /* every thread of the team runs this, before sharing out */
+#endif
 #pragma omp for schedule(static)
     for (long step = 0; step < steps; step++) {
         const long g = step * DFQ_GROUPS_PER_STEP;
-        for (long r = 0; r < m; r += 4) {
+        long r = 0;
+#ifdef DFQ_AMX
+        if (tile_rows && g + 1 < groups)
+            for (; r + tile_rows <= m; r += tile_rows)
+                amx_pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, tile_rows, out + r * ldo, ldo, accumulate);
+#endif
+        for (; r < m; r += 4) {
             const int rows = m - r < 4 ? (int)(m - r) : 4;
 #ifdef DFQ_AVX512_VNNI
             if (g + 1 < groups) {
