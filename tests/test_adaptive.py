@@ -183,6 +183,47 @@ def test_a_new_request_starts_from_the_costs_and_acceptance_earlier_requests_mea
             assert all(n == 1 for n in again), again
 
 
+def test_costs_kept_by_an_earlier_process_start_the_next_one_and_count_as_one_round():
+    """RoundCosts through to_dict/JSON/from_dict (runtime/round_costs.py keeps them in the cache folder): the
+    next process's first controller skips the warm-up and pauses at once where drafting did not pay, keeps
+    the backed-off re-probe schedule, and each cost read counts as one round (a faster round replaces it)."""
+    import json
+
+    from dflash_cli.engine.adaptive import RoundCosts
+
+    cost = round_cost(draft=0.3, verify_slope=0.05)
+    shared = RoundCosts()
+    run_rounds(BlockSizeController(8, shared=shared), 0.0, cost, 400, random.Random(1))
+    restored = RoundCosts.from_dict(json.loads(json.dumps(shared.to_dict())))
+    assert restored.seconds == shared.seconds and restored.probe_gap == shared.probe_gap > 24
+    assert all(count == 1 for table in restored.samples.values() for count in table.values())
+    chosen = run_rounds(BlockSizeController(8, shared=restored), 0.0, cost, 60, random.Random(2))
+    assert all(n == 1 for n in chosen), chosen  # no warm-up block, no probe within the backed-off gap
+    controller = BlockSizeController(8, shared=RoundCosts.from_dict(shared.to_dict()))
+    controller.observe(1, 0, 0.5 * shared.seconds[0][1])
+    assert controller.cost(1) == pytest.approx(0.5 * shared.seconds[0][1])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d["seconds"]["0"].update({"1": -1.0}),
+    lambda d: d["seconds"]["0"].update({"1": float("nan")}),
+    lambda d: d.update(accepted=[x + 5.0 for x in d["reached"]]),
+    lambda d: d.update(reached=d["reached"][:2]),
+    lambda d: d.pop("probe_gap"),
+    lambda d: d.update(seconds=[1, 2]),
+])
+def test_costs_kept_out_of_range_are_refused(damage):
+    from dflash_cli.engine.adaptive import RoundCosts
+
+    shared = RoundCosts()
+    run_rounds(BlockSizeController(8, shared=shared), 0.5, round_cost(0.3, 0.05), 30, random.Random(1))
+    data = shared.to_dict()
+    RoundCosts.from_dict(data)  # as kept: fine
+    damage(data)
+    with pytest.raises((ValueError, TypeError, KeyError, AttributeError)):
+        RoundCosts.from_dict(data)
+
+
 def test_a_failing_re_probe_waits_longer_for_the_next():
     """A paused drafter is re-probed after 24 plain rounds, then 48, 96, ... up to 8 times that: a probe costs
     more than the plain round it replaces (a draft plus a verify of two rows)."""

@@ -208,3 +208,44 @@ def test_draft_accepts_every_drafter_format(folders, tmp_path, kind):
     got = as_json(run((folders[0], drafter), "-n", "16", "--json", "Tell me"))
     assert got["text"] == want["text"] and got["drafted"] > 0
     assert str(drafter) in run((folders[0], drafter), "-n", "4", "Tell me").stderr
+
+
+def test_a_second_generate_starts_from_the_round_costs_the_first_measured(folders, monkeypatch):
+    """A one-shot `generate` leaves the adaptive controller's round costs in the cache folder; the next process
+    of the same pair and settings starts from them (no warm-up of full blocks: it drafts, or pauses, from its
+    first round), each counted as one round. A damaged file is ignored and replaced; other settings (another
+    thread count) keep their own."""
+    from dflash_cli import settings as S
+    from dflash_cli.engine import adaptive
+
+    started: list[tuple[int, dict]] = []  # each controller's warm-up rounds and costs, as it started
+    original = adaptive.BlockSizeController.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        started.append((self.warmup, {b: dict(t) for b, t in self.shared.seconds.items()}))
+
+    monkeypatch.setattr(adaptive.BlockSizeController, "__init__", recording)
+
+    def first_controller(*args):
+        started.clear()
+        as_json(run(folders, "-n", "24", "--json", *args, "Tell me a story"))
+        return started[0]
+
+    warmup, costs = first_controller()
+    kept = list((S.cache_dir() / "round-costs").glob("*.json"))
+    assert warmup == 3 and costs == {} and len(kept) == 1
+    saved = json.loads(kept[0].read_text())
+    assert saved["key"]["drafter"] == str(folders[1].resolve()) and saved["costs"]["seconds"]["0"]
+
+    warmup, costs = first_controller()
+    assert warmup == 0  # drafting measured: it drafts, or pauses, from its first round
+    assert costs == {int(b): {int(n): s for n, s in t.items()} for b, t in saved["costs"]["seconds"].items()}
+
+    kept[0].write_text('{"key": ')  # cut short
+    warmup, costs = first_controller()
+    assert warmup == 3 and costs == {}
+    assert json.loads(kept[0].read_text())["key"] == saved["key"]  # replaced by a whole one
+
+    warmup, costs = first_controller("--threads", "1")
+    assert warmup == 3 and costs == {} and len(list((S.cache_dir() / "round-costs").glob("*.json"))) == 2

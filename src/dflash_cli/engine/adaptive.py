@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 FIRST_BUCKET = 512  # context lengths below this share one set of costs; each bucket above doubles it
 
@@ -64,8 +65,38 @@ class RoundCosts:
     def drafting_measured(self) -> bool:
         return any(n > 1 for costs in self.seconds.values() for n in costs)
 
+    def to_dict(self) -> dict[str, Any]:
+        """What a later process of the same pair on the same machine starts from (runtime/round_costs.py)."""
+        return {"seconds": {str(b): {str(n): s for n, s in t.items()} for b, t in self.seconds.items()},
+                "reached": self.reached, "accepted": self.accepted, "probe_gap": self.probe_gap}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoundCosts:
+        """The costs `to_dict` kept, each counted as one round: a cost measured in another process is a first
+        sample (a later round's smaller time replaces it, plain decoding is timed again while drafting), so a
+        machine that was busier or idler then misleads for a few rounds at most. Raises ValueError (or
+        TypeError, KeyError) on anything else."""
+        costs = cls()
+        for bucket, table in data["seconds"].items():
+            row = {int(n): float(s) for n, s in table.items()}
+            if any(not (0.0 < s < 3600.0) for s in row.values()) or any(n < 0 for n in row):
+                raise ValueError("a round cost out of range")
+            costs.seconds[int(bucket)] = row
+            costs.samples[int(bucket)] = dict.fromkeys(row, 1)
+        costs.reached, costs.accepted = [float(x) for x in data["reached"]], [float(x) for x in data["accepted"]]
+        if len(costs.reached) != len(costs.accepted) or any(
+                not 0.0 <= a <= r for a, r in zip(costs.accepted, costs.reached)):
+            raise ValueError("acceptance counts out of range")
+        costs.probe_gap = max(0, int(data["probe_gap"]))
+        return costs
+
 
 _SHARED: weakref.WeakKeyDictionary[object, RoundCosts] = weakref.WeakKeyDictionary()
+
+
+def adopt_costs(drafter: object, costs: RoundCosts) -> None:
+    """Makes `costs` the drafter's shared ones (an earlier process's, runtime/round_costs.py)."""
+    _SHARED[drafter] = costs
 
 
 def shared_costs(drafter: object) -> RoundCosts:

@@ -42,6 +42,7 @@ class LocalRuntime:
     forward: str = "transformers forward"
     drafter_entry: PairEntry | None = None  # the registry pair whose drafter is loaded (its thinking mode), else None
     note: str = ""  # why speculation is on or off (the ready line)
+    costs_key: dict[str, Any] | None = None  # where the drafter's round costs are kept for the next process
 
     @property
     def speculative(self) -> bool:
@@ -134,7 +135,11 @@ class LocalRuntime:
         check_block_size(block_size, self.trained_block_size)
 
     def close(self) -> None:
-        pass  # the weights go with the process
+        """Leaves the round costs learnt for the next process (the weights go with the process)."""
+        if self.drafter is not None and self.costs_key is not None:
+            from dflash_cli.runtime.round_costs import keep
+
+            keep(self.drafter, self.costs_key)
 
 
 def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | None = None, dtype: str | None = None,
@@ -208,8 +213,25 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         from dflash_cli.engine.generate import warm_up
 
         warm_up(pair.target, pair.drafter)
+    costs_key = None
+    if pair.drafter is not None and drafter_dir is not None:
+        costs_key = _round_costs(pair, target_dir, drafter_dir, quant=quant, dtype=dt, device=dev, threads=threads,
+                                 draft_window=draft_window)
     return LocalRuntime(pair.target, pair.drafter, tokenizer, target_dir, drafter_dir,
-                        time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev), forward)
+                        time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev), forward,
+                        costs_key=costs_key)
+
+
+def _round_costs(pair: Any, target_dir: Path, drafter_dir: Path, **settings: Any) -> dict[str, Any]:
+    """The key of the pair's round costs, with an earlier process's costs restored under it."""
+    from dflash_cli.engine.cpu import native
+    from dflash_cli.runtime.round_costs import costs_key, restore
+
+    built = native.library_if_built() if settings.get("quant") in ("q4a8", "q8a8") else None
+    key = costs_key(target_dir, drafter_dir, kernels=built.variant.name if built is not None else None,
+                    compiled=pair.target.fast_compiled, split=bool(pair.target.split), **settings)
+    restore(pair.drafter, key)
+    return key
 
 
 def _load_tokenizer(target_dir: Path) -> Any:

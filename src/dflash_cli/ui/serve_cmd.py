@@ -109,6 +109,7 @@ def run_serve(out: Any, command: Any, *, host: str, port: int, api_key: str | No
     finally:
         worker.stop()
         sock.close()
+        runtime.close()  # the round costs learnt, for the next start
     # uvicorn stops only on SIGINT/SIGTERM and then re-raises the signal, which reaches guarded as a
     # KeyboardInterrupt (130, 143); a SIGINT this process inherited as ignored (a job a script started with
     # `&`) is re-raised to no effect and comes back here: the same stop all the same
