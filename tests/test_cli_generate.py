@@ -212,9 +212,9 @@ def test_draft_accepts_every_drafter_format(folders, tmp_path, kind):
 
 def test_a_second_generate_starts_from_the_round_costs_the_first_measured(folders, monkeypatch):
     """A one-shot `generate` leaves the adaptive controller's round costs in the cache folder; the next process
-    of the same pair and settings starts from them (no warm-up of full blocks: it drafts, or pauses, from its
-    first round), each counted as one round. A damaged file is ignored and replaced; other settings (another
-    thread count) keep their own."""
+    of the same pair and settings starts from them (one full block to measure its own request, where a fresh
+    one drafts three and times plain rounds), each counted as one round. A damaged file is ignored and
+    replaced; other settings (another thread count) keep their own."""
     from dflash_cli import settings as S
     from dflash_cli.engine import adaptive
 
@@ -239,7 +239,7 @@ def test_a_second_generate_starts_from_the_round_costs_the_first_measured(folder
     assert saved["key"]["drafter"] == str(folders[1].resolve()) and saved["costs"]["seconds"]["0"]
 
     warmup, costs = first_controller()
-    assert warmup == 0  # drafting measured: it drafts, or pauses, from its first round
+    assert warmup == 1  # costs known: one full block measures this request, then it drafts or pauses
     assert costs == {int(b): {int(n): s for n, s in t.items()} for b, t in saved["costs"]["seconds"].items()}
 
     kept[0].write_text('{"key": ')  # cut short

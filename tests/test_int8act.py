@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(native.available_without_building() is not None,
 
 
 @pytest.mark.parametrize("kind", ["q4a8", "q8a8"])
-@pytest.mark.parametrize("out_features, bias", [(96, False), (64, True), (40, False)])
+@pytest.mark.parametrize("out_features, bias", [(96, False), (64, True), (40, False), (13, True)])
 def test_the_kernels_equal_the_matmul_of_their_dequantized_weights(kind, out_features, bias):
     lin = linear(out_features, 128, seed=out_features, bias=bias)
     layer = quantize_linears([lin], kind)
@@ -102,16 +102,50 @@ def test_attention_in_c_is_softmax_attention_with_exact_rows():
             assert torch.equal(alone[0, 0], got[0, t])
 
 
-def a8_pair(pairs, family, kind):
+def a8_pair(pairs, family, kind, draft_kind="q8a8"):
     pair = load_pair(*pairs[family], device="cpu", quant=kind)
     assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
     fast = pair.target.fast
     assert fast.weights == kind and fast.dtype == torch.float32 and fast.row_exact
     assert isinstance(fast.lm_head, Q8A8Linear)
     assert all(isinstance(p["qkv"], Q4A8Linear if kind == "q4a8" else Q8A8Linear) for p in fast.projections)
-    assert quantize_drafter(pair.drafter) > 0  # as the runtime does: the drafter on the same kernels
+    assert quantize_drafter(pair.drafter, draft_kind) > 0  # as the runtime does: the drafter on the same kernels
+    made = Q4A8Linear if draft_kind == "q4a8" else Q8A8Linear
+    assert all(isinstance(layer.mlp.down_proj, made) for layer in pair.drafter.layers)
     assert fuse_drafter(pair.drafter)  # and its layers one C call each
     return pair
+
+
+def test_a_q4a8_drafter_keeps_speculation_lossless_with_a_padded_draft_vocabulary_head(pairs, tmp_path):
+    """DFLASH_DRAFT_QUANT=q4a8 (int8act.draft_quant): 4-bit drafter layers, fused into C calls, and a
+    draft-vocabulary head whose 75 rows are padded to 80 for the kernel; the output stays the target's."""
+    from safetensors.torch import load_file, save_file
+
+    target_dir, drafter_dir = pairs["qwen3"]
+    tensors = load_file(str(drafter_dir / "model.safetensors"))
+    tensors["draft_vocab"] = torch.arange(2, 152, 2)
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((drafter_dir / "config.json").read_bytes())
+    save_file(tensors, str(folder / "model.safetensors"))
+    pair = a8_pair({"qwen3": (target_dir, folder)}, "qwen3", "q4a8", draft_kind="q4a8")
+    head = pair.drafter.draft_head(pair.target.fast.lm_head)
+    assert isinstance(head, Q4A8Linear) and (head.out_features, head.padded) == (75, 80)
+    x = torch.randn(3, head.in_features)
+    reference = quantize_act_rows(x) @ head.dequantize().T
+    torch.testing.assert_close(head(x), reference, rtol=1e-5, atol=1e-5)
+    assert_speculative_equals_plain(pair, random_prompts, (2, 8), max_new_tokens=20)
+
+
+def test_the_drafter_is_q8a8_unless_dflash_draft_quant_says_q4a8(monkeypatch):
+    from dflash_cli.engine.cpu.int8act import DRAFT_QUANT_ENV, draft_quant
+
+    monkeypatch.delenv(DRAFT_QUANT_ENV, raising=False)
+    assert draft_quant() == ("q8a8", "the default")
+    monkeypatch.setenv(DRAFT_QUANT_ENV, "Q4A8")
+    assert draft_quant() == ("q4a8", f"set by {DRAFT_QUANT_ENV}")
+    monkeypatch.setenv(DRAFT_QUANT_ENV, "q2")  # not a format: the default
+    assert draft_quant()[0] == "q8a8"
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -200,11 +234,11 @@ def test_the_c_layer_computes_what_the_op_by_op_forward_does(pairs, family, last
         torch.testing.assert_close(logits, ref_logits, rtol=0.02, atol=0.02 * float(ref_logits.abs().max()))
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_the_drafters_c_layers_compute_what_its_modules_do(pairs, window):
+@pytest.mark.parametrize("window, draft_kind", [(None, "q8a8"), (3, "q8a8"), (None, "q4a8")])
+def test_the_drafters_c_layers_compute_what_its_modules_do(pairs, window, draft_kind):
     """Drafts need not be exact, but the C drafter layer must be the same function as the modules, with a
     context window (--draft-window) too; the window changes what the drafter sees."""
-    pair = a8_pair(pairs, "qwen3", "q4a8")
+    pair = a8_pair(pairs, "qwen3", "q4a8", draft_kind)
     drafter = pair.drafter
     torch.manual_seed(0)
     taps = torch.randn(1, 6, drafter.fc.in_features)

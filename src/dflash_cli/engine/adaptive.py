@@ -45,6 +45,7 @@ MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
 FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the later ones a moving average
+RESTORED_PRIOR_ROUNDS = 1.0  # the weight, in rounds, of the acceptance an earlier process kept
 
 
 class RoundCosts:
@@ -61,6 +62,7 @@ class RoundCosts:
         # probes have failed before
         self.probe_gap = 0  # 0: no controller has paused yet
         self.plain_streak = 0
+        self.warmup_next = 0  # full blocks the next controller starts with, where not 0 (a restored process)
 
     def drafting_measured(self) -> bool:
         return any(n > 1 for costs in self.seconds.values() for n in costs)
@@ -68,14 +70,17 @@ class RoundCosts:
     def to_dict(self) -> dict[str, Any]:
         """What a later process of the same pair on the same machine starts from (runtime/round_costs.py)."""
         return {"seconds": {str(b): {str(n): s for n, s in t.items()} for b, t in self.seconds.items()},
-                "reached": self.reached, "accepted": self.accepted, "probe_gap": self.probe_gap}
+                "reached": self.reached, "accepted": self.accepted}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoundCosts:
         """The costs `to_dict` kept, each counted as one round: a cost measured in another process is a first
         sample (a later round's smaller time replaces it, plain decoding is timed again while drafting), so a
-        machine that was busier or idler then misleads for a few rounds at most. Raises ValueError (or
-        TypeError, KeyError) on anything else."""
+        machine that was busier or idler then misleads for a few rounds at most. The acceptance is a prior
+        worth one round, and the first controller drafts one full block before it decides: the last process's
+        last request may have been of another kind (prose after code), and a request that inherited its pause
+        with no probe due would never measure its own. Raises ValueError (or TypeError, KeyError) on anything
+        else."""
         costs = cls()
         for bucket, table in data["seconds"].items():
             row = {int(n): float(s) for n, s in table.items()}
@@ -87,7 +92,11 @@ class RoundCosts:
         if len(costs.reached) != len(costs.accepted) or any(
                 not 0.0 <= a <= r for a, r in zip(costs.accepted, costs.reached)):
             raise ValueError("acceptance counts out of range")
-        costs.probe_gap = max(0, int(data["probe_gap"]))
+        weight = costs.reached[1] if len(costs.reached) > 1 else 0.0
+        if weight > RESTORED_PRIOR_ROUNDS:
+            costs.reached = [x * RESTORED_PRIOR_ROUNDS / weight for x in costs.reached]
+            costs.accepted = [x * RESTORED_PRIOR_ROUNDS / weight for x in costs.accepted]
+        costs.warmup_next = 1
         return costs
 
 
@@ -123,6 +132,8 @@ class BlockSizeController:
         self._start_from(self.shared)
         # full blocks first, unless earlier requests measured what drafting costs and is worth here
         self.warmup = 0 if self.shared.drafting_measured() and any(self.reached) else warmup
+        if self.shared.warmup_next:  # the first request of a process that restored its costs
+            self.warmup, self.shared.warmup_next = self.shared.warmup_next, 0
         self._costs = self.shared.seconds
         self.bucket = 0  # the bucket of the context the next rounds run at
         self.rounds = 0

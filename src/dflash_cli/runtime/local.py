@@ -228,6 +228,7 @@ def _round_costs(pair: Any, target_dir: Path, drafter_dir: Path, **settings: Any
     from dflash_cli.runtime.round_costs import costs_key, restore
 
     built = native.library_if_built() if settings.get("quant") in ("q4a8", "q8a8") else None
+    settings["draft_quant"] = getattr(pair.drafter, "head_quant", None)
     key = costs_key(target_dir, drafter_dir, kernels=built.variant.name if built is not None else None,
                     compiled=pair.target.fast_compiled, split=bool(pair.target.split), **settings)
     restore(pair.drafter, key)
@@ -315,7 +316,7 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     """
     from dflash_cli.engine.compile import compiler_for, resolve_compile, use_compile_cache
     from dflash_cli.engine.cpu.c_layers import fuse_drafter
-    from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS, quantize_drafter
+    from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS, draft_quant, quantize_drafter
     from dflash_cli.engine.cpu.packed import pack_linears, room_to_pack
     from dflash_cli.engine.kernels import cuda_graphs
 
@@ -357,12 +358,15 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     form = f", {target.fast.weight_form}" if target.fast.weight_form else ""
     attention = f"; attention: {target.fast.attention_kernel}"
     if not compiled:
+        drafting = ""
         if drafter is not None and target.fast.weights in INT8_ACT_QUANTS:
-            quantize_drafter(drafter)  # the same few rows as the target's, on the same kernels
+            kind, chosen = draft_quant()
+            quantize_drafter(drafter, kind)  # the same few rows as the target's, on the same kernels
             fuse_drafter(drafter)
+            drafting = f"; drafter {kind} ({chosen})"
         if target.fast.packed and drafter is not None and room_to_pack(drafter):
             pack_linears(drafter)  # its layers run at the same few rows as the target's
-        return f"static cache, eager{form} ({why}){attention}"
+        return f"static cache, eager{form} ({why}){attention}{drafting}"
     if on_status is not None:
         on_status("Compiling the decode and verify forwards (first run; kept on disk for the next) ...")
     started = time.perf_counter()

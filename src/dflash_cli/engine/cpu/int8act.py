@@ -12,6 +12,7 @@ block of 32 (GGUF's Q8_0), also for q4a8's LM head.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -100,23 +101,24 @@ class Q4A8Linear(Int8ActLinear):
         super().__init__(sizes, bias)
         self.lib = _need_library().lib
         self.in_features = int(codes.codes.shape[1])
-        self.codes = pack_q4(codes.codes)
         d, m = q4_1_parts(codes)
-        self.d, self.m = pack_scales(d), pack_scales(m)
-        self.padded = self.out_features
-        self.bias = bias.float().contiguous() if bias is not None else None
+        self.padded = round_up8(self.out_features)
+        extra = self.padded - self.out_features  # zero rows (code 0, d = m = 0) up to a group of 8
+        self.codes = pack_q4(torch.cat([codes.codes, codes.codes.new_zeros(extra, self.in_features)]))
+        self.d, self.m = (pack_scales(torch.cat([s, s.new_zeros(extra, s.shape[1])])) for s in (d, m))
+        self.bias = None if bias is None else torch.cat([bias.float(), bias.new_zeros(extra).float()]).contiguous()
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows.shape[0], self.padded)
         self.lib.dfq_q4_matmul(rows.data_ptr(), rows.shape[0], self.in_features, self.codes.data_ptr(),
-                               self.d.data_ptr(), self.m.data_ptr(), self.out_features, native.ptr(self.bias),
+                               self.d.data_ptr(), self.m.data_ptr(), self.padded, native.ptr(self.bias),
                                out.data_ptr())
         return out
 
     def dequantize(self) -> torch.Tensor:
-        codes = unpack_q4(self.codes).float()
+        codes = unpack_q4(self.codes)[:self.out_features].float()
         out, cols = codes.shape
-        d, m = unpack_scales(self.d), unpack_scales(self.m)
+        d, m = unpack_scales(self.d)[:out], unpack_scales(self.m)[:out]
         return (codes.reshape(out, cols // GROUP, GROUP) * d[..., None] + m[..., None]).reshape(out, cols)
 
 
@@ -165,25 +167,42 @@ def quantize_act_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def a8_fits(rows: int, cols: int, kind: str = "q4a8") -> bool:
-    """Whether q4a8/q8a8 take an (out=rows, in=cols) weight: whole blocks of 32 inputs, and for q4a8 groups
-    of 8 outputs (q8a8 pads its rows)."""
-    return cols % GROUP == 0 and rows > 0 and (kind == "q8a8" or rows % 8 == 0)
+    """Whether q4a8/q8a8 take an (out=rows, in=cols) weight: whole blocks of 32 inputs (both pad their rows to
+    groups of 8)."""
+    return cols % GROUP == 0 and rows > 0
 
 
-def quantize_drafter(drafter: Any) -> int:
-    """A drafter's linears (and its draft-vocabulary head, when it has one) as q8a8, in place, for a q4a8/q8a8
-    target: its forwards run at the same few rows as the target's, where fp32 matmuls cost most of a draft.
-    Drafts need not be exact (the target verifies them); 8-bit weights with per-block scales keep them close
-    to fp32 ones. Returns how many linears were replaced."""
+DRAFT_QUANT_ENV = "DFLASH_DRAFT_QUANT"
+
+
+def draft_quant() -> tuple[str, str]:
+    """The drafter's format beside a q4a8/q8a8 target, and why: $DFLASH_DRAFT_QUANT (q4a8 or q8a8) when set, else
+    q8a8. 4-bit drafter weights sum faster on AVX2's maddubs (eight products in 16 bits before one widening:
+    the demo's draft 7.8 -> 5.1 ms on Zen 1) but draft worse (full-block tau 2.78 -> 2.63 on math); where the
+    adaptive controller keeps drafting on (a CPU whose verify costs little), which wins is not measured yet,
+    and on Zen 1 it pauses either way (benchmarks/README.md, "A 4-bit drafter")."""
+    forced = os.environ.get(DRAFT_QUANT_ENV, "").strip().lower()
+    if forced in INT8_ACT_QUANTS:
+        return forced, f"set by {DRAFT_QUANT_ENV}"
+    return "q8a8", "the default"
+
+
+def quantize_drafter(drafter: Any, kind: str = "q8a8") -> int:
+    """A drafter's linears (and its draft-vocabulary head, when it has one) as `kind` (q8a8 or q4a8), in place,
+    for a q4a8/q8a8 target: its forwards run at the same few rows as the target's, where fp32 matmuls cost
+    most of a draft. Drafts need not be exact (the target verifies them); quantized weights with per-block
+    scales keep them close to fp32 ones. Returns how many linears were replaced."""
     count = 0
     for parent in list(drafter.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu" and a8_fits(
                     child.out_features, child.in_features, "q8a8"):
                 bias = child.bias.detach() if child.bias is not None else None
-                made = Q8A8Linear(child.weight.detach(), [child.out_features], bias)
+                weight = child.weight.detach()
+                made: Int8ActLinear = (Q4A8Linear(quantize_q4_1(weight), [child.out_features], bias)
+                                       if kind == "q4a8" else Q8A8Linear(weight, [child.out_features], bias))
                 setattr(parent, name, made)
                 count += 1
     if hasattr(drafter, "head_quant"):
-        setattr(drafter, "head_quant", "q8a8")
+        setattr(drafter, "head_quant", kind)
     return count

@@ -1,0 +1,85 @@
+"""One-shot `generate` processes in a row, as a shell pipe runs them: does each new process decode as fast as
+it could, or pay the adaptive controller's warm-up again?
+
+Per prompt, interleaved, one `dflash-cli generate --json` process each: plain decoding (`--no-draft`); speculation
+starting fresh (the cache folder's round-costs/ removed first: what every process did before the costs were
+kept); speculation starting from the costs the previous speculative process kept. Decode tok/s as the command
+reports it (prefill and start-up excluded), averaged per set, and each against plain decoding; whether every
+speculative reply equals the plain one (greedy: it must).
+
+    .venv/bin/python benchmarks/oneshot.py [--model demo] [--sets chat math] [--limit 6] [-n 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash_cli.prompts.reader import load_prompt_set
+from dflash_cli.settings import cache_dir
+
+ARMS = ("plain", "fresh", "kept")
+
+
+def generate(model: str, prompt: str, tokens: int, arm: str, extra: list[str]) -> dict:
+    if arm == "fresh":
+        shutil.rmtree(cache_dir() / "round-costs", ignore_errors=True)
+    command = [sys.executable, "-m", "dflash_cli", "generate", "-m", model, "-n", str(tokens), "--json", *extra,
+               *(["--no-draft"] if arm == "plain" else []), prompt]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command[:8])} ...: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout)
+
+
+def cpu_line() -> str:
+    flags: set[str] = set()
+    fields = {"model name": platform.processor(), "cpu family": "?", "model": "?"}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in fields:
+            fields[name.strip()] = value.strip()
+        if name.strip() == "flags":
+            flags = set(value.split())
+            break
+    model = f"{fields['model name']} (family {fields['cpu family']} model {fields['model']})"
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+    return f"{model}; flags {' '.join(f for f in wanted if f in flags)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--sets", nargs="+", default=["chat", "math"])
+    ap.add_argument("--limit", type=int, default=6)
+    ap.add_argument("-n", "--tokens", type=int, default=64)
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more generate options, last")
+    args = ap.parse_args()
+    print(f"CPU: {cpu_line()}; model {args.model}; {args.tokens} new tokens; one process per reply")
+    generate(args.model, "Hello", 8, "kept", args.extra)  # the model converted and the kernels built first
+    print("| set | plain tok/s | fresh tok/s (x plain) | kept tok/s (x plain) | kept: drafted rounds | identical |")
+    print("|---|---|---|---|---|---|")
+    for name in args.sets:
+        rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        drafted, same = [], 0
+        prompts = load_prompt_set(name)[:args.limit]
+        for prompt in prompts:
+            replies = {arm: generate(args.model, prompt.prompt, args.tokens, arm, args.extra) for arm in ARMS}
+            for arm, reply in replies.items():
+                rates[arm].append(reply["decode_tokens_per_second"])
+            drafted.append(sum(replies["kept"]["block_rounds"][1:]))
+            same += replies["fresh"]["text"] == replies["plain"]["text"] == replies["kept"]["text"]
+        mean = {arm: statistics.fmean(v) for arm, v in rates.items()}
+        print(f"| {name} | {mean['plain']:.1f} | {mean['fresh']:.1f} ({mean['fresh'] / mean['plain']:.3f}x) | "
+              f"{mean['kept']:.1f} ({mean['kept'] / mean['plain']:.3f}x) | {statistics.fmean(drafted):.1f} | "
+              f"{same}/{len(prompts)} |")
+
+
+if __name__ == "__main__":
+    main()
