@@ -75,24 +75,36 @@ def main() -> None:
         if any(m is None for m in layers) or head is None:
             print(f"| {fmt} | not available here |")
             continue
-        for label, lib in kernel_builds(fmt, args.variants):
+        for label, lib, tiles_from in kernel_builds(fmt, args.variants):
             for m in (*layers, head):
                 if lib is not None:
                     m.lib = lib  # type: ignore[union-attr]
+            if tiles_from is not None:
+                lib.dfq_amx_set_min_rows(tiles_from)  # type: ignore[attr-defined]
             print(f"| {label} | {row(fmt, layers, head, shapes, args)} |", flush=True)
 
 
-def kernel_builds(fmt: str, variants: bool) -> list[tuple[str, object]]:
-    """(label, library or None for the one loaded) for each kernel build the format runs on."""
+def kernel_builds(fmt: str, variants: bool) -> list[tuple[str, object, int | None]]:
+    """(label, library or None for the one loaded, AMX tiles from this many rows or None) for each kernel build
+    the format runs on; the AMX build twice: tiles from its default row count, and from 1 row (where tiles
+    start to pay is what its default should be)."""
     if not variants or fmt not in ("q4a8", "q8a8"):
-        return [(fmt, None)]
+        return [(fmt, None, None)]
     import tempfile
     from pathlib import Path
 
     from dflash_cli.engine.cpu import native
 
     folder = Path(tempfile.mkdtemp(prefix="dflash-variants-"))
-    return [(f"{fmt} ({v.name})", native.build_variant(v, folder)) for v in native.variants_for(native.cpu_flags())]
+    out: list[tuple[str, object, int | None]] = []
+    for variant in native.variants_for(native.cpu_flags()):
+        lib = native.build_variant(variant, folder)
+        if variant.name != "amx":
+            out.append((f"{fmt} ({variant.name})", lib, None))
+            continue
+        default = lib.dfq_amx_min_rows()
+        out += [(f"{fmt} (amx, tiles from {default} rows)", lib, default), (f"{fmt} (amx, tiles from 1 row)", lib, 1)]
+    return out
 
 
 def row(fmt: str, layers: list, head: nn.Module, shapes: list[tuple[int, int]], args: argparse.Namespace) -> str:
