@@ -24,6 +24,8 @@ where drafting does not pay, it pays nothing to find that out again, and a pause
 the schedule they had backed off to. A cost's first rounds keep the least time seen (a one-time cost, a
 first call or a page fault, only ever adds time), and plain decoding measured once is measured again
 while drafting, so one unlucky round does not keep a drafter on that is slower than plain decoding.
+A later process of the same pair starts from the costs too (`to_dict`/`from_dict`, kept in the cache folder
+by runtime/round_costs.py), after one full block of its own.
 """
 
 from __future__ import annotations
