@@ -9,6 +9,10 @@ library kills the process with SIGBUS: it is built again. It links the OpenMP ru
 loaded (the same `libgomp.so.1`), so its threads are torch's threads and `torch.set_num_threads` governs
 both (engine/cpu/threads.py sets it). Without a compiler, or on another
 CPU, `library()` is None and `unavailable()` says why; callers keep their other formats.
+
+The build for the CPU's widest instructions (VARIANTS) is checked against a float64 reference in a child
+process the first time it loads, so one that dies on an instruction or a tile shape costs a fallback to the
+next variant, not the process.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@
 
 /* Which instruction sums the 8-bit products, chosen per CPU at build time (native.py's variants): AVX2's
  * maddubs (+ madd), or vpdpbusd (DFQ_AVX_VNNI: the VEX form on ymm; DFQ_AVX512_VNNI: the EVEX form, with
- * int8_avx512.h taking two groups of 8 columns per zmm; DFQ_AMX: that and tiles for several rows, int8_amx.h).
- * Integer sums are exact in every variant and the
- * float part is the same sequence per lane, so all variants give the same bits. DFQ_EMULATE (tests only)
- * takes vpdpbusd from SIMDe's portable headers, so a CPU without it runs the same source. */
+ * int8_avx512.h taking two groups of 8 columns per zmm), or AMX tiles for calls of several rows beside that
+ * (DFQ_AMX, int8_amx.h). Integer sums are exact in every variant and the float part is the same sequence per
+ * lane, so all variants give the same bits. DFQ_EMULATE (tests only) takes vpdpbusd from SIMDe's portable
+ * headers and the tiles from amx_emulate.h, so a CPU without them runs the same source. */
 #if defined(DFQ_EMULATE) && (defined(DFQ_AVX_VNNI) || defined(DFQ_AVX512_VNNI))
 #include <simde/x86/avx512.h>
 #define DFQ_VNNI 1
