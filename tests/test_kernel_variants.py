@@ -8,6 +8,8 @@ encoding or its speed; where neither is possible the test is skipped and says wh
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from support.speculation import assert_speculative_equals_plain, random_prompts
@@ -218,7 +220,18 @@ def test_a_build_that_fails_its_check_is_never_used(builds, tmp_path, monkeypatc
     broken = native.build_variant(variant, tmp_path, emulate=True)
     assert not native.kernels_agree(broken)
     path = tmp_path / f"libdflash_int8-{variant.name}-emulated.so"
-    assert native._check_apart(path, variant) == "the avx512-vnni build gave wrong sums on its check"
+    assert native._check_apart(native.Built(broken, path, 0.0, variant), variant) == \
+        "the avx512-vnni build gave wrong sums on its check"
+    # a child that cannot run the check at all (no such package where it looks): this process checks instead
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    assert native._check_apart(native.Built(broken, path, 0.0, variant), variant) == \
+        "the avx512-vnni build gave wrong sums on its check"
+    good, _ = builds["avx512-vnni"]
+    assert native._check_apart(native.Built(good, tmp_path / "good.so", 0.0, variant), variant) is None
+    assert not (tmp_path / "check-passed").exists()  # not remembered: the child never ran it
 
     monkeypatch.undo()
     flags = native.cpu_flags() | {"avx_vnni"}

@@ -43,6 +43,7 @@ ABI_VERSION = 3
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 COMPILE_TIMEOUT_S = 300
 KERNELS_ENV = "DFLASH_KERNELS"
+WRONG_SUMS = 3  # the exit status of a child whose build failed kernels_agree (_check_apart)
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ def _usable(cc: str, variant: Variant, on_status: Callable[[str], None] | None) 
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:  # a compiler too old for the instructions
         problem = f"{cc} could not build {variant.name} ({error})"
     else:
-        checked = _check_apart(built.path, variant)
+        checked = _check_apart(built, variant)
         if checked is None:
             return built
         problem = checked
@@ -328,15 +329,17 @@ def _usable(cc: str, variant: Variant, on_status: Callable[[str], None] | None) 
     return problem
 
 
-def _check_apart(path: Path, variant: Variant) -> str | None:
+def _check_apart(built: Built, variant: Variant) -> str | None:
     """kernels_agree for a new build, in a child process the first time: a build that dies on its first call
     (an instruction this CPU lacks after all, a tile shape it refuses) must not take the user's process with it.
-    None when it passed (remembered beside the library)."""
+    None when it passed (remembered beside the library). A child that cannot run the check at all (this
+    package not importable from a bare interpreter) leaves it to this process, as before."""
+    path = built.path
     passed = path.with_name("check-passed")
     if passed.exists():
         return None
     code = ("import sys; from pathlib import Path; from dflash_cli.engine.cpu import native; "
-            "sys.exit(0 if native.kernels_agree(native._load(Path(sys.argv[1]))) else 3)")
+            f"sys.exit(0 if native.kernels_agree(native._load(Path(sys.argv[1]))) else {WRONG_SUMS})")
     try:
         done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
@@ -344,7 +347,9 @@ def _check_apart(path: Path, variant: Variant) -> str | None:
         return f"the {variant.name} build could not be checked ({error})"
     if done.returncode < 0:
         return f"the {variant.name} build crashed on its check ({signal.Signals(-done.returncode).name})"
-    if done.returncode != 0:
+    if done.returncode not in (0, WRONG_SUMS):
+        return None if kernels_agree(built.lib) else f"the {variant.name} build gave wrong sums on its check"
+    if done.returncode == WRONG_SUMS:
         return f"the {variant.name} build gave wrong sums on its check"
     try:
         passed.write_text("")
