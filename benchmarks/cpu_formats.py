@@ -42,19 +42,26 @@ FORMATS = {"fp32": dict(dtype="float32", quant="none"), "bf16": dict(dtype="bflo
 
 
 def cpu_line() -> str:
-    name, flags = platform.processor() or "?", ""
+    name, family, model, flags = platform.processor() or "?", "?", "?", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("?", "", "x86_64"):
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "avx_vnni", "fma")
-                flags = " ".join(f for f in line.split(":", 1)[1].split() if f in wanted)
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "model name" and name in ("?", "", "x86_64"):
+                name = value
+            elif key == "cpu family":
+                family = value
+            elif key == "model":
+                model = value
+            elif key == "flags":
+                wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "avx_vnni", "fma")
+                flags = " ".join(f for f in value.split() if f in wanted)
                 break
     except OSError:
         pass
     cap = torch.backends.cpu.get_cpu_capability()
-    return f"{name}, {torch.get_num_threads()} threads, torch capability {cap}, flags: {flags or '?'}"
+    return (f"{name} (family {family} model {model}), {torch.get_num_threads()} threads, torch capability {cap}, "
+            f"flags: {flags or '?'}")
 
 
 def prompts_for(sets: list[str], limit: int, tokenizer) -> list[tuple[str, list[int]]]:

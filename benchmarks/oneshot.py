@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import subprocess
@@ -23,6 +22,9 @@ from pathlib import Path
 
 from dflash_cli.prompts.reader import load_prompt_set
 from dflash_cli.settings import cache_dir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_formats import cpu_line  # noqa: E402 (beside this script)
 
 ARMS = ("plain", "fresh", "kept")
 
@@ -36,21 +38,6 @@ def generate(model: str, prompt: str, tokens: int, arm: str, extra: list[str]) -
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command[:8])} ...: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout)
-
-
-def cpu_line() -> str:
-    flags: set[str] = set()
-    fields = {"model name": platform.processor(), "cpu family": "?", "model": "?"}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in fields:
-            fields[name.strip()] = value.strip()
-        if name.strip() == "flags":
-            flags = set(value.split())
-            break
-    model = f"{fields['model name']} (family {fields['cpu family']} model {fields['model']})"
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
-    return f"{model}; flags {' '.join(f for f in wanted if f in flags)}"
 
 
 def main() -> None:

@@ -228,9 +228,9 @@ def _round_costs(pair: Any, target_dir: Path, drafter_dir: Path, **settings: Any
     from dflash_cli.runtime.round_costs import costs_key, restore
 
     built = native.library_if_built() if settings.get("quant") in ("q4a8", "q8a8") else None
-    settings["draft_quant"] = getattr(pair.drafter, "head_quant", None)
     key = costs_key(target_dir, drafter_dir, kernels=built.variant.name if built is not None else None,
-                    compiled=pair.target.fast_compiled, split=bool(pair.target.split), **settings)
+                    compiled=pair.target.fast_compiled, split=bool(pair.target.split),
+                    draft_quant=getattr(pair.drafter, "head_quant", None), **settings)
     restore(pair.drafter, key)
     return key
 
