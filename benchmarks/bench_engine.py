@@ -437,7 +437,8 @@ def parse_args(argv=None):
                    help="a transformers config.json for the target (overrides --preset)")
     p.add_argument("--layers", type=int, help="override the target's depth (quick runs of a big shape)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU / bf16 CPUs)")
+    p.add_argument("--dtype", default=None,
+                   help="float32, bfloat16, float16 (default: bf16 on GPU / bf16 CPUs; fp32 for q4a8/q8a8)")
     p.add_argument("--quant", choices=["none", "nf4", "int8", *CPU_QUANTS], default="none",
                    help="bitsandbytes quantization of the target's decoder layers (nf4, int8), or a CPU format "
                         "of the fast path (q4, q8, q4a8, q8a8) (default none)")
@@ -675,7 +676,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = pick_dtype(args.dtype, device)
+    # q4a8/q8a8 compute in fp32 around their 8-bit matmuls (the CLI refuses them with another dtype)
+    integer_formats = args.quant in ("q4a8", "q8a8") and args.dtype is None
+    dtype = torch.float32 if integer_formats else pick_dtype(args.dtype, device)
     gpu = device.type == "cuda"
     # Quantized GPU runs get less work: quantizing takes about a minute and their verify forwards are slower.
     new_tokens = args.new_tokens or (256 if gpu and args.quant == "none" else 128)

@@ -286,11 +286,11 @@ def check_cpu() -> list[Check]:
                             data={"quant": chosen, "why": why}))
     except Exception as error:  # engine import needs torch
         checks.append(Check("cpu format", f"unknown ({type(error).__name__})", data=None))
-    checks.append(_check_kernels())
+    checks.append(check_kernels())
     return checks
 
 
-def _check_kernels() -> Check:
+def check_kernels() -> Check:
     """Which build of the q4a8/q8a8 kernels this CPU gets (engine/cpu/native.py's variants), without building."""
     try:
         from dflash_cli.engine.cpu import native

@@ -111,6 +111,7 @@ SIGNATURES = {
     "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG, P, LONG],
     "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],
     "dfq_amx_set_min_rows": [ctypes.c_int],
+    "dfq_set_pair_min_rows": [ctypes.c_int],
 }
 
 
@@ -397,27 +398,32 @@ def can_emulate() -> bool:
 
 def kernels_agree(lib: ctypes.CDLL) -> bool:
     """Whether `lib`'s q4 and q8 matmuls match a float64 reference of the same integer codes on a small
-    random problem (5 rows: a tile of 4 and one; 24 columns: a pair of groups and one alone)."""
+    random problem: 24 columns (a pair of groups and one alone), calls of 1, 5 and 17 rows (one group at a
+    time; tiles of 4 and one; pairs of groups, and AMX's tile of 16 and one)."""
     from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, pack_scales
 
     generator = torch.Generator().manual_seed(0)
-    m, n, k = 5, 24, 64
-    x = torch.randn(m, k, generator=generator)
-    aq, ad, asum = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 32)
-    lib.dfq_quantize_rows(x.data_ptr(), m, k, aq.data_ptr(), ad.data_ptr(), asum.data_ptr())
-    acts = (aq.double().view(m, k // 32, 32) * ad.double()[..., None]).view(m, k)
+    rows, n, k = 17, 24, 64
+    x = torch.randn(rows, k, generator=generator)
+    aq, ad, asum = torch.empty(rows, k, dtype=torch.int8), torch.empty(rows, k // 32), torch.empty(rows, k // 32)
+    lib.dfq_quantize_rows(x.data_ptr(), rows, k, aq.data_ptr(), ad.data_ptr(), asum.data_ptr())
+    acts = (aq.double().view(rows, k // 32, 32) * ad.double()[..., None]).view(rows, k)
     d = (torch.rand(n, k // 32, generator=generator) * 0.1).half()
     mins = (torch.randn(n, k // 32, generator=generator) * 0.1).half()
     codes4 = torch.randint(0, 16, (n, k), generator=generator)
     codes8 = torch.randint(-127, 128, (n, k), generator=generator).to(torch.int8)
     w4 = (codes4.double().view(n, k // 32, 32) * d.double()[..., None] + mins.double()[..., None]).view(n, k)
     w8 = (codes8.double().view(n, k // 32, 32) * d.double()[..., None]).view(n, k)
-    got4, got8 = torch.empty(m, n), torch.empty(m, n)
     packed = pack_q4(codes4), pack_q8(codes8), pack_scales(d), pack_scales(mins)  # alive through the calls
-    lib.dfq_q4_matmul(x.data_ptr(), m, k, packed[0].data_ptr(), packed[2].data_ptr(), packed[3].data_ptr(), n, None,
-                      got4.data_ptr())
-    lib.dfq_q8_matmul(x.data_ptr(), m, k, packed[1].data_ptr(), packed[2].data_ptr(), n, None, got8.data_ptr())
-    return all(torch.allclose(got.double(), acts @ w.T, rtol=1e-4, atol=1e-4) for got, w in ((got4, w4), (got8, w8)))
+    for m in (1, 5, rows):
+        got4, got8 = torch.empty(m, n), torch.empty(m, n)
+        lib.dfq_q4_matmul(x.data_ptr(), m, k, packed[0].data_ptr(), packed[2].data_ptr(), packed[3].data_ptr(), n,
+                          None, got4.data_ptr())
+        lib.dfq_q8_matmul(x.data_ptr(), m, k, packed[1].data_ptr(), packed[2].data_ptr(), n, None, got8.data_ptr())
+        if not all(torch.allclose(got.double(), acts[:m] @ w.T, rtol=1e-4, atol=1e-4)
+                   for got, w in ((got4, w4), (got8, w8))):
+            return False
+    return True
 
 
 def library_if_built() -> Built | None:

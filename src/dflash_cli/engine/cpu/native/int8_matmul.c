@@ -225,6 +225,23 @@ static void group_rows(const struct dfq_linear *w, long g, const int8_t *aq, con
 
 #ifdef DFQ_AVX512_VNNI
 #include "int8_avx512.h"
+/* A pair reads two streams of codes nb * 128 (or 256) bytes apart: from memory (the LM head, every layer of a
+ * target larger than the cache) that runs slower than one stream, and a call of few rows is all memory. Calls
+ * of fewer than pair_min_rows rows take the groups one after the other (256-bit vpdpbusd); DFLASH_PAIR_MIN_ROWS
+ * or dfq_set_pair_min_rows changes it (benchmarks/README.md, "VNNI on Zen 4"). */
+#ifndef DFQ_PAIR_MIN_ROWS
+#define DFQ_PAIR_MIN_ROWS 8
+#endif
+static int pair_min_rows = DFQ_PAIR_MIN_ROWS;
+int dfq_pair_min_rows(void) { return pair_min_rows; }
+void dfq_set_pair_min_rows(int rows) { pair_min_rows = rows > 0 ? rows : 1; }
+__attribute__((constructor)) static void pairs_start(void) {
+    const char *forced = getenv("DFLASH_PAIR_MIN_ROWS");
+    if (forced && *forced) dfq_set_pair_min_rows(atoi(forced));
+}
+#else
+int dfq_pair_min_rows(void) { return 0; }
+void dfq_set_pair_min_rows(int rows) { (void)rows; }
 #endif
 #ifdef DFQ_AMX
 #include "int8_amx.h"
@@ -233,8 +250,9 @@ int dfq_amx_min_rows(void) { return 0; }
 void dfq_amx_set_min_rows(int rows) { (void)rows; }
 #endif
 
-/* Groups of 8 columns (pairs of them on AVX-512) shared out among the threads, each over all rows in tiles of
- * 4: a thread reads a group's weights once per 4 activation rows (from L1 after the first). */
+/* Groups of 8 columns (pairs of them on AVX-512, from pair_min_rows rows) shared out among the threads, each
+ * over all rows in tiles of 4: a thread reads a group's weights once per 4 activation rows (from L1 after the
+ * first). */
 void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *ad, const float *as, long m,
                      float *out, long ldo, int accumulate) {
     const long k = w->k, nb = k / QK, groups = w->n / 8;
@@ -255,12 +273,13 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
         for (; r < m; r += 4) {
             const int rows = m - r < 4 ? (int)(m - r) : 4;
 #ifdef DFQ_AVX512_VNNI
-            if (g + 1 < groups) {
+            if (g + 1 < groups && pair_min_rows <= m) {
                 pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
                 continue;
             }
 #endif
-            group_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
+            for (long h = g; h < g + DFQ_GROUPS_PER_STEP && h < groups; h++)
+                group_rows(w, h, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
         }
     }
 }
