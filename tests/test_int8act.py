@@ -201,9 +201,13 @@ def test_an_untied_head_is_freed_and_a_draft_vocabulary_takes_its_rows_from_the_
     assert head.source is None and pair.target.lm_head.weight.numel() == 0  # the fp32 head is gone
     quantize_drafter(pair.drafter)
     from_codes = pair.drafter.draft_head(head)
-    expected = Q8A8Linear(dense_head[vocab_ids], [len(vocab_ids)], None)  # as it was made from the dense rows
+    # made from the codes' rows (re-quantizing them is not always exact: a block whose fp16 scale rounded up
+    # has no code of 127, so its scale comes out smaller the second time)
+    expected = Q8A8Linear(head.dequantize_rows(vocab_ids), [len(vocab_ids)], None)
     x = torch.randn(5, dense_head.shape[1])
-    assert torch.equal(from_codes(x), expected(x))  # re-quantizing its own 8-bit rows changes nothing
+    assert torch.equal(from_codes(x), expected(x))
+    rows = dense_head[vocab_ids]  # and those are the dense rows, to within two roundings to 8-bit codes
+    assert (from_codes.dequantize() - rows).abs().max() <= 2 * rows.abs().max() / 127
     assert pair.drafter.draft_head(head) is from_codes  # made once
     assert_speculative_equals_plain(pair, random_prompts, (4, 8), max_new_tokens=20)
 

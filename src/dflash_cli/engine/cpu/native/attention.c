@@ -11,7 +11,8 @@
 
 #include "dfq.h"
 
-static inline float dot(const float *a, const float *b, long hd) {
+/* a . b's 8 lane sums, to be summed as dfq_sum8 does */
+static inline __m256 dot_lanes(const float *a, const float *b, long hd) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     long d = 0;
     for (; d + 16 <= hd; d += 16) {
@@ -19,7 +20,22 @@ static inline float dot(const float *a, const float *b, long hd) {
         s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
     }
     for (; d < hd; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-    return dfq_sum8(_mm256_add_ps(s0, s1));
+    return _mm256_add_ps(s0, s1);
+}
+
+static inline float dot(const float *a, const float *b, long hd) { return dfq_sum8(dot_lanes(a, b, hd)); }
+
+/* dfq_sum8 of four vectors at once, (sum a, sum b, sum c, sum d): the same additions in the same grouping
+ * (lanes i and i + 4, then those sums' 0 + 2 and 1 + 3, then the two), so the same bits, in 13 operations
+ * where four dfq_sum8 take 28. */
+static inline __m128 sum8_four(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+    const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 g = _mm256_add_ps(_mm256_shuffle_ps(u, u, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(g), _mm256_extractf128_ps(g, 1));  /* g: a c a c | b d b d */
 }
 
 /* p[0..count) = exp(p - max), the padded tail lanes left out of the sum; returns 1 / the sum */
@@ -67,8 +83,28 @@ void dfq_attend_group(const float *q, long heads, long hd, const float *keys, co
     float stack[8 * 512], *p = heads * stride <= 8 * 512 ? stack : malloc(sizeof(float) * (size_t)(heads * stride));
     const float *kb = keys + lo * hd, *vb = values + lo * hd;
     float max[8], inv[8];
-    for (long h = 0; h < heads; h++) max[h] = -INFINITY;
-    for (long j = 0; j < count; j++) {
+    __m128 vmax[8];
+    const __m128 vscale = _mm_set1_ps(scale);
+    for (long h = 0; h < heads; h++) vmax[h] = _mm_set1_ps(-INFINITY);
+    long j = 0;
+    for (; j + 4 <= count; j += 4) { /* four keys' scores per head at a time */
+        const float *k = kb + j * hd;
+        for (long h = 0; h < heads; h++) {
+            const float *qh = q + h * hd;
+            const __m128 scores = _mm_mul_ps(sum8_four(dot_lanes(qh, k, hd), dot_lanes(qh, k + hd, hd),
+                                                       dot_lanes(qh, k + 2 * hd, hd), dot_lanes(qh, k + 3 * hd, hd)),
+                                             vscale);
+            _mm_storeu_ps(p + h * stride + j, scores);
+            vmax[h] = _mm_max_ps(scores, vmax[h]);  /* a NaN score leaves the max as it was, as below */
+        }
+    }
+    for (long h = 0; h < heads; h++) {
+        float lanes[4];
+        _mm_storeu_ps(lanes, vmax[h]);
+        max[h] = lanes[0];
+        for (int i = 1; i < 4; i++) max[h] = lanes[i] > max[h] ? lanes[i] : max[h];
+    }
+    for (; j < count; j++) {
         const float *k = kb + j * hd;
         for (long h = 0; h < heads; h++) {
             const float score = dot(q + h * hd, k, hd) * scale;
