@@ -238,6 +238,47 @@ def test_the_c_layer_computes_what_the_op_by_op_forward_does(pairs, family, last
         torch.testing.assert_close(logits, ref_logits, rtol=0.02, atol=0.02 * float(ref_logits.abs().max()))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_row_of_the_c_layers_has_the_same_bits_in_a_call_of_any_length(pairs, family):
+    """What keeps a verify lossless: each token of a call of many (a prompt, a verify) gives the bits it gives
+    decoded alone, through every C layer, its attention's runs of tokens included (4 threads: several runs
+    per key/value group)."""
+    pair = a8_pair(pairs, family, "q4a8")
+    fast = pair.target.fast
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 30, 31, 40, 17, 4, 21]])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        together = fast.forward(ids, fast.new_cache(), 0, taps=True, last_logit_only=False)
+        cache = fast.new_cache()
+        alone = [fast.forward(ids[:, t:t + 1], cache, t, taps=True, last_logit_only=False)
+                 for t in range(ids.shape[1])]
+    finally:
+        torch.set_num_threads(threads)
+    logits, taps = together  # logits (tokens, vocab), taps (1, tokens, width)
+    assert torch.equal(logits, torch.cat([a[0] for a in alone]))
+    assert torch.equal(taps, torch.cat([a[1] for a in alone], 1))
+
+
+def test_the_drafters_c_layers_give_the_same_bits_on_any_number_of_threads(pairs):
+    """Its attention takes the block's queries in runs, more of them with more threads: no row may change."""
+    pair = a8_pair(pairs, "qwen3", "q4a8")
+    fast = pair.target.fast
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 30, 31, 40, 17]])
+    _, taps = fast.forward(ids, fast.new_cache(), 0, taps=True, last_logit_only=False)
+    block = torch.randn(1, pair.drafter.block_size, pair.drafter.config.hidden_size,
+                        generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    drafted = []
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            drafted.append(pair.drafter(taps, block, taps.shape[1], pair.drafter.new_cache(64)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(*drafted)
+
+
 @pytest.mark.parametrize("window, draft_kind", [(None, "q8a8"), (3, "q8a8"), (None, "q4a8")])
 def test_the_drafters_c_layers_compute_what_its_modules_do(pairs, window, draft_kind):
     """Drafts need not be exact, but the C drafter layer must be the same function as the modules, with a

@@ -73,64 +73,104 @@ void dfq_attend_one(const float *q, long hd, const float *keys, const float *val
  * attending head by head (and to a block of any length). */
 void dfq_attend_group(const float *q, long heads, long hd, const float *keys, const float *values, long lo,
                       long count, float scale, float *out) {
-    if (heads > 8) { /* more accumulators than registers can hold: a group at a time */
+    dfq_attend_rows(q, 0, 1, heads, hd, keys, values, lo, &count, scale, out, 0);
+}
+
+#define MAX_ROWS 16   /* queries per pass (their maxima and accumulators live on the stack) */
+#define KEY_CHUNK 64  /* values read once per chunk for every query: the chunk stays in L1 between them */
+
+/* dfq_attend_group for `rows` queries of the group at once (query r at q + r * q_stride, its output at
+ * out + r * out_stride, seeing keys lo..lo+count[r]-1): each key and value row is read once for all of them
+ * (a verify's 8 queries used to read the whole cache 8 times). Each query's scores, maximum, weights and
+ * sums are the same operations in the same order as alone. */
+void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long hd, const float *keys,
+                     const float *values, long lo, const long *count, float scale, float *out, long out_stride) {
+    if (heads > 8 || rows > MAX_ROWS) { /* more accumulators than registers (or the stack) hold: in parts */
         for (long h = 0; h < heads; h += 8)
-            dfq_attend_group(q + h * hd, heads - h < 8 ? heads - h : 8, hd, keys, values, lo, count, scale,
-                             out + h * hd);
+            for (long r = 0; r < rows; r += MAX_ROWS)
+                dfq_attend_rows(q + r * q_stride + h * hd, q_stride, rows - r < MAX_ROWS ? rows - r : MAX_ROWS,
+                                heads - h < 8 ? heads - h : 8, hd, keys, values, lo, count + r, scale,
+                                out + r * out_stride + h * hd, out_stride);
         return;
     }
-    const long stride = count + 8;
-    float stack[8 * 512], *p = heads * stride <= 8 * 512 ? stack : malloc(sizeof(float) * (size_t)(heads * stride));
+    long most = 0;
+    for (long r = 0; r < rows; r++) most = count[r] > most ? count[r] : most;
+    const long stride = most + 8;
+    const size_t need = (size_t)(rows * heads * stride);
+    float stack[8 * 512], *p = need <= 8 * 512 ? stack : malloc(sizeof(float) * need);
     const float *kb = keys + lo * hd, *vb = values + lo * hd;
-    float max[8], inv[8];
-    __m128 vmax[8];
+    float max[MAX_ROWS][8], inv[MAX_ROWS][8];
+    __m128 vmax[MAX_ROWS][8];
     const __m128 vscale = _mm_set1_ps(scale);
-    for (long h = 0; h < heads; h++) vmax[h] = _mm_set1_ps(-INFINITY);
-    long j = 0;
-    for (; j + 4 <= count; j += 4) { /* four keys' scores per head at a time */
+    for (long r = 0; r < rows; r++)
+        for (long h = 0; h < heads; h++) vmax[r][h] = _mm_set1_ps(-INFINITY);
+    /* several queries: four keys' scores per query and head at a time (the four keys stay in L1 for all of
+     * them); one query (a decode) takes its keys one by one, which measured faster for it on Zen 4 at long
+     * context. The sums are the same either way. */
+    const long blocked = rows > 1 ? 4 : 0;
+    for (long j = 0; blocked && j + 4 <= most; j += 4) {
         const float *k = kb + j * hd;
-        for (long h = 0; h < heads; h++) {
-            const float *qh = q + h * hd;
-            const __m128 scores = _mm_mul_ps(sum8_four(dot_lanes(qh, k, hd), dot_lanes(qh, k + hd, hd),
-                                                       dot_lanes(qh, k + 2 * hd, hd), dot_lanes(qh, k + 3 * hd, hd)),
-                                             vscale);
-            _mm_storeu_ps(p + h * stride + j, scores);
-            vmax[h] = _mm_max_ps(scores, vmax[h]);  /* a NaN score leaves the max as it was, as below */
-        }
-    }
-    for (long h = 0; h < heads; h++) {
-        float lanes[4];
-        _mm_storeu_ps(lanes, vmax[h]);
-        max[h] = lanes[0];
-        for (int i = 1; i < 4; i++) max[h] = lanes[i] > max[h] ? lanes[i] : max[h];
-    }
-    for (; j < count; j++) {
-        const float *k = kb + j * hd;
-        for (long h = 0; h < heads; h++) {
-            const float score = dot(q + h * hd, k, hd) * scale;
-            p[h * stride + j] = score;
-            max[h] = score > max[h] ? score : max[h];
-        }
-    }
-    for (long h = 0; h < heads; h++) inv[h] = softmax_weights(p + h * stride, count, max[h]);
-    for (long d = 0; d < hd; d += 32) {
-        const long width = hd - d < 32 ? hd - d : 32;
-        __m256 acc[8][4];
-        for (long h = 0; h < heads; h++)
-            for (long c = 0; c < 4; c++) acc[h][c] = _mm256_setzero_ps();
-        for (long i = 0; i < count; i++) {
-            const float *v = vb + i * hd + d;
-            for (long c = 0; c < width / 8; c++) {
-                const __m256 vv = _mm256_loadu_ps(v + 8 * c);
-                for (long h = 0; h < heads; h++)
-                    acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * stride + i]), vv, acc[h][c]);
+        for (long r = 0; r < rows; r++) {
+            if (j + 4 > count[r]) continue;
+            for (long h = 0; h < heads; h++) {
+                const float *qh = q + r * q_stride + h * hd;
+                const __m128 scores = _mm_mul_ps(sum8_four(dot_lanes(qh, k, hd), dot_lanes(qh, k + hd, hd),
+                                                           dot_lanes(qh, k + 2 * hd, hd),
+                                                           dot_lanes(qh, k + 3 * hd, hd)), vscale);
+                _mm_storeu_ps(p + (r * heads + h) * stride + j, scores);
+                vmax[r][h] = _mm_max_ps(scores, vmax[r][h]);  /* a NaN score leaves the max as it was, as below */
             }
         }
+    }
+    for (long r = 0; r < rows; r++) {
         for (long h = 0; h < heads; h++) {
-            const __m256 vinv = _mm256_set1_ps(inv[h]);
-            for (long c = 0; c < width / 8; c++)
-                _mm256_storeu_ps(out + h * hd + d + 8 * c, _mm256_mul_ps(acc[h][c], vinv));
+            float lanes[4];
+            _mm_storeu_ps(lanes, vmax[r][h]);
+            max[r][h] = lanes[0];
+            for (int i = 1; i < 4; i++) max[r][h] = lanes[i] > max[r][h] ? lanes[i] : max[r][h];
         }
+        for (long j = blocked ? count[r] & ~3L : 0; j < count[r]; j++) { /* the last keys one at a time */
+            const float *k = kb + j * hd;
+            for (long h = 0; h < heads; h++) {
+                const float score = dot(q + r * q_stride + h * hd, k, hd) * scale;
+                p[(r * heads + h) * stride + j] = score;
+                max[r][h] = score > max[r][h] ? score : max[r][h];
+            }
+        }
+        for (long h = 0; h < heads; h++) inv[r][h] = softmax_weights(p + (r * heads + h) * stride, count[r], max[r][h]);
+    }
+    for (long d = 0; d < hd; d += 32) {
+        const long width = hd - d < 32 ? hd - d : 32;
+        __m256 sums[MAX_ROWS][8][4];
+        for (long r = 0; r < rows; r++)
+            for (long h = 0; h < heads; h++)
+                for (long c = 0; c < 4; c++) sums[r][h][c] = _mm256_setzero_ps();
+        const long chunk = rows > 1 ? KEY_CHUNK : most;  /* one query: its sums stay in registers throughout */
+        for (long i0 = 0; i0 < most; i0 += chunk) {
+            for (long r = 0; r < rows; r++) {
+                const long end = i0 + chunk < count[r] ? i0 + chunk : count[r];
+                if (end <= i0) continue;
+                __m256 acc[8][4];
+                for (long h = 0; h < heads; h++)
+                    for (long c = 0; c < 4; c++) acc[h][c] = sums[r][h][c];
+                for (long i = i0; i < end; i++) {
+                    const float *v = vb + i * hd + d;
+                    for (long c = 0; c < width / 8; c++) {
+                        const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+                        for (long h = 0; h < heads; h++)
+                            acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[(r * heads + h) * stride + i]), vv, acc[h][c]);
+                    }
+                }
+                for (long h = 0; h < heads; h++)
+                    for (long c = 0; c < 4; c++) sums[r][h][c] = acc[h][c];
+            }
+        }
+        for (long r = 0; r < rows; r++)
+            for (long h = 0; h < heads; h++) {
+                const __m256 vinv = _mm256_set1_ps(inv[r][h]);
+                for (long c = 0; c < width / 8; c++)
+                    _mm256_storeu_ps(out + r * out_stride + h * hd + d + 8 * c, _mm256_mul_ps(sums[r][h][c], vinv));
+            }
     }
     if (p != stack) free(p);
 }

@@ -42,6 +42,8 @@ void dfq_attend_one(const float *q, long hd, const float *keys, const float *val
                     float scale, float *out);
 void dfq_attend_group(const float *q, long heads, long hd, const float *keys, const float *values, long lo,
                       long count, float scale, float *out);
+void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long hd, const float *keys,
+                     const float *values, long lo, const long *count, float scale, float *out, long out_stride);
 
 /* the sum of a vector's 8 lanes, always in the same order */
 static inline float dfq_sum8(__m256 v) {

@@ -55,6 +55,19 @@ static void silu_mul(const float *gate, const float *up, long k, float *out) {
     }
 }
 
+/* How many runs of tokens each key/value group's attention is split into, inside a parallel region: about
+ * two tasks per thread in all (one run of every token where there are enough groups). */
+static long attention_runs(long tokens, long kv) {
+#ifdef _OPENMP
+    extern int omp_get_num_threads(void);
+    const long threads = omp_get_num_threads();
+#else
+    const long threads = 1;
+#endif
+    const long runs = (2 * threads + kv - 1) / kv;
+    return runs < tokens ? runs : tokens;
+}
+
 /* Runs the layer on h (n, hidden), in place, for tokens at `positions` (n); cos and signed_sin: (n, hd)
  * rotary tables; keys/values: (kv, capacity, hd) cache buffers whose row r holds position r. With tap (not
  * NULL), the layer's output rows are also copied to tap + r * tap_stride (the drafter's tapped states): by
@@ -70,6 +83,8 @@ void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_
     int8_t *aq = malloc((size_t)(n * widest));
     float *ad = malloc(sizeof(float) * (size_t)(n * widest / QK)), *as = malloc(sizeof(float) * (size_t)(n * widest / QK));
     const long group = heads / kv;
+    long *counts = malloc(sizeof(long) * (size_t)n);  /* the keys each token sees: its position and before */
+    for (long r = 0; r < n; r++) counts[r] = (long)positions[r] + 1;
 #pragma omp parallel
     {
         /* attention's input: norm, quantize, q|k|v */
@@ -98,12 +113,16 @@ void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_
                 for (long i = 0; i < hd; i++) { krow[i] = x[i]; vrow[i] = v[i]; }
             }
         }
-        /* attention per (token, head) into xn (n, heads * hd), then quantized for o */
+        /* attention into xn (n, heads * hd), then quantized for o: a key/value group's heads and a run of its
+         * tokens together, so its cache is read once per run (runs: about two tasks per thread) */
+        const long runs = attention_runs(n, kv), per = (n + runs - 1) / runs;
 #pragma omp for schedule(static)
-        for (long task = 0; task < n * kv; task++) { /* a key/value group's heads together: its cache read once */
-            const long r = task / kv, g = task % kv;
-            dfq_attend_group(qkv + r * wide + g * group * hd, group, hd, keys + g * capacity * hd,
-                             values + g * capacity * hd, 0, positions[r] + 1, 1.0f, xn + r * heads * hd + g * group * hd);
+        for (long task = 0; task < kv * runs; task++) {
+            const long g = task / runs, r = task % runs * per, rows = n - r < per ? n - r : per;
+            if (rows > 0)
+                dfq_attend_rows(qkv + r * wide + g * group * hd, wide, rows, group, hd, keys + g * capacity * hd,
+                                values + g * capacity * hd, 0, counts + r, 1.0f, xn + r * heads * hd + g * group * hd,
+                                heads * hd);
         }
         const long A = heads * hd;
 #pragma omp for schedule(static)
@@ -131,6 +150,7 @@ void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_
             }
         }
     }
+    free(counts);
     free(xn);
     free(qkv);
     free(gu);
@@ -166,6 +186,8 @@ void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, 
     float *ad = malloc(sizeof(float) * (size_t)(N * widest / QK)), *as = malloc(sizeof(float) * (size_t)(N * widest / QK));
     const long group = heads / kv, nb = H / QK, end = committed + N;
     const long lo = L->window > 0 && committed + P > L->window ? committed + P - L->window : 0;
+    long *counts = malloc(sizeof(long) * (size_t)B);  /* every block row sees the same keys */
+    for (long r = 0; r < B; r++) counts[r] = end - lo;
 #pragma omp parallel
     {
         /* rows 0..P-1 the context (already normed by the drafter's hidden_norm), P.. the normed block */
@@ -196,11 +218,13 @@ void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, 
                 for (long i = 0; i < hd; i++) { krow[i] = x[i]; vrow[i] = vv[i]; }
             }
         }
+        const long runs = attention_runs(B, kv), per = (B + runs - 1) / runs;
 #pragma omp for schedule(static)
-        for (long task = 0; task < B * kv; task++) {
-            const long r = task / kv, gi = task % kv;
-            dfq_attend_group(q + r * A + gi * group * hd, group, hd, keys + gi * capacity * hd,
-                             values + gi * capacity * hd, lo, end - lo, 1.0f, xn + r * A + gi * group * hd);
+        for (long task = 0; task < kv * runs; task++) {
+            const long gi = task / runs, r = task % runs * per, rows = B - r < per ? B - r : per;
+            if (rows > 0)
+                dfq_attend_rows(q + r * A + gi * group * hd, A, rows, group, hd, keys + gi * capacity * hd,
+                                values + gi * capacity * hd, lo, counts + r, 1.0f, xn + r * A + gi * group * hd, A);
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < B; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
@@ -219,6 +243,7 @@ void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, 
         }
         dfq_matmul_rows(&L->down, aq, ad, as, B, h, H, 1);
     }
+    free(counts);
     free(xn);
     free(q);
     free(k);
