@@ -78,6 +78,7 @@ void dfq_attend_group(const float *q, long heads, long hd, const float *keys, co
 
 #define MAX_ROWS 16   /* queries per pass (their maxima and accumulators live on the stack) */
 #define KEY_CHUNK 64  /* values read once per chunk for every query: the chunk stays in L1 between them */
+#define D_CHUNK 128   /* head dimensions summed per pass over the values */
 
 /* dfq_attend_group for `rows` queries of the group at once (query r at q + r * q_stride, its output at
  * out + r * out_stride, seeing keys lo..lo+count[r]-1): each key and value row is read once for all of them
@@ -139,39 +140,43 @@ void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long 
         }
         for (long h = 0; h < heads; h++) inv[r][h] = softmax_weights(p + (r * heads + h) * stride, count[r], max[r][h]);
     }
-    for (long d = 0; d < hd; d += 32) {
-        const long width = hd - d < 32 ? hd - d : 32;
-        __m256 sums[MAX_ROWS][8][4];
-        for (long r = 0; r < rows; r++)
-            for (long h = 0; h < heads; h++)
-                for (long c = 0; c < 4; c++) sums[r][h][c] = _mm256_setzero_ps();
-        const long chunk = rows > 1 ? KEY_CHUNK : most;  /* one query: its sums stay in registers throughout */
+    /* the weighted values: every head's sums over D_CHUNK dimensions at a time (all of them for a head
+     * dimension up to 128: each value row streamed from memory once), kept in `sums` between chunks of keys */
+    float one[8 * D_CHUNK], *sums = rows > 1 ? malloc(sizeof(float) * (size_t)(rows * heads * D_CHUNK)) : one;
+    const long chunk = rows > 1 ? KEY_CHUNK : most;  /* one query: all its keys in one pass */
+    for (long d = 0; d < hd; d += D_CHUNK) {
+        const long vecs = (hd - d < D_CHUNK ? hd - d : D_CHUNK) / 8;
+        for (long s = 0; s < rows * heads * D_CHUNK; s++) sums[s] = 0.0f;
         for (long i0 = 0; i0 < most; i0 += chunk) {
             for (long r = 0; r < rows; r++) {
                 const long end = i0 + chunk < count[r] ? i0 + chunk : count[r];
                 if (end <= i0) continue;
-                __m256 acc[8][4];
+                float *sr = sums + r * heads * D_CHUNK;
+                __m256 acc[8][D_CHUNK / 8];
                 for (long h = 0; h < heads; h++)
-                    for (long c = 0; c < 4; c++) acc[h][c] = sums[r][h][c];
+                    for (long c = 0; c < vecs; c++) acc[h][c] = _mm256_loadu_ps(sr + h * D_CHUNK + 8 * c);
                 for (long i = i0; i < end; i++) {
                     const float *v = vb + i * hd + d;
-                    for (long c = 0; c < width / 8; c++) {
+                    for (long c = 0; c < vecs; c++) {
                         const __m256 vv = _mm256_loadu_ps(v + 8 * c);
                         for (long h = 0; h < heads; h++)
                             acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[(r * heads + h) * stride + i]), vv, acc[h][c]);
                     }
                 }
                 for (long h = 0; h < heads; h++)
-                    for (long c = 0; c < 4; c++) sums[r][h][c] = acc[h][c];
+                    for (long c = 0; c < vecs; c++) _mm256_storeu_ps(sr + h * D_CHUNK + 8 * c, acc[h][c]);
             }
         }
         for (long r = 0; r < rows; r++)
             for (long h = 0; h < heads; h++) {
                 const __m256 vinv = _mm256_set1_ps(inv[r][h]);
-                for (long c = 0; c < width / 8; c++)
-                    _mm256_storeu_ps(out + r * out_stride + h * hd + d + 8 * c, _mm256_mul_ps(sums[r][h][c], vinv));
+                const float *sh = sums + (r * heads + h) * D_CHUNK;
+                for (long c = 0; c < vecs; c++)
+                    _mm256_storeu_ps(out + r * out_stride + h * hd + d + 8 * c,
+                                     _mm256_mul_ps(_mm256_loadu_ps(sh + 8 * c), vinv));
             }
     }
+    if (sums != one) free(sums);
     if (p != stack) free(p);
 }
 
