@@ -55,17 +55,28 @@ static void silu_mul(const float *gate, const float *up, long k, float *out) {
     }
 }
 
-/* How many runs of tokens each key/value group's attention is split into, inside a parallel region: about
- * two tasks per thread in all (one run of every token where there are enough groups). */
-static long attention_runs(long tokens, long kv) {
+/* Attention of n tokens (query r at q + r * q_stride, output at out + r * out_stride) over a cache of kv
+ * key/value groups of `group` heads, token r seeing keys lo..lo+counts[r]-1, inside a parallel region: a
+ * group's heads and a run of its tokens per task (about two tasks per thread in all), so each group's cache is
+ * read once per run. */
+static void attend_runs(const float *q, long q_stride, long n, long group, long kv, long hd, const float *keys,
+                        const float *values, long capacity, long lo, const long *counts, float *out,
+                        long out_stride) {
 #ifdef _OPENMP
     extern int omp_get_num_threads(void);
     const long threads = omp_get_num_threads();
 #else
     const long threads = 1;
 #endif
-    const long runs = (2 * threads + kv - 1) / kv;
-    return runs < tokens ? runs : tokens;
+    const long wanted = (2 * threads + kv - 1) / kv, runs = wanted < n ? wanted : n, per = (n + runs - 1) / runs;
+#pragma omp for schedule(static)
+    for (long task = 0; task < kv * runs; task++) {
+        const long g = task / runs, r = task % runs * per, rows = n - r < per ? n - r : per;
+        if (rows > 0)
+            dfq_attend_rows(q + r * q_stride + g * group * hd, q_stride, rows, group, hd, keys + g * capacity * hd,
+                            values + g * capacity * hd, lo, counts + r, 1.0f, out + r * out_stride + g * group * hd,
+                            out_stride);
+    }
 }
 
 /* Runs the layer on h (n, hidden), in place, for tokens at `positions` (n); cos and signed_sin: (n, hd)
@@ -113,17 +124,8 @@ void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_
                 for (long i = 0; i < hd; i++) { krow[i] = x[i]; vrow[i] = v[i]; }
             }
         }
-        /* attention into xn (n, heads * hd), then quantized for o: a key/value group's heads and a run of its
-         * tokens together, so its cache is read once per run (runs: about two tasks per thread) */
-        const long runs = attention_runs(n, kv), per = (n + runs - 1) / runs;
-#pragma omp for schedule(static)
-        for (long task = 0; task < kv * runs; task++) {
-            const long g = task / runs, r = task % runs * per, rows = n - r < per ? n - r : per;
-            if (rows > 0)
-                dfq_attend_rows(qkv + r * wide + g * group * hd, wide, rows, group, hd, keys + g * capacity * hd,
-                                values + g * capacity * hd, 0, counts + r, 1.0f, xn + r * heads * hd + g * group * hd,
-                                heads * hd);
-        }
+        /* attention into xn (n, heads * hd), then quantized for o */
+        attend_runs(qkv, wide, n, group, kv, hd, keys, values, capacity, 0, counts, xn, heads * hd);
         const long A = heads * hd;
 #pragma omp for schedule(static)
         for (long r = 0; r < n; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
@@ -218,14 +220,7 @@ void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, 
                 for (long i = 0; i < hd; i++) { krow[i] = x[i]; vrow[i] = vv[i]; }
             }
         }
-        const long runs = attention_runs(B, kv), per = (B + runs - 1) / runs;
-#pragma omp for schedule(static)
-        for (long task = 0; task < kv * runs; task++) {
-            const long gi = task / runs, r = task % runs * per, rows = B - r < per ? B - r : per;
-            if (rows > 0)
-                dfq_attend_rows(q + r * A + gi * group * hd, A, rows, group, hd, keys + gi * capacity * hd,
-                                values + gi * capacity * hd, lo, counts + r, 1.0f, xn + r * A + gi * group * hd, A);
-        }
+        attend_runs(q, A, B, group, kv, hd, keys, values, capacity, lo, counts, xn, A);
 #pragma omp for schedule(static)
         for (long r = 0; r < B; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
         dfq_matmul_rows(&L->o, aq, ad, as, B, h, H, 1);
