@@ -255,10 +255,10 @@ def unit_costs(target: Target, drafter: DFlashDrafter, context: int, blocks: lis
     rows = target.fast.capacity + drafter.block_size if target.fast is not None else 256
     dcache, anchor = shared_draft_cache(drafter, rows), ids[0, context:context + 1]
     dcache.crop(0)
-    drafter.draft(hidden[:, :context - p], anchor, context - p, 2, dcache, target.embed_weight, target.logits_head)
+    drafter.draft(hidden[:, :context - p], anchor, context - p, 2, dcache, target.embed_table, target.logits_head)
 
     def draft(b: int):
-        drafter.draft(hidden[:, context - p:], anchor, context, b, dcache, target.embed_weight, target.logits_head)
+        drafter.draft(hidden[:, context - p:], anchor, context, b, dcache, target.embed_table, target.logits_head)
         dcache.crop(context - p)
 
     for b in blocks:
@@ -518,7 +518,8 @@ def compile_path(target: Target, drafter: DFlashDrafter, step, block: int, out: 
     target.fast.precompile(taps=True, max_block=block)
     target.fast.precompile(taps=False, max_block=1)
     drafter.static_draft = StaticDraft(drafter, compile_step=step, on_fallback=lambda m: log(f"  {m}"))
-    drafter.static_draft.precompile(shared_draft_cache(drafter, target.fast.capacity + block), target.embed_weight)
+    drafter.static_draft.precompile(shared_draft_cache(drafter, target.fast.capacity + block),
+                                        target.hidden_size, target.device)
     synchronize(device)
     out["compile_seconds"] = time.perf_counter() - t0
     out["compiled"] = target.fast_compiled
@@ -611,8 +612,9 @@ def resident_bytes() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def tensor_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers of `module` (tensors shared between them counted once)."""
+def tensor_sizes(module: torch.nn.Module) -> dict[int, int]:
+    """Bytes of the parameters and buffers of `module` by data pointer (tensors shared between them counted
+    once)."""
     seen: dict[int, int] = {}
     for t in [*module.parameters(), *module.buffers()]:
         seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
@@ -620,7 +622,11 @@ def tensor_bytes(module: torch.nn.Module) -> int:
         for name, value in vars(m).items():  # (`source`: a dense weight the model holds, counted there)
             if isinstance(value, torch.Tensor) and value.numel() and name != "source":
                 seen[value.data_ptr()] = max(seen.get(value.data_ptr(), 0), value.numel() * value.element_size())
-    return sum(seen.values())
+    return seen
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(tensor_sizes(module).values())
 
 
 def memory_report(target: Target, drafter: DFlashDrafter) -> dict:
@@ -629,20 +635,29 @@ def memory_report(target: Target, drafter: DFlashDrafter) -> dict:
 
     gc.collect()
     fast = target.fast
-    cache = fast.shared_cache()
-    held = dict(codes=tensor_bytes(fast.projections) + tensor_bytes(fast.lm_head),
-                dense=tensor_bytes(target.model), drafter=tensor_bytes(drafter),
-                caches=sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values]))
+    held = dict(target_held_bytes(target), drafter=tensor_bytes(drafter))
     return dict(held, freed=fast.freed_bytes, resident=resident_bytes(), held_total=sum(held.values()))
+
+
+def target_held_bytes(target: Target) -> dict[str, int]:
+    """Bytes of a fast-path target's codes and scales, the dense tensors its model still holds, and its cache."""
+    fast = target.fast
+    cache = fast.shared_cache()
+    codes = {**tensor_sizes(fast.projections), **tensor_sizes(fast.lm_head)}
+    # the model holds the head's codes too where they are its embeddings (a tied head under q4a8/q8a8)
+    dense = {ptr: size for ptr, size in tensor_sizes(target.model).items() if ptr not in codes}
+    return dict(codes=sum(codes.values()), dense=sum(dense.values()),
+                caches=sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values]))
 
 
 def print_memory(m: dict) -> None:
     gib = 2**30
     print(f"memory: codes+scales {m['codes'] / gib:.2f} GiB, dense tensors left {m['dense'] / gib:.2f} GiB "
-          f"(embeddings, norms; the LM head's source), drafter {m['drafter'] / gib:.2f} GiB, caches "
+          f"(norms; embeddings unless a tied head's codes serve), drafter {m['drafter'] / gib:.2f} GiB, caches "
           f"{m['caches'] / gib:.2f} GiB: {m['held_total'] / gib:.2f} GiB held; process resident "
           f"{m['resident'] / gib:.2f} GiB ({m['resident'] / m['held_total']:.2f}x what is held, "
-          f"{m['resident'] / (m['codes'] + m['caches']):.2f}x the codes and caches); freed "
+          f"{m['resident'] / (m['codes'] + m['caches']):.2f}x the codes and caches, "
+          f"{m['resident'] / (m['codes'] + m['caches'] + m['drafter']):.2f}x with the drafter's); freed "
           f"{m['freed'] / gib:.2f} GiB of dense weights once quantized")
 
 

@@ -51,13 +51,13 @@ def main(argv=None) -> None:
     dcache = drafter.new_cache()
     anchor = torch.tensor(ids[-1:], device=target.device)
     head = target.logits_head
-    drafter.draft(hidden[:, :context], anchor, context, 2, dcache, target.embed_weight, head)
+    drafter.draft(hidden[:, :context], anchor, context, 2, dcache, target.embed_table, head)
 
     def one(keep: int, with_vocab: bool) -> tuple[float, list[int]]:
         drafter.draft_vocab = vocab if with_vocab else None
         synchronize(target.device)
         t0 = time.perf_counter()
-        out = drafter.draft(hidden[:, context:], anchor, len(ids), drafter.block_size, dcache, target.embed_weight,
+        out = drafter.draft(hidden[:, context:], anchor, len(ids), drafter.block_size, dcache, target.embed_table,
                             head, keep=keep)
         synchronize(target.device)
         dcache.crop(context)

@@ -73,7 +73,7 @@ def status_kib(field: str) -> int:
 def child(folder: Path, quant: str, mode: str, context: int) -> None:
     """One load in this process; prints its numbers as one JSON line."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_engine import tensor_bytes
+    from bench_engine import target_held_bytes
 
     from dflash_cli.engine.load import load_target
 
@@ -82,18 +82,13 @@ def child(folder: Path, quant: str, mode: str, context: int) -> None:
     target = load_target(folder, device="cpu", quant=quant, by_layer=mode == "by-layer")
     assert target.enable_fast_path(context) is None
     seconds = time.perf_counter() - started
-    fast = target.fast
-    cache = fast.shared_cache()
-    logits, _ = target.forward(torch.tensor([[1, 2, 3]]), cache, 0)  # it runs
+    logits, _ = target.forward(torch.tensor([[1, 2, 3]]), target.fast.shared_cache(), 0)  # it runs
     assert torch.isfinite(logits).all()
     import gc
 
     gc.collect()
     out = dict(mode=mode, load_s=seconds, peak=status_kib("VmHWM") * 1024, resident=status_kib("VmRSS") * 1024,
-               anon=status_kib("RssAnon") * 1024, file=status_kib("RssFile") * 1024,
-               codes=tensor_bytes(fast.projections) + tensor_bytes(fast.lm_head),
-               dense=tensor_bytes(target.model), caches=sum(t.numel() * t.element_size()
-                                                            for t in [*cache.keys, *cache.values]))
+               anon=status_kib("RssAnon") * 1024, file=status_kib("RssFile") * 1024, **target_held_bytes(target))
     print(json.dumps(out))
 
 

@@ -288,14 +288,14 @@ def test_drafts_come_from_the_draft_vocabulary_only(tmp_path, tiny_target_dir):
     target, drafter, full = _restricted_and_full(tmp_path, tiny_target_dir, vocab_ids)
     context = target.forward(torch.tensor([[5, 9, 30, 41]], device=DEVICE), target.new_cache(), 0, taps=True)[1]
     anchor = torch.tensor([7], device=DEVICE)
-    got = drafter.draft(context, anchor, 4, 8, drafter.new_cache(), target.embed_weight, target.lm_head)
-    _, logits = full.draft_logits(context, anchor, 4, 8, full.new_cache(), target.embed_weight, target.lm_head, None)
+    got = drafter.draft(context, anchor, 4, 8, drafter.new_cache(), target.embed_table, target.lm_head)
+    _, logits = full.draft_logits(context, anchor, 4, 8, full.new_cache(), target.embed_table, target.lm_head, None)
     outside = torch.ones(VOCAB, dtype=torch.bool, device=DEVICE)
     outside[vocab_ids] = False
     want = logits.masked_fill(outside, -torch.inf).argmax(-1)
     assert got.tolist() == want.tolist()
     assert got.tolist() != logits.argmax(-1).tolist()  # the restriction changed something
-    sampled = drafter.draft(context, anchor, 4, 8, drafter.new_cache(), target.embed_weight, target.lm_head,
+    sampled = drafter.draft(context, anchor, 4, 8, drafter.new_cache(), target.embed_table, target.lm_head,
                             sampler=Sampler(temperature=1.5, seed=3))
     assert set(sampled.tolist()) <= set(vocab_ids.tolist())
 
@@ -312,7 +312,7 @@ def test_sampled_drafts_from_a_draft_vocabulary_are_the_samplers_choice_at_each_
     context = target.forward(torch.tensor([[5, 9, 30, 41, 17, 23]], device=DEVICE), target.new_cache(), 0,
                              taps=True)[1]
     anchor, start, block = torch.tensor([7], device=DEVICE), 6, drafter.block_size
-    _, logits = full.draft_logits(context, anchor, start, block, full.new_cache(), target.embed_weight,
+    _, logits = full.draft_logits(context, anchor, start, block, full.new_cache(), target.embed_table,
                                   target.lm_head, None)  # (B-1, V): the drafter's logits over every id
     scattered = torch.full_like(logits.float(), -torch.inf)
     scattered[:, vocab_ids] = logits.float()[:, vocab_ids]
@@ -321,7 +321,7 @@ def test_sampled_drafts_from_a_draft_vocabulary_are_the_samplers_choice_at_each_
     mismatched_noise = 0
     for seed in range(6):
         sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
-        got = drafter.draft(context, anchor, start, block, drafter.new_cache(), target.embed_weight,
+        got = drafter.draft(context, anchor, start, block, drafter.new_cache(), target.embed_table,
                             target.lm_head, sampler=sampler)
 
         def pick(first: int) -> list[int]:  # the sampler's choice with the noise of positions first, first+1, ..

@@ -40,7 +40,7 @@ def _engine_drafts(drafter, target, features, ids, p):
     """What the engine drafts at anchor p: a fresh cache, the tapped rows before p as its context."""
     anchor = ids[p : p + 1]
     return drafter.draft(features[None, :p].float(), anchor, p, drafter.block_size, drafter.new_cache(),
-                         target.embed_weight, target.logits_head)
+                         target.embed_table, target.logits_head)
 
 
 def _walked_tau(drafter, target, example):

@@ -370,7 +370,8 @@ def test_fixed_shape_drafts_equal_the_eager_drafts(tiny_models, tmp_path, kind):
     for a, b in zip(fixed, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     # every draft but the first (the whole prompt as new context) ran at one shape, as precompile's does
-    static.precompile(shared_draft_cache(pair.drafter, pair.target.fast.capacity + 8), pair.target.embed_weight)
+    static.precompile(shared_draft_cache(pair.drafter, pair.target.fast.capacity + 8),
+                     pair.target.hidden_size, pair.target.device)
     assert len(recorder.calls) == len(eager) and len(set(recorder.calls)) == 1
 
 

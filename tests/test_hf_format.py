@@ -76,7 +76,7 @@ def test_both_formats_draft_identical_tokens(both, tmp_path):
     for name, tensor in a.drafter.state_dict().items():
         assert torch.equal(b.drafter.state_dict()[name], tensor), name
     anchor, hidden = torch.tensor([7]), torch.randn(1, 10, 3 * 64)
-    drafts = [p.drafter.draft(hidden, anchor, 10, 8, p.drafter.new_cache(), p.target.embed_weight,
+    drafts = [p.drafter.draft(hidden, anchor, 10, 8, p.drafter.new_cache(), p.target.embed_table,
                               p.target.lm_head) for p in (a, b)]
     assert torch.equal(*drafts)
     prompt = [3, 14, 15, 92, 65]

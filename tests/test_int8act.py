@@ -212,6 +212,32 @@ def test_an_untied_head_is_freed_and_a_draft_vocabulary_takes_its_rows_from_the_
     assert_speculative_equals_plain(pair, random_prompts, (4, 8), max_new_tokens=20)
 
 
+def test_a_tied_heads_codes_become_the_embeddings_and_the_dense_table_is_freed(tmp_path):
+    from conftest import drafter_config, save_random_drafter, save_target, target_config
+
+    from dflash_cli.engine.cpu.int8act import CodesEmbedding, quantize_q8_0
+
+    cfg = target_config("qwen3", tie_word_embeddings=True)
+    target_dir = save_target(tmp_path / "target", cfg, seed=1, scale=3.0)
+    drafter_dir = save_random_drafter(tmp_path / "drafter", drafter_config(cfg), seed=2)
+    dense = load_pair(target_dir, None, device="cpu", dtype=torch.float32).target.embed_weight.detach().clone()
+    pair = load_pair(target_dir, drafter_dir, device="cpu", quant="q4a8")
+    assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
+    embeddings = pair.target.model.get_input_embeddings()
+    assert isinstance(embeddings, CodesEmbedding) and pair.target.embed_table is embeddings
+    # the one (vocab, hidden) table, tied to the head, is gone: the head's 8-bit codes serve both
+    assert pair.target.embed_weight.numel() == 0 and pair.target.lm_head.weight.numel() == 0
+    assert pair.target.fast.lm_head.source is None
+    codes, d = quantize_q8_0(dense)
+    reference = (codes.float().reshape(len(dense), -1, 32) * d[..., None]).reshape(dense.shape)
+    ids = torch.tensor([[0, 5, cfg["vocab_size"] - 1], [7, 7, 3]])
+    looked_up = embeddings(ids)
+    assert looked_up.shape == (2, 3, cfg["hidden_size"]) and torch.equal(looked_up, reference[ids])
+    assert (looked_up - dense[ids]).abs().max() <= dense.abs().max() / 254 * 1.01  # half a code step
+    quantize_drafter(pair.drafter)
+    assert_speculative_equals_plain(pair, random_prompts, (4, 8), max_new_tokens=20)
+
+
 @pytest.mark.parametrize("family, last_tapped", [("qwen3", False), ("llama", False), ("qwen3", True)])
 def test_the_c_layer_computes_what_the_op_by_op_forward_does(pairs, family, last_tapped):
     pair = a8_pair(pairs, family, "q4a8")

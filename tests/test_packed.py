@@ -35,7 +35,7 @@ def test_a_packed_drafter_drafts_what_it_drafted_before(tiny_models):
 
     def draft():
         cache = drafter.new_cache()
-        return drafter.draft(context, anchor, 9, drafter.block_size, cache, target.embed_weight, target.lm_head)
+        return drafter.draft(context, anchor, 9, drafter.block_size, cache, target.embed_table, target.lm_head)
 
     before = draft()
     assert pack_linears(drafter) == 1 + 7 * len(drafter.layers)  # fc, then q/k/v/o and the MLP per layer

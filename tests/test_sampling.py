@@ -271,7 +271,7 @@ def test_v1_sampled_drafts_are_the_samplers_choice_from_the_draft_logits(pair):
     differs = False
     for seed in range(5):
         sampler = Sampler(temperature=1.0, top_p=0.9, seed=seed)
-        got = drafter.draft(context, anchor, start, drafter.block_size, drafter.new_cache(), target.embed_weight,
+        got = drafter.draft(context, anchor, start, drafter.block_size, drafter.new_cache(), target.embed_table,
                             target.lm_head, sampler=sampler)
         probs = sampling_probs(logits, 1.0, 0.9)
         noise = torch.stack([-torch.log(-torch.log(sampler.uniform(start + 1 + i, probs.shape[-1], probs.device)))
@@ -279,6 +279,6 @@ def test_v1_sampled_drafts_are_the_samplers_choice_from_the_draft_logits(pair):
         assert got.tolist() == (probs.log() + noise).argmax(-1).tolist()
         differs |= got.tolist() != logits.argmax(-1).tolist()
     assert differs
-    greedy = drafter.draft(context, anchor, start, drafter.block_size, drafter.new_cache(), target.embed_weight,
+    greedy = drafter.draft(context, anchor, start, drafter.block_size, drafter.new_cache(), target.embed_table,
                            target.lm_head, sampler=Sampler(temperature=0.0))
     assert greedy.tolist() == logits.argmax(-1).tolist()

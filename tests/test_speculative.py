@@ -191,13 +191,13 @@ def test_mask_token_is_read_from_the_target_embedding(pair):
     prompt = [11, 12, 13]
     anchor = torch.tensor([5], device=pair.target.device)
     before = pair.drafter.draft(None, anchor, 0, 8, pair.drafter.new_cache(),
-                                pair.target.embed_weight, pair.target.lm_head)
+                                pair.target.embed_table, pair.target.lm_head)
     saved = pair.target.embed_weight[MASK_ID].clone()
     try:
         with torch.no_grad():
             pair.target.embed_weight[MASK_ID] += 5.0
         after = pair.drafter.draft(None, anchor, 0, 8, pair.drafter.new_cache(),
-                                   pair.target.embed_weight, pair.target.lm_head)
+                                   pair.target.embed_table, pair.target.lm_head)
         assert not torch.equal(before, after)
     finally:
         with torch.no_grad():
@@ -222,9 +222,9 @@ def test_the_prompt_is_read_into_the_drafter_with_the_prefill(pair):
     assert lazy.pending_rows == len(prompt)
     block = drafter.block_size
     eager_drafts = drafter.draft(state.pending, state.anchor, state.start, block, state.draft_cache,
-                                 target.embed_weight, target.logits_head)
+                                 target.embed_table, target.logits_head)
     lazy_drafts = drafter.draft(lazy.pending, lazy.anchor, lazy.start, block, lazy.draft_cache,
-                                target.embed_weight, target.logits_head)
+                                target.embed_table, target.logits_head)
     assert eager_drafts.tolist() == lazy_drafts.tolist()
     steps.close()
 

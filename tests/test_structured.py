@@ -173,10 +173,10 @@ def test_drafts_are_drafted_inside_the_grammar(folders, drafter):
         sampler.sampler = Sampler(temperature=temperature, seed=7)
         sampler.greedy = sampler.sampler.greedy
         drafts = pair.drafter.draft(context, torch.tensor([prompt[-1]], device=DEVICE), len(prompt) - 1, 8,
-                                    pair.drafter.new_cache(), pair.target.embed_weight, pair.target.lm_head,
+                                    pair.drafter.new_cache(), pair.target.embed_table, pair.target.lm_head,
                                     sampler=sampler).tolist()
         free = pair.drafter.draft(context, torch.tensor([prompt[-1]], device=DEVICE), len(prompt) - 1, 8,
-                                  pair.drafter.new_cache(), pair.target.embed_weight, pair.target.lm_head).tolist()
+                                  pair.drafter.new_cache(), pair.target.embed_table, pair.target.lm_head).tolist()
         assert sampler.matcher.validate_tokens(drafts) == len(drafts) == 7
         assert sampler.matcher.validate_tokens(free) < 7  # the random drafter alone leaves the grammar
         assert tokenizer.decode(committed + drafts).startswith('{"ok":true,"n":1')

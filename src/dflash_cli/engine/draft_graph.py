@@ -122,11 +122,10 @@ class StaticDraft:
         cache.advance(rows)
         return hidden.clone() if device.type == "cuda" else hidden  # a graph's output is its next replay's
 
-    def precompile(self, cache: DraftCache, embed_weight: torch.Tensor) -> None:
+    def precompile(self, cache: DraftCache, hidden_size: int, device: torch.device) -> None:
         """Runs a draft of each new-context size class once (twice on CUDA: a warm-up, then the recording),
         so compiling and recording happen before the first reply; leaves the cache empty."""
-        device = embed_weight.device
-        block = torch.zeros((1, self.block, embed_weight.shape[1]), dtype=self.drafter.hidden_norm.weight.dtype,
+        block = torch.zeros((1, self.block, hidden_size), dtype=self.drafter.hidden_norm.weight.dtype,
                             device=device)
         for _ in range(2 if device.type == "cuda" else 1):
             cache.crop(0)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_cli.engine.cpu.packed import PackedLinear, dense_rows, dense_weight
+from dflash_cli.engine.cpu.packed import PackedLinear, dense_rows, dense_weight, embedding_rows
 from dflash_cli.engine.cpu.weightonly import quantize_linears
 from dflash_cli.engine.hf_config import DrafterConfig
 from dflash_cli.engine.sampling import Sampler
@@ -37,7 +37,7 @@ class Drafter(Protocol):
     def new_cache(self, capacity: int = 256) -> DraftCache: ...
 
     def draft(self, context: torch.Tensor | None, anchor: torch.Tensor, start: int, block_len: int,
-              cache: DraftCache, embed_weight: torch.Tensor, lm_head: nn.Module, *,
+              cache: DraftCache, embed_weight: torch.Tensor | nn.Module, lm_head: nn.Module, *,
               keep: int | None = None, sampler: Sampler | None = None) -> torch.Tensor:
         """The first `keep` drafts after `anchor` (a (1,) tensor), as a (keep,) tensor; commits `context`."""
         ...
@@ -370,7 +370,7 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def draft(self, context: torch.Tensor | None, anchor: torch.Tensor, start: int, block_len: int,
-              cache: DraftCache, embed_weight: torch.Tensor, lm_head: nn.Module, *,
+              cache: DraftCache, embed_weight: torch.Tensor | nn.Module, lm_head: nn.Module, *,
               keep: int | None = None, sampler: Sampler | None = None) -> torch.Tensor:
         """Proposes tokens after `anchor` (a (1,) tensor) from a block of `block_len` slots.
 
@@ -433,7 +433,7 @@ class DFlashDrafter(nn.Module):
         """The normed hidden states (keep, H) of slots 1..keep of a block of `block_len` slots."""
         keep = block_len - 1 if keep is None else keep
         ids = torch.cat([anchor, anchor.new_full((block_len - 1,), self.mask_token_id)])
-        block = F.embedding(ids, embed_weight)
+        block = embedding_rows(embed_weight, ids)
         if self.embed_scale is not None:  # as the target's own embedding module (Gemma) computes it
             block = block * self.embed_scale
         block = block[None].to(self.hidden_norm.weight.dtype)  # (1, B, H)

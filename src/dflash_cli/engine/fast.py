@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS
+from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS, CodesEmbedding, Q8A8Linear
 from dflash_cli.engine.cpu.packed import PackedLinear, room_to_pack
 from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
 from dflash_cli.engine.fast_layers import (
@@ -139,11 +139,16 @@ class FastPath:
         head_kind = "q8a8" if weights in INT8_ACT_QUANTS else "q8"
         self.lm_head = ((quantize_linears([head], head_kind, keep_source=True) if weights else None)
                         or (PackedLinear.pack(head, keep_source=True) if pack else None) or head)
-        if (free_dense and weights in INT8_ACT_QUANTS and self.lm_head is not head
-                and head.weight is not self.embed_weight(model)):
-            # an untied head's rows for a draft vocabulary come from its 8-bit codes (dense_rows): free it
-            self.lm_head.source = None
-            self.freed_bytes += free_dense_weights([head])
+        # the input embeddings when they are the LM head's codes (a tied head under q4a8/q8a8), else None
+        self.codes_embedding: CodesEmbedding | None = None
+        if free_dense and weights in INT8_ACT_QUANTS and self.lm_head is not head:
+            tied = head.weight is self.embed_weight(model)
+            if tied:
+                self.codes_embedding = _embed_from_head(model, self.lm_head)
+            if not tied or self.codes_embedding is not None:
+                # rows for a draft vocabulary come from the head's 8-bit codes (dense_rows): free its source
+                self.lm_head.source = None
+                self.freed_bytes += free_dense_weights([head])
         self.fallback_reason: str | None = None
         self.taps: list[int] = []
         self._eager: dict[tuple[bool, bool, bool], StaticForward] = {}
@@ -367,6 +372,17 @@ class FastPath:
             logits, hidden = logits.clone(), (hidden.clone() if hidden is not None else None)
             records = [tuple(t.clone() for t in r) for r in records]
         return logits, hidden, records
+
+
+def _embed_from_head(model: HFModule, head: nn.Module) -> CodesEmbedding | None:
+    """Makes a tied LM head's 8-bit codes the model's input embeddings (a plain nn.Embedding only: Gemma's
+    scales its rows); returns them, or None where it does not apply."""
+    embeddings = model.get_input_embeddings()
+    if type(embeddings) is not nn.Embedding or not isinstance(head, Q8A8Linear):
+        return None
+    codes = CodesEmbedding(head)
+    model.set_input_embeddings(codes)
+    return codes
 
 
 def _quantize_layers(model: HFModule, pack: bool, weights: str | None, q4_codes: dict[str, Q4Codes] | None,

@@ -45,7 +45,7 @@ def read_context(state: DecodeState, drafter: Drafter) -> None:
     target, anchor = state.target, state.anchor
     if not state.pending_rows or anchor is None or state.draft_cache is None:
         return
-    drafter.draft(state.pending, anchor, state.start, drafter.block_size, state.draft_cache, target.embed_weight,
+    drafter.draft(state.pending, anchor, state.start, drafter.block_size, state.draft_cache, target.embed_table,
                   target.logits_head, keep=1)
     state.pending = None
 
@@ -111,7 +111,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         if n > 1:  # draft the trained block, verify its first n-1 drafts
             assert state.draft_cache is not None  # a state made with a drafter has one
             drafts = drafter.draft(state.pending, anchor, start, drafter.block_size, state.draft_cache,
-                                   target.embed_weight, target.logits_head, keep=n - 1, sampler=sample)  # (n-1,)
+                                   target.embed_table, target.logits_head, keep=n - 1, sampler=sample)  # (n-1,)
             state.pending = None  # now in the draft cache
         else:
             drafts = anchor.new_empty(0)

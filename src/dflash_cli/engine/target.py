@@ -104,14 +104,14 @@ class Target:
         self.name = name
         self.layers = decoder_layers(model)
         self.num_layers = len(self.layers)
-        self.embed_weight: torch.Tensor = model.get_input_embeddings().weight
+        weight = model.get_input_embeddings().weight
+        self.embed_weight: torch.Tensor = weight  # empty once a tied head's codes took its place (embed_table)
         self.lm_head: nn.Module = model.get_output_embeddings()
         # the hot device: embeddings, LM head, logits, the drafter and the tapped states live here, also
         # when a device map spreads the decoder layers over several devices (`layer_devices`)
-        self.device = self.embed_weight.device
+        self.device = weight.device
         self.layer_devices = placement_of(model, self.layers)
-        self.vocab_rows = self.embed_weight.shape[0]
-        self.hidden_size = self.embed_weight.shape[1]
+        self.vocab_rows, self.hidden_size = weight.shape
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._final_norm = getattr(model.get_decoder(), "norm", None) if hasattr(model, "get_decoder") else None
@@ -172,11 +172,20 @@ class Target:
                              on_fallback=on_fallback, weights=self.weight_quant, q4_codes=codes, free_dense=True,
                              quantized=quantized)
         self.fast.set_taps(self._taps)
+        if self.fast.codes_embedding is not None:  # the dense table is freed: rows come from the head's codes
+            self.embed_weight = self.embed_weight.new_empty(0)
         self.dense_freed = self.dense_freed or self.fast.freed_bytes > 0
         return None
 
     def disable_fast_path(self) -> None:
         self.fast = None
+
+    @property
+    def embed_table(self) -> torch.Tensor | nn.Module:
+        """What drafts embed their blocks from (engine/cpu/packed.embedding_rows): the (vocab, hidden) table, or
+        under q4a8/q8a8 with a tied LM head the module that looks its rows up from the head's 8-bit codes."""
+        fast = self.fast
+        return fast.codes_embedding if fast is not None and fast.codes_embedding is not None else self.embed_weight
 
     @property
     def embed_scale(self) -> torch.Tensor | None:
@@ -185,7 +194,7 @@ class Target:
         scale = getattr(self.model.get_input_embeddings(), "embed_scale", None)
         if not isinstance(scale, torch.Tensor):
             return None
-        return scale.to(device=self.embed_weight.device, dtype=self.embed_weight.dtype)
+        return scale.to(device=self.device, dtype=self.model.get_input_embeddings().weight.dtype)
 
     @property
     def logits_head(self) -> nn.Module:

@@ -388,7 +388,8 @@ def _compile_drafter(target: Any, drafter: Any, step: Any, on_notice: Callable[[
     from dflash_cli.engine.state import shared_draft_cache
 
     drafter.static_draft = static = StaticDraft(drafter, compile_step=step, on_fallback=on_notice)
-    static.precompile(shared_draft_cache(drafter, target.fast.capacity + drafter.block_size), target.embed_weight)
+    static.precompile(shared_draft_cache(drafter, target.fast.capacity + drafter.block_size),
+                      target.hidden_size, target.device)
     return ", drafter compiled" if static.compiled else f", drafter uncompiled ({static.fallback_reason})"
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dflash_cli.engine.cpu import native
-from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, pack_scales, unpack_q4, unpack_q8, unpack_scales
+from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, pack_scales, q8_rows, unpack_q4, unpack_scales
 from dflash_cli.engine.cpu.quantized import GROUP, Q4Codes, WeightOnlyLinear
 
 INT8_ACT_QUANTS = ("q4a8", "q8a8")
@@ -148,10 +148,22 @@ class Q8A8Linear(Int8ActLinear):
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows `rows` of the weight as the kernel multiplies them (fp32), without the others in fp32."""
-        codes = unpack_q8(self.codes)[rows].float()
-        out, cols = codes.shape
-        d = unpack_scales(self.d)[rows]
-        return (codes.reshape(out, cols // GROUP, GROUP) * d[..., None]).reshape(out, cols)
+        return q8_rows(self.codes, self.d, rows)
+
+
+class CodesEmbedding(nn.Module):
+    """A tied LM head's 8-bit codes as the input embeddings: each id's row dequantized as it is looked up, so
+    the dense (vocab, hidden) table can go (1.5 GB of a 4B target's in fp32). The rows differ from the dense
+    ones by at most half a code step, as llama.cpp's quantized token embeddings do; decodes and verifies look
+    up the same rows, so speculation stays lossless."""
+
+    def __init__(self, head: Q8A8Linear):
+        super().__init__()
+        self.head = head
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.dequantize_rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
 
 
 def quantize_act_rows(x: torch.Tensor) -> torch.Tensor:

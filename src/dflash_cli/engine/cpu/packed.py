@@ -11,6 +11,7 @@ pack only where oneDNN computes bf16 natively (AVX512-BF16 or AMX; elsewhere the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # how close a packed layer must come to F.linear on a probe (bf16: oneDNN accumulates in fp32, F.linear too,
@@ -90,6 +91,14 @@ def dense_rows(linear: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     if weight is None:
         return getattr(linear, "dequantize_rows")(rows)
     return weight[rows.to(weight.device)]
+
+
+def embedding_rows(table: torch.Tensor | nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table: a dense (vocab, hidden) tensor, or a module that looks its rows up
+    (int8act.CodesEmbedding, a tied head's codes)."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(ids, table)
+    return table(ids)
 
 
 class Parallel(nn.Module):
