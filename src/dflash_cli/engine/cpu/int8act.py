@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dflash_cli.engine.cpu import native
-from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, pack_scales, q8_rows, unpack_q4, unpack_scales
+from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, pack_scales, unpack_q4, unpack_scales
 from dflash_cli.engine.cpu.quantized import GROUP, Q4Codes, WeightOnlyLinear
 
 INT8_ACT_QUANTS = ("q4a8", "q8a8")
@@ -148,7 +148,13 @@ class Q8A8Linear(Int8ActLinear):
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows `rows` of the weight as the kernel multiplies them (fp32), without the others in fp32."""
-        return q8_rows(self.codes, self.d, rows)
+        ids = rows.reshape(-1).to(torch.long).contiguous()
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:
+            raise IndexError(f"rows out of range for a weight of {self.out_features} rows")
+        out = torch.empty(ids.numel(), self.in_features)
+        self.lib.dfq_q8_rows(self.codes.data_ptr(), self.d.data_ptr(), self.in_features, ids.data_ptr(),
+                             ids.numel(), out.data_ptr())
+        return out
 
 
 class CodesEmbedding(nn.Module):

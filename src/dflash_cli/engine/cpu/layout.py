@@ -44,17 +44,6 @@ def unpack_q8(packed: torch.Tensor) -> torch.Tensor:
     return p.transpose(1, 2).reshape(groups * 8, blocks * GROUP)
 
 
-def q8_rows(packed: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows `rows` of packed 8-bit codes and their (n/8, blocks, 8) fp16 scales, dequantized to fp32
-    (len(rows), k): a gather of those rows' bytes, never the whole matrix (an embedding lookup per step)."""
-    groups, blocks, _ = packed.shape
-    rows = rows.to(torch.long)
-    group, column = rows // 8, rows % 8
-    codes = packed.view(groups, blocks, 8, 8, 4)[group, :, :, column]  # (len(rows), blocks, 8t, 4i)
-    d = scales[group, :, column].float()  # (len(rows), blocks)
-    return (codes.reshape(len(rows), blocks, GROUP).float() * d[..., None]).reshape(len(rows), blocks * GROUP)
-
-
 def pack_scales(x: torch.Tensor) -> torch.Tensor:
     """(n, blocks) scales as fp16 (n/8, blocks, 8)."""
     return by_column_groups(x.half()).contiguous()

@@ -309,3 +309,19 @@ void dfq_q8_matmul(const float *x, long m, long k, const int8_t *codes, const ui
     const struct dfq_linear w = {8, n, k, codes, d, NULL, bias};
     matmul(&w, x, m, out);
 }
+
+/* Rows ids[0..count) of a q8 weight of k inputs in the layout above, dequantized into out (count, k): an
+   embedding lookup from a tied LM head's codes. */
+void dfq_q8_rows(const int8_t *codes, const uint16_t *d, long k, const long *ids, long count, float *out) {
+    const long blocks = k / 32;
+    for (long r = 0; r < count; r++) {
+        const long group = ids[r] / 8, column = ids[r] % 8;
+        for (long b = 0; b < blocks; b++) {
+            const int8_t *src = codes + (group * blocks + b) * 256 + 4 * column;
+            const float scale = _cvtsh_ss(d[(group * blocks + b) * 8 + column]);
+            float *dst = out + r * k + b * 32;
+            for (int t = 0; t < 8; t++)
+                for (int i = 0; i < 4; i++) dst[4 * t + i] = (float)src[32 * t + i] * scale;
+        }
+    }
+}
