@@ -244,6 +244,22 @@ def test_a_failing_re_probe_waits_longer_for_the_next():
     assert max(gaps) <= 8 * 24 + 1 and gaps[-1] > 4 * 24, gaps
 
 
+def test_a_paused_drafter_is_re_probed_with_one_draft():
+    """A drafter that stopped paying keeps its good record at the later positions (a failing first draft never
+    reaches them), so the best block on paper stays long; a re-probe drafts one token all the same: whether
+    the first draft is accepted again is what it asks, and a longer verify would only cost more."""
+    cost = round_cost(draft=0.2, verify_slope=0.01)
+    controller = BlockSizeController(B, cost=cost)
+    rng = random.Random(3)
+    run_rounds(controller, 0.9, cost, 100, rng)
+    failing = run_rounds(controller, 0.0, cost, 600, rng)
+    paused_from = failing.index(1)
+    probes = [n for n in failing[paused_from:] if n > 1]
+    assert len(probes) >= 3 and set(probes) == {2}, probes
+    rates = controller.rates()
+    assert max((n for n in rates if n > 1), key=rates.__getitem__) > 2  # the block a probe drafted before
+
+
 def test_short_requests_keep_the_re_probe_schedule_of_the_ones_before():
     """Replies of 40 tokens from a drafter that never pays, each request a new controller over the drafter's
     shared costs: the probes back off across requests as they do within one long reply, instead of each

@@ -4,9 +4,9 @@ The controller keeps, with exponential forgetting, the acceptance rate at each d
 that the earlier ones were accepted (q_k), and the measured cost of a draft and of a verify at each
 block size it has used. The expected tokens of a round of n slots are 1 + sum_k prod_{j<=k} q_j (the
 bonus token always counts), its cost draft(n) + verify(n); a plain round (n = 1) commits one token for
-verify(1). When nothing beats plain decoding, drafting pauses and is re-probed now and then (each probe
-that fails doubling the wait, up to 8 times), so a drafter that starts to pay again (code after prose,
-say) is noticed. Output stays lossless whatever is chosen: the block size only changes how many tokens
+verify(1). When nothing beats plain decoding, drafting pauses and is re-probed now and then with one draft
+(each probe that fails doubling the wait, up to 8 times), so a drafter that starts to pay again (code after
+prose, say) is noticed. Output stays lossless whatever is chosen: the block size only changes how many tokens
 each verify step can commit.
 
 Costs are kept per context length (buckets that double from 512 tokens): a verify of n rows attends over
@@ -241,7 +241,10 @@ class BlockSizeController:
               and self.shared.samples.get(self.bucket, {}).get(1, 0) < FIRST_SAMPLES):
             self.choice = 1  # and again now and then while drafting: one round may have carried a one-time cost
         elif self.choice == 1 and self._plain_streak >= self._probe_gap:
-            self.choice = max(self._best_drafting(), 2)  # re-probe a paused drafter
+            # re-probe a paused drafter with the cheapest drafted round, one draft: whether the first position
+            # is accepted again says whether drafting may pay (a full block's verify, 2.5 decodes on a CPU,
+            # is mostly lost where the drafter still fails); the rates then choose the block as usual
+            self.choice = min(2, self.max_block)
             # each probe that does not end the pause waits twice as long for the next (up to 8x): a probe
             # costs more than the plain round it replaces
             self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP * self.probe_every)
