@@ -307,6 +307,40 @@ def run_engine(name: str, target: Target, make_drafter, prompts: list[list[int]]
     return results
 
 
+def session_rows(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], new_tokens: int, block: int,
+                 args) -> list[dict]:
+    """--interleave: each prompt runs plain, then with the random drafter, then with each oracle, before the next
+    prompt (a VM's speed drifts by more than a paused drafter costs), and every prompt of a row shares its round
+    costs and acceptance, as the requests of one loaded pair do (serve, chat, bench's prompts)."""
+    from dflash_cli.engine.adaptive import adopt_costs, shared_costs
+
+    qs = {tau: acceptance_for_tau(tau, block) for tau in args.taus}
+    first_oracles: dict[float, OracleDrafter] = {}
+    results: dict[str, list] = {name: [] for name in ["plain", "random", *qs]}
+    for i, prompt in enumerate(prompts):
+        plain = generate(target, None, prompt, max_new_tokens=new_tokens, stop_ids=[])
+        results["plain"].append(plain)
+        results["random"].append(generate(target, drafter, prompt, max_new_tokens=new_tokens, stop_ids=[],
+                                          adaptive=args.adaptive))
+        for tau, q in qs.items():
+            oracle = OracleDrafter(drafter, prompt + plain.tokens, acceptance=q, seed=args.seed + i,
+                                   vocab_size=target.vocab_rows)
+            adopt_costs(oracle, shared_costs(first_oracles.setdefault(tau, oracle)))
+            results[tau].append(generate(target, oracle, prompt, max_new_tokens=new_tokens, stop_ids=[],
+                                         adaptive=args.adaptive))
+        log(f"  prompt {i + 1}/{len(prompts)}: " + ", ".join(
+            f"{name} {r[-1].stats.decode_tokens_per_second:.1f} tok/s" for name, r in results.items()))
+    plains = results["plain"]
+    rows = [engine_row("plain", plains, None, 1),
+            engine_row("dflash random drafter", results["random"], plains, block)]
+    rows += [dict(engine_row(f"dflash oracle tau {tau:g}", results[tau], plains, block), tau_goal=tau,
+                  acceptance_q=q) for tau, q in qs.items()]
+    for row, name in zip(rows[1:], ["random", *qs]):  # each prompt against its own plain run
+        row["paired_speedup"] = median([r.stats.decode_tokens_per_second / p.stats.decode_tokens_per_second
+                                        for r, p in zip(results[name], plains)])
+    return rows
+
+
 def hf_rows(target: Target, variants: dict, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     """transformers' generate() for each {row name: extra generate() kwargs}; decode tok/s, prefill excluded.
 
@@ -399,7 +433,7 @@ def print_engine(rows: list[dict], block: int, gpu: bool) -> None:
     print("## Engine generation (median over prompts; decode only, prefill excluded)")
     plain = rows[0]["tokens_per_s"]
     table = [[r["config"], fmt(r.get("tau_goal"), ".1f"), fmt(r["tau"], ".2f"), fmt(r["tokens_per_s"], ".1f"),
-              fmt(r["tokens_per_s"] / plain, ".2f") + "x", fmt(r.get("ideal_speedup"), ".2f"),
+              fmt(r.get("paired_speedup", r["tokens_per_s"] / plain), ".2f") + "x", fmt(r.get("ideal_speedup"), ".2f"),
               fmt(r["draft_ms"], ".2f"), fmt(r["verify_ms"], ".2f"), fmt(r["other_ms"], ".2f"),
               fmt(r["step_ms"], ".2f"), fmt(r.get("same_as_plain"), ".2f"), peak_gib(r, gpu)] for r in rows]
     print_table(["config", "tau goal", "tau", "tok/s", "speedup", "ideal", "draft ms", "verify ms", "other ms",
@@ -460,6 +494,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--adaptive", action="store_true",
                    help="speculative rows choose their block sizes as generate does (default: full blocks)")
+    p.add_argument("--interleave", action="store_true",
+                   help="run the rows prompt by prompt (plain, random drafter, oracles, then the next prompt), "
+                        "each row's prompts sharing round costs as one session's requests do; speedup is then "
+                        "each prompt against its own plain run (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
     p.add_argument("--json", metavar="FILE", help="also write all numbers to FILE")
@@ -580,20 +618,23 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
     units = out["unit_costs"] = unit_costs(target, drafter, args.prompt_len + new_tokens // 2, blocks, repeats)
     print_units(units)
 
-    log(f"[{path}] plain decoding")
-    plain = run_engine("plain", target, lambda i: None, prompts, new_tokens)
-    rows = out["rows"] = [engine_row("plain", plain, None, 1)]
-    log(f"[{path}] speculative, random drafter")
-    spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens, args.adaptive)
-    rows.append(engine_row("dflash random drafter", spec, plain, block))
-    refs = [p + r.tokens for p, r in zip(prompts, plain)]
-    for tau in args.taus:
-        q = acceptance_for_tau(tau, block)
-        log(f"[{path}] speculative, oracle tau {tau} (q={q:.3f})")
-        res = run_engine(f"oracle {tau}", target,
-                         lambda i: OracleDrafter(drafter, refs[i], acceptance=q, seed=args.seed + i,
-                                                 vocab_size=target.vocab_rows), prompts, new_tokens, args.adaptive)
-        rows.append(dict(engine_row(f"dflash oracle tau {tau:g}", res, plain, block), tau_goal=tau, acceptance_q=q))
+    if args.interleave:
+        rows = out["rows"] = session_rows(target, drafter, prompts, new_tokens, block, args)
+    else:
+        log(f"[{path}] plain decoding")
+        plain = run_engine("plain", target, lambda i: None, prompts, new_tokens)
+        rows = out["rows"] = [engine_row("plain", plain, None, 1)]
+        log(f"[{path}] speculative, random drafter")
+        spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens, args.adaptive)
+        rows.append(engine_row("dflash random drafter", spec, plain, block))
+        refs = [p + r.tokens for p, r in zip(prompts, plain)]
+        for tau in args.taus:
+            q = acceptance_for_tau(tau, block)
+            log(f"[{path}] speculative, oracle tau {tau} (q={q:.3f})")
+            res = run_engine(f"oracle {tau}", target,
+                             lambda i: OracleDrafter(drafter, refs[i], acceptance=q, seed=args.seed + i,
+                                                     vocab_size=target.vocab_rows), prompts, new_tokens, args.adaptive)
+            rows.append(dict(engine_row(f"dflash oracle tau {tau:g}", res, plain, block), tau_goal=tau, acceptance_q=q))
     for r in rows[1:]:
         r["ideal_speedup"] = r["tau"] * units["decode_1"] / (units[f"verify_{block}"] + units[f"draft_{block}"])
     print_engine(rows, block, gpu)
