@@ -57,20 +57,20 @@ static inline __attribute__((always_inline)) void q4_pair(const int R, const int
                                                           long ldo, const float *bias, int accumulate) {
     const long nb = k / QK;  /* group b's codes and scales follow group a's whole rows of blocks */
     const wide_i low = W(_mm512_set1_epi8)(0x0f);
-    wide_f acc[4];
-#pragma GCC unroll 4
+    wide_f acc[8];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
     for (long b = 0; b < nb; b++) {
         const uint8_t *cb = codes + b * 128;
-        wide_i s32[4];
-#pragma GCC unroll 4
+        wide_i s32[8];
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) s32[r] = W(_mm512_setzero_si512)();
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {
             const wide_i v = load_pair(cb + 32 * t, cb + nb * 128 + 32 * t);
             const wide_i lo = W(_mm512_and_si512)(v, low);
             const wide_i hi = W(_mm512_and_si512)(W(_mm512_srli_epi16)(v, 4), low);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int8_t *a = aq + r * k + b * QK;
                 s32[r] = W(_mm512_dpbusd_epi32)(s32[r], lo, bcast4_wide(a + 4 * t));
@@ -79,14 +79,14 @@ static inline __attribute__((always_inline)) void q4_pair(const int R, const int
         }
         const wide_f dw = scales_pair(d + b * 8, d + nb * 8 + b * 8);
         const wide_f mw = scales_pair(m + b * 8, m + nb * 8 + b * 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const wide_f sums = W(_mm512_cvtepi32_ps)(s32[r]);
             acc[r] = W(_mm512_fmadd_ps)(sums, W(_mm512_mul_ps)(dw, W(_mm512_set1_ps)(ad[r * nb + b])), acc[r]);
             acc[r] = W(_mm512_fmadd_ps)(mw, W(_mm512_set1_ps)(as[r * nb + b]), acc[r]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) store16(out + r * ldo, acc[r], bias, accumulate);
 }
 
@@ -95,13 +95,13 @@ static inline __attribute__((always_inline)) void q8_pair(const int R, const int
                                                           long ldo, const float *bias, int accumulate) {
     const long nb = k / QK;
     const wide_i zero = W(_mm512_setzero_si512)();
-    wide_f acc[4];
-#pragma GCC unroll 4
+    wide_f acc[8];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
     for (long b = 0; b < nb; b++) {
         const int8_t *cb = codes + b * 256;
-        wide_i s32[4];
-#pragma GCC unroll 4
+        wide_i s32[8];
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) s32[r] = zero;
 #pragma GCC unroll 1
         for (int t = 0; t < 8; t++) {
@@ -109,19 +109,19 @@ static inline __attribute__((always_inline)) void q8_pair(const int R, const int
             /* vpdpbusd takes unsigned x signed: |w| times the activation with w's sign (AVX2's sign trick) */
             const wide_i wabs = W(_mm512_abs_epi8)(w);
             const mask64 negative = W(_mm512_movepi8_mask)(w);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const wide_i a = bcast4_wide(aq + r * k + b * QK + 4 * t);
                 s32[r] = W(_mm512_dpbusd_epi32)(s32[r], wabs, W(_mm512_mask_sub_epi8)(a, negative, zero, a));
             }
         }
         const wide_f dw = scales_pair(d + b * 8, d + nb * 8 + b * 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++)
             acc[r] = W(_mm512_fmadd_ps)(W(_mm512_cvtepi32_ps)(s32[r]),
                                         W(_mm512_mul_ps)(dw, W(_mm512_set1_ps)(ad[r * nb + b])), acc[r]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) store16(out + r * ldo, acc[r], bias, accumulate);
 }
 
@@ -138,7 +138,8 @@ static void pair_rows(const struct dfq_linear *w, long g, const int8_t *aq, cons
         case 1: q4_pair(1, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
         case 2: q4_pair(2, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
         case 3: q4_pair(3, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
-        default: q4_pair(4, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        case 4: q4_pair(4, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        default: q4_pair(8, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
         }
     } else {
         const int8_t *codes = (const int8_t *)w->codes + g * nb * 256;
@@ -147,7 +148,8 @@ static void pair_rows(const struct dfq_linear *w, long g, const int8_t *aq, cons
         case 1: q8_pair(1, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
         case 2: q8_pair(2, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
         case 3: q8_pair(3, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        default: q8_pair(4, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 4: q8_pair(4, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        default: q8_pair(8, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
         }
     }
 }

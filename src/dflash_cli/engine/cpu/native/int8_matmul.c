@@ -251,8 +251,8 @@ void dfq_amx_set_min_rows(int rows) { (void)rows; }
 #endif
 
 /* Groups of 8 columns (pairs of them on AVX-512, from pair_min_rows rows) shared out among the threads, each
- * over all rows in tiles of 4: a thread reads a group's weights once per 4 activation rows (from L1 after the
- * first). */
+ * over all rows in tiles of 4 (of 8 for pairs): a thread reads a group's weights once per tile of activation
+ * rows (from L1 after the first). */
 void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *ad, const float *as, long m,
                      float *out, long ldo, int accumulate) {
     const long k = w->k, nb = k / QK, groups = w->n / 8;
@@ -270,16 +270,19 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
             for (; r + tile_rows <= m; r += tile_rows)
                 amx_pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, tile_rows, out + r * ldo, ldo, accumulate);
 #endif
-        for (; r < m; r += 4) {
-            const int rows = m - r < 4 ? (int)(m - r) : 4;
+        while (r < m) {
+            int rows = m - r < 4 ? (int)(m - r) : 4;
 #ifdef DFQ_AVX512_VNNI
             if (g + 1 < groups && pair_min_rows <= m) {
+                if (m - r >= 8) rows = 8;  /* a pair's weights unpacked once for 8 rows (32 registers hold it) */
                 pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
+                r += rows;
                 continue;
             }
 #endif
             for (long h = g; h < g + DFQ_GROUPS_PER_STEP && h < groups; h++)
                 group_rows(w, h, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
+            r += rows;
         }
     }
 }
