@@ -87,6 +87,8 @@ static inline __attribute__((always_inline)) void amx_q4_pair(const int R, const
     for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
     for (long b = 0; b < nb; b++) {
         const uint8_t *cb = codes + b * 128;
+        prefetch_block(codes, 128, d, m, b);
+        prefetch_block(codes + nb * 128, 128, d + nb * 8, m + nb * 8, b);
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {  /* low nibbles: inputs 4t..4t+3 (row t); high: 16 + 4t.. (row 4 + t) */
             const wide_i v = load_pair(cb + 32 * t, cb + nb * 128 + 32 * t);
@@ -120,6 +122,8 @@ static inline __attribute__((always_inline)) void amx_q8_pair(const int R, const
     for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
     for (long b = 0; b < nb; b++) {
         const int8_t *cb = codes + b * 256;
+        prefetch_block(codes, 256, d, NULL, b);
+        prefetch_block(codes + nb * 256, 256, d + nb * 8, NULL, b);
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++)  /* row t: inputs 4t..4t+3 of group a's 8 columns, then group b's */
             W(_mm512_store_si512)((void *)(wbuf + 64 * t), load_pair(cb + 32 * t, cb + nb * 256 + 32 * t));

@@ -62,6 +62,8 @@ static inline __attribute__((always_inline)) void q4_pair(const int R, const int
     for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
     for (long b = 0; b < nb; b++) {
         const uint8_t *cb = codes + b * 128;
+        prefetch_block(codes, 128, d, m, b);  /* both groups' streams */
+        prefetch_block(codes + nb * 128, 128, d + nb * 8, m + nb * 8, b);
         wide_i s32[8];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) s32[r] = W(_mm512_setzero_si512)();
@@ -100,6 +102,8 @@ static inline __attribute__((always_inline)) void q8_pair(const int R, const int
     for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
     for (long b = 0; b < nb; b++) {
         const int8_t *cb = codes + b * 256;
+        prefetch_block(codes, 256, d, NULL, b);
+        prefetch_block(codes + nb * 256, 256, d + nb * 8, NULL, b);
         wide_i s32[8];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) s32[r] = zero;
