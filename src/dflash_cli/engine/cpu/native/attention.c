@@ -80,6 +80,35 @@ void dfq_attend_group(const float *q, long heads, long hd, const float *keys, co
 #define KEY_CHUNK 64  /* values read once per chunk for every query: the chunk stays in L1 between them */
 #define D_CHUNK 128   /* head dimensions summed per pass over the values */
 
+/* sums (vecs vectors of 8) += w[i] * value row i over keys i0..end-1 (row i at v + i * hd): each lane one
+ * multiply-add chain in key order, eight vectors at a time in registers. With `ahead`, the rows that many
+ * keys on are prefetched, up to row most - 1 (the next chunk: re-reading a chunk per head breaks the hardware
+ * prefetcher's stream). */
+static inline void weighted_values(const float *w, const float *v, long hd, long i0, long end, long most,
+                                   long vecs, float *sums, long ahead) {
+    for (long i = i0; ahead && i < end && i + ahead < most; i++)
+        for (long line = 0; line < hd; line += 16) _mm_prefetch((const char *)(v + (i + ahead) * hd + line), _MM_HINT_T0);
+    long c = 0;
+    for (; c + 8 <= vecs; c += 8) {
+        __m256 acc[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(sums + 8 * (c + j));
+        for (long i = i0; i < end; i++) {
+            const __m256 weight = _mm256_set1_ps(w[i]);
+            const float *row = v + i * hd + 8 * c;
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * j), acc[j]);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(sums + 8 * (c + j), acc[j]);
+    }
+    for (; c < vecs; c++) {
+        __m256 acc = _mm256_loadu_ps(sums + 8 * c);
+        for (long i = i0; i < end; i++) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[i]), _mm256_loadu_ps(v + i * hd + 8 * c), acc);
+        _mm256_storeu_ps(sums + 8 * c, acc);
+    }
+}
+
 /* dfq_attend_group for `rows` queries of the group at once (query r at q + r * q_stride, its output at
  * out + r * out_stride, seeing keys lo..lo+count[r]-1): each key and value row is read once for all of them
  * (a verify's 8 queries used to read the whole cache 8 times). Each query's scores, maximum, weights and
@@ -140,31 +169,19 @@ void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long 
         }
         for (long h = 0; h < heads; h++) inv[r][h] = softmax_weights(p + (r * heads + h) * stride, count[r], max[r][h]);
     }
-    /* the weighted values: every head's sums over D_CHUNK dimensions at a time (all of them for a head
-     * dimension up to 128: each value row streamed from memory once), kept in `sums` between chunks of keys */
+    /* the weighted values: each (query, head)'s sums over D_CHUNK dimensions at a time (all of them for a head
+     * dimension up to 128), kept in `sums` between chunks of KEY_CHUNK keys; a chunk of values stays in L1
+     * for every query and head, so each value row is streamed from memory once */
     float one[8 * D_CHUNK], *sums = rows > 1 ? malloc(sizeof(float) * (size_t)(rows * heads * D_CHUNK)) : one;
-    const long chunk = rows > 1 ? KEY_CHUNK : most;  /* one query: all its keys in one pass */
     for (long d = 0; d < hd; d += D_CHUNK) {
         const long vecs = (hd - d < D_CHUNK ? hd - d : D_CHUNK) / 8;
         for (long s = 0; s < rows * heads * D_CHUNK; s++) sums[s] = 0.0f;
-        for (long i0 = 0; i0 < most; i0 += chunk) {
+        for (long i0 = 0; i0 < most; i0 += KEY_CHUNK) {
             for (long r = 0; r < rows; r++) {
-                const long end = i0 + chunk < count[r] ? i0 + chunk : count[r];
-                if (end <= i0) continue;
-                float *sr = sums + r * heads * D_CHUNK;
-                __m256 acc[8][D_CHUNK / 8];
-                for (long h = 0; h < heads; h++)
-                    for (long c = 0; c < vecs; c++) acc[h][c] = _mm256_loadu_ps(sr + h * D_CHUNK + 8 * c);
-                for (long i = i0; i < end; i++) {
-                    const float *v = vb + i * hd + d;
-                    for (long c = 0; c < vecs; c++) {
-                        const __m256 vv = _mm256_loadu_ps(v + 8 * c);
-                        for (long h = 0; h < heads; h++)
-                            acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[(r * heads + h) * stride + i]), vv, acc[h][c]);
-                    }
-                }
-                for (long h = 0; h < heads; h++)
-                    for (long c = 0; c < vecs; c++) _mm256_storeu_ps(sr + h * D_CHUNK + 8 * c, acc[h][c]);
+                const long end = i0 + KEY_CHUNK < count[r] ? i0 + KEY_CHUNK : count[r];
+                for (long h = 0; end > i0 && h < heads; h++)
+                    weighted_values(p + (r * heads + h) * stride, vb + d, hd, i0, end, most, vecs,
+                                    sums + (r * heads + h) * D_CHUNK, r + h + d == 0 && i0 + KEY_CHUNK < most ? KEY_CHUNK : 0);
             }
         }
         for (long r = 0; r < rows; r++)
