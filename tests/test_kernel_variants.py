@@ -107,18 +107,18 @@ def test_a_row_alone_equals_the_same_row_among_sixteen_on_every_variant(builds, 
 
 
 def test_pairs_of_groups_from_any_row_count_give_the_avx2_bits(builds):
-    """The AVX-512 build takes two groups of 8 columns per instruction from pair_min_rows rows (8 unless told),
+    """The AVX-512 build takes two groups of 8 columns per instruction from pair_min_rows rows (5 unless told),
     one group at a time below: both ways, at every row count, the AVX2 bits."""
     lib, reference = library(builds, "avx512-vnni"), library(builds, "avx2")
     default = lib.dfq_pair_min_rows()
-    assert default == 8
+    assert default == 5
     generator = torch.Generator().manual_seed(5)
     q4, q8 = weights(40, 96, generator)  # 2 pairs and one group alone
     try:
         for pairs_from in (1, 99):
             lib.dfq_set_pair_min_rows(pairs_from)
             assert lib.dfq_pair_min_rows() == pairs_from
-            for m in (1, 2, 5, 8, 9):
+            for m in (1, 2, 5, 6, 7, 8, 9, 15):  # pair tiles of 1-8 rows
                 x = activations(m, 96, generator)
                 for got, want in zip(matmuls(lib, x, q4, q8), matmuls(reference, x, q4, q8)):
                     assert torch.equal(got, want), f"pairs from {pairs_from} rows differ at rows={m}"

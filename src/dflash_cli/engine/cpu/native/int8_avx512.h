@@ -143,6 +143,9 @@ static void pair_rows(const struct dfq_linear *w, long g, const int8_t *aq, cons
         case 2: q4_pair(2, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
         case 3: q4_pair(3, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
         case 4: q4_pair(4, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        case 5: q4_pair(5, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        case 6: q4_pair(6, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
+        case 7: q4_pair(7, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
         default: q4_pair(8, aq, ad, as, k, codes, d, m, out, ldo, bias, accumulate); break;
         }
     } else {
@@ -153,6 +156,9 @@ static void pair_rows(const struct dfq_linear *w, long g, const int8_t *aq, cons
         case 2: q8_pair(2, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
         case 3: q8_pair(3, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
         case 4: q8_pair(4, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 5: q8_pair(5, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 6: q8_pair(6, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 7: q8_pair(7, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
         default: q8_pair(8, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
         }
     }

@@ -248,10 +248,12 @@ static void group_rows(const struct dfq_linear *w, long g, const int8_t *aq, con
 #include "int8_avx512.h"
 /* A pair reads two streams of codes nb * 128 (or 256) bytes apart: from memory (the LM head, every layer of a
  * target larger than the cache) that runs slower than one stream, and a call of few rows is all memory. Calls
- * of fewer than pair_min_rows rows take the groups one after the other (256-bit vpdpbusd); DFLASH_PAIR_MIN_ROWS
+ * of fewer than pair_min_rows rows take the groups one after the other (256-bit vpdpbusd), in tiles of 4 rows;
+ * from 5 rows a pair's tile of up to 8 rows is faster (a tile of 4 and one of 1-3 unpack the codes twice);
+ * DFLASH_PAIR_MIN_ROWS
  * or dfq_set_pair_min_rows changes it (benchmarks/README.md, "VNNI on Zen 4"). */
 #ifndef DFQ_PAIR_MIN_ROWS
-#define DFQ_PAIR_MIN_ROWS 8
+#define DFQ_PAIR_MIN_ROWS 5
 #endif
 static int pair_min_rows = DFQ_PAIR_MIN_ROWS;
 int dfq_pair_min_rows(void) { return pair_min_rows; }
@@ -295,7 +297,7 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
             int rows = m - r < 4 ? (int)(m - r) : 4;
 #ifdef DFQ_AVX512_VNNI
             if (g + 1 < groups && pair_min_rows <= m) {
-                if (m - r >= 8) rows = 8;  /* a pair's weights unpacked once for 8 rows (32 registers hold it) */
+                rows = m - r < 8 ? (int)(m - r) : 8;  /* a pair's weights unpacked once for up to 8 rows (32 registers hold it) */
                 pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
                 r += rows;
                 continue;
