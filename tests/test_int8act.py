@@ -25,6 +25,7 @@ from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
 from dflash_cli.engine.errors import InvalidSettingError, UnsupportedModelError
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair
+from dflash_cli.engine.sampling import greedy_ids
 from dflash_cli.models.smollm2_convert import read_q4_1_blocks
 
 pytestmark = pytest.mark.skipif(native.available_without_building() is not None,
@@ -438,3 +439,23 @@ def test_a_greedy_verify_runs_the_lm_head_only_up_to_the_first_rejected_draft(pa
         assert got.stats.accepted > 0 and sum(head_rows) == got.stats.accepted + verifies
     else:
         assert sum(head_rows) < 8 * verifies
+
+
+def test_greedy_ids_take_the_first_maximum_as_torch_does():
+    """The C argmax behind greedy decoding, drafting and verifying: torch.argmax's index on every row, ties
+    to the first, vector tails and short rows, -inf rows; a NaN row goes to torch (which picks the NaN)."""
+    assert native.library() is not None and native.loaded() is not None
+    generator = torch.Generator().manual_seed(3)
+    for n in (1, 5, 8, 13, 64, 49157):
+        x = torch.randn(6, n, generator=generator)
+        top = x.max(-1, keepdim=True).values
+        x[1, n // 2:] = top[1]  # ties from the middle on: the first of them
+        x[2] = torch.where(torch.arange(n) % 3 == 2, top[2], x[2])  # ties in every vector lane
+        x[3] = -torch.inf
+        got = greedy_ids(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), n
+        assert torch.equal(greedy_ids(x[:, : max(1, n - 1)]), x[:, : max(1, n - 1)].argmax(-1))  # strided rows
+    x = torch.randn(3, 100, generator=generator)
+    x[1, 40] = torch.nan
+    assert native.argmax_rows(native.loaded().lib, x) is None
+    assert torch.equal(greedy_ids(x), x.argmax(-1)) and int(greedy_ids(x)[1]) == 40

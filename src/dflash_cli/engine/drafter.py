@@ -16,7 +16,7 @@ from torch import nn
 from dflash_cli.engine.cpu.packed import PackedLinear, dense_rows, dense_weight, embedding_rows
 from dflash_cli.engine.cpu.weightonly import quantize_linears
 from dflash_cli.engine.hf_config import DrafterConfig
-from dflash_cli.engine.sampling import Sampler
+from dflash_cli.engine.sampling import Sampler, greedy_ids
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -383,13 +383,13 @@ class DFlashDrafter(nn.Module):
         """
         if self.draft_vocab is None:
             _, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
-            return logits.float().argmax(-1) if sampler is None else sampler(logits, start + 1)
+            return greedy_ids(logits) if sampler is None else sampler(logits, start + 1)
         h = self.draft_hidden(context, anchor, start, block_len, cache, embed_weight, keep)
         head = self.draft_head(lm_head)
         logits = self.postprocess_logits(head(h.to(lm_head_dtype(head) or h.dtype))).float()  # (keep, V')
         if sampler is None or (sampler.greedy and not sampler.constrained):  # the vocabulary is sorted: the
             # same first maximum as over `full`
-            return self.draft_vocab[logits.argmax(-1)]
+            return self.draft_vocab[greedy_ids(logits)]
         width = int(getattr(lm_head, "out_features"))  # the target's vocabulary
         full = logits.new_full((logits.shape[0], width), -torch.inf)
         full[:, self.draft_vocab] = logits  # ids outside the draft vocabulary get probability 0

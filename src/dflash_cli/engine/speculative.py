@@ -20,7 +20,7 @@ import torch
 from dflash_cli.engine.adaptive import BlockSizeController
 from dflash_cli.engine.device import Stopwatch
 from dflash_cli.engine.drafter import Drafter
-from dflash_cli.engine.sampling import Sampler
+from dflash_cli.engine.sampling import Sampler, greedy_ids
 from dflash_cli.engine.state import DecodeState
 
 
@@ -79,7 +79,7 @@ def greedy_prefix(logits_of: Callable[[torch.Tensor], torch.Tensor], normed: tor
     tokens: list[int] = []
     at, size = 0, first
     while True:
-        for token in logits_of(normed[at:at + size]).float().argmax(dim=-1).tolist():
+        for token in greedy_ids(logits_of(normed[at:at + size])).tolist():
             tokens.append(token)
             if len(tokens) > len(drafts) or token != drafts[len(tokens) - 1]:
                 return tokens

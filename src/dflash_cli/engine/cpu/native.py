@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("int8_matmul.c", "attention.c", "layer.c")
+SOURCES = ("int8_matmul.c", "attention.c", "layer.c", "argmax.c")
 # -ffp-contract=off keeps every row's float operations the same in any tile shape (row-exact); the
 # scheduling flags keep the kernels' accumulators in registers (gcc otherwise spills them)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-tree-reassoc",
@@ -113,7 +113,9 @@ SIGNATURES = {
     "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],
     "dfq_amx_set_min_rows": [ctypes.c_int],
     "dfq_set_pair_min_rows": [ctypes.c_int],
+    "dfq_argmax_rows": [P, LONG, LONG, LONG, P],
 }
+RESULTS = {"dfq_argmax_rows": LONG}  # what a call returns, where it returns something
 
 
 class Linear(ctypes.Structure):
@@ -253,7 +255,7 @@ def _load(path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"{path} is of another version")
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, RESULTS.get(name)
     return lib
 
 
@@ -441,6 +443,12 @@ def library_if_built() -> Built | None:
     return library()
 
 
+def loaded() -> Built | None:
+    """The library this process has loaded, or None (nothing built or loaded for it)."""
+    got = _state.get("result")
+    return got if isinstance(got, Built) else None
+
+
 def unavailable() -> str | None:
     """Why library() is None (after a call), or None when it loaded."""
     got = _state.get("result")
@@ -474,3 +482,11 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: tor
     lib.dfq_attention(q.data_ptr(), q.stride(1), n, heads, keys.shape[1], hd, keys.data_ptr(), values.data_ptr(),
                       keys.shape[2], positions.data_ptr(), window or 0, scale, out.data_ptr())
     return out
+
+
+def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's first maximum (torch.argmax's choice) of a CPU float32 (rows, n) tensor with unit column
+    stride, as int64 (rows,); None when a row holds a NaN (torch's argmax picks it)."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    nans = lib.dfq_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return None if nans else out
