@@ -289,6 +289,7 @@ class DFlashDrafter(nn.Module):
         raw.update(head_dim=self.config.head_dim, hidden_size=self.config.hidden_size,
                    num_attention_heads=self.config.num_attention_heads)
         self.rotary = Qwen3RotaryEmbedding(Qwen3Config(**raw)).to(device)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # _rope_rows's, made on first use
 
     def _apply(self, fn, recurse=True):
         # .to(dtype)/.to(device) would cast RoPE's fp32 frequencies too: recompute them instead
@@ -331,9 +332,7 @@ class DFlashDrafter(nn.Module):
 
         assert self.native_layers is not None and self.rotary is not None
         lib, layers = self.native_layers
-        cos, sin = self.rotary(h, positions)  # (1, P+B, hd)
-        half = cos.shape[-1] // 2
-        cos, signed = cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        cos, signed = self._rope_rows(int(positions[0, 0]), int(positions[0, -1]) + 1)  # (1, P+B, hd)
         h = h.contiguous().clone()  # updated in place
         ctx = ctx.contiguous() if ctx is not None else None
         end = positions.shape[-1] + cache.length
@@ -344,6 +343,20 @@ class DFlashDrafter(nn.Module):
             keys, values = cache.reserve(i, end, like)
             run_draft_layer(lib, layer, h, ctx, cache.length, cos, signed, keys, values)
         return self.norm(h)
+
+    def _rope_rows(self, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin with its first half negated (native/layer.c's tables), (1, end - lo, hd), for positions
+        lo..end-1: slices of tables of every position so far (computing them per draft took 70 us)."""
+        table = self._rope_table
+        if table is None or table[0].shape[1] < end:
+            assert self.rotary is not None
+            size = max(end, 2 * table[0].shape[1] if table is not None else 256)
+            like = self.hidden_norm.weight
+            cos, sin = self.rotary(like, torch.arange(size, device=like.device)[None])
+            half = cos.shape[-1] // 2
+            table = self._rope_table = (cos.float().contiguous(),
+                                        torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).float().contiguous())
+        return table[0][:, lo:end], table[1][:, lo:end]
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(.)) of tapped target states (N, P, n_taps*H): the context rows, (N, P, H)."""
