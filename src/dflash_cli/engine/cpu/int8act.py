@@ -196,9 +196,10 @@ DRAFT_QUANT_ENV = "DFLASH_DRAFT_QUANT"
 def draft_quant() -> tuple[str, str]:
     """The drafter's format beside a q4a8/q8a8 target, and why: $DFLASH_DRAFT_QUANT (q4a8 or q8a8) when set, else
     q8a8. 4-bit drafter weights sum faster on AVX2's maddubs (eight products in 16 bits before one widening:
-    the demo's draft 7.8 -> 5.1 ms on Zen 1) but draft worse (full-block tau 2.78 -> 2.63 on math); where the
-    adaptive controller keeps drafting on (a CPU whose verify costs little), which wins is not measured yet,
-    and on Zen 1 it pauses either way (benchmarks/README.md, "A 4-bit drafter")."""
+    the demo's draft 7.8 -> 5.1 ms on Zen 1) but draft worse (full-block tau 2.78 -> 2.63 on math); on Zen 1
+    the adaptive controller pauses either way, and on Zen 4, which keeps drafting (a draft 2.0 -> 1.5 ms), two
+    interleaved runs split by set with no clear winner (benchmarks/README.md, "A 4-bit drafter" and
+    "Prefetch, pairs from 5 rows")."""
     forced = os.environ.get(DRAFT_QUANT_ENV, "").strip().lower()
     if forced in INT8_ACT_QUANTS:
         return forced, f"set by {DRAFT_QUANT_ENV}"
