@@ -430,10 +430,11 @@ def test_a_greedy_verify_runs_the_lm_head_only_up_to_the_first_rejected_draft(pa
         return finish(normed)
 
     pair.target.logits_of = counted
+    pair.target.head_call_rows = lambda: 2.0  # a call costing two rows (measured, it varies by machine)
     try:
         got = generate(pair.target, oracle, prompt, max_new_tokens=24, block_size=8, stop_ids=[])
     finally:
-        del pair.target.logits_of
+        del pair.target.logits_of, pair.target.head_call_rows
     assert got.tokens == plain
     verifies = got.stats.steps
     if acceptance == 0.0:  # 2 rows while the estimate of accepted drafts is near 1, then 1
@@ -462,3 +463,14 @@ def test_greedy_ids_take_the_first_maximum_as_torch_does():
     x[1, 40] = torch.nan
     assert native.argmax_rows(native.loaded().lib, x) is None
     assert torch.equal(greedy_ids(x), x.argmax(-1)) and int(greedy_ids(x)[1]) == 40
+
+
+def test_the_targets_head_call_cost_is_measured_once(pairs):
+    target = a8_pair(pairs, "qwen3", "q4a8").target
+    assert target.defers_head
+    calls = []
+    logits_of = target.fast.logits_of
+    target.fast.logits_of = lambda normed: calls.append(normed.shape[0]) or logits_of(normed)
+    rows = target.head_call_rows()
+    assert 0.5 <= rows <= 16.0 and sorted(calls) == [1, 1, 1, 4, 4, 4]
+    assert target.head_call_rows() == rows and len(calls) == 6  # kept

@@ -236,3 +236,15 @@ def test_the_verify_head_takes_few_rows_first_for_a_weak_drafter_and_more_for_a_
     assert first_head_rows(2, 5.0) == 2  # too short to split
     firsts = [first_head_rows(16, m) for m in (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)]
     assert firsts == sorted(firsts) and firsts[0] == 1 and 4 <= firsts[-1] < 16
+
+
+def test_a_head_call_that_costs_many_rows_takes_every_row_at_once():
+    """Where one LM-head call costs several rows' worth whatever it takes (a memory-bound head), the first
+    piece grows to the whole block; where it costs little, the split stays."""
+    from dflash_cli.engine.speculative import first_head_rows
+
+    assert first_head_rows(8, 6.0, call_rows=16.0) == 8
+    assert first_head_rows(8, 6.0, call_rows=0.5) < 8
+    firsts = [first_head_rows(8, 1.5, call_rows=c) for c in (0.5, 2.0, 6.0, 16.0)]
+    assert firsts == sorted(firsts) and firsts[0] < firsts[-1]
+

@@ -28,6 +28,7 @@ per-layer support check, projections and math in engine/fast_layers.py (`fast_pa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +107,7 @@ class FastPath:
         self.ring_layers = set(windows) if self.ring is not None else set()
         # the compute dtype (a float32 target may keep its embeddings 16-bit: engine/layerwise.py)
         self.dtype = model.get_decoder().norm.weight.dtype
+        self._head_call_rows: float | None = None  # head_call_rows(), measured at the first greedy verify
         self.device = model.get_input_embeddings().weight.device  # the hot device: ids, logits, taps
         devices = [layer_device(layer) for layer in layers]
         # each layer's device under a device map; None on one device (no boundary checks at all)
@@ -261,6 +263,29 @@ class FastPath:
         """(rows, V) logits of rows that forward(logits=False) returned."""
         with torch.inference_mode():
             return self._module(True, False, False).logits_of(normed)
+
+    def head_call_rows(self) -> float:
+        """What one LM-head call costs beyond its rows, in rows, measured once (the head on 1 and 4 rows, best
+        of 3 each): greedy verifies weigh one call on every row against a first piece and a second call
+        (engine/speculative.first_head_rows). Where the head is compute-bound (AVX2 on Zen 1) a call costs
+        about its rows; where it is memory-bound (the demo's 28 MB head on Zen 4: 0.52 ms for 1 row, 0.74 for
+        4) a call costs several rows' worth whatever it takes."""
+        if self._head_call_rows is None:
+            width = int(self.model.get_decoder().norm.weight.shape[0])
+
+            def best(rows: int) -> float:
+                normed = torch.zeros(rows, width, dtype=self.dtype, device=self.device)
+                times = []
+                for _ in range(3):
+                    started = time.perf_counter()
+                    self.logits_of(normed)
+                    times.append(time.perf_counter() - started)
+                return min(times)
+
+            one, four = best(1), best(4)
+            per_row = max((four - one) / 3, one / 64)
+            self._head_call_rows = min(max((one - per_row) / per_row, 0.5), 16.0)
+        return self._head_call_rows
 
     def forward(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,
                 last_logit_only: bool, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

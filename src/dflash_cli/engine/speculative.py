@@ -52,18 +52,19 @@ def read_context(state: DecodeState, drafter: Drafter) -> None:
 
 # what one more LM head call costs, in rows' worth of its per-row cost: reading the weights once (the demo's q8a8
 # head on 2 Zen 1 cores: 2.5 ms for 1 row, 8.7 ms for 8, so about 1.6 ms fixed and 0.9 ms a row)
-HEAD_CALL_ROWS = 2.0
+HEAD_CALL_ROWS = 2.0  # what a head call costs beyond its rows, in rows, where the target has not measured it
 
 
-def first_head_rows(n: int, mean_accepted: float) -> int:
+def first_head_rows(n: int, mean_accepted: float, call_rows: float = HEAD_CALL_ROWS) -> int:
     """How many of a verify's n rows the LM head should take first: the count that minimizes the expected
     cost of the head, its first call plus, when every draft in it is accepted, a second call on the rest,
-    with drafts accepted independently at the rate that gives `mean_accepted` (a geometric count)."""
+    with drafts accepted independently at the rate that gives `mean_accepted` (a geometric count); a call
+    costs `call_rows` rows beyond its own (Target.head_call_rows)."""
     rate = mean_accepted / (1.0 + mean_accepted)
 
     def expected(first: int) -> float:
         rest = n - first
-        return HEAD_CALL_ROWS + first + (rate**first * (HEAD_CALL_ROWS + rest) if rest else 0.0)
+        return call_rows + first + (rate**first * (call_rows + rest) if rest else 0.0)
 
     return min(range(1, n + 1), key=expected)
 
@@ -99,6 +100,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
     # greedy verifies on the CPU fast path stop the LM head at the first rejected draft (greedy_prefix)
     defer_head = sample.greedy and not sample.constrained and target.defers_head
     mean_accepted = 1.0  # drafts accepted per verify, recent rounds weighted most: sizes the head's first piece
+    call_rows = target.head_call_rows() if defer_head else HEAD_CALL_ROWS
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
         state.check_caches()
@@ -121,7 +123,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         block = torch.cat([anchor, drafts])[None] if n > 1 else anchor[None]  # (1, n)
         if defer_head and n > 1:
             normed, hidden = target.forward(block, state.target_cache, start, taps=True, logits=False)
-            host = greedy_prefix(target.logits_of, normed, drafts.tolist(), first=first_head_rows(n, mean_accepted))
+            host = greedy_prefix(target.logits_of, normed, drafts.tolist(), first=first_head_rows(n, mean_accepted, call_rows))
             host.append(len(host) - 1)
             mean_accepted += 0.2 * (host[-1] - mean_accepted)
             choice = torch.tensor(host[:-1], device=anchor.device)

@@ -211,6 +211,11 @@ class Target:
         assert self.fast is not None
         return self.fast.logits_of(normed)
 
+    def head_call_rows(self) -> float:
+        """What one call of the LM head costs beyond its rows, in rows (FastTarget.head_call_rows)."""
+        assert self.fast is not None
+        return self.fast.head_call_rows()
+
     @property
     def fast_compiled(self) -> bool:
         return self.fast is not None and self.fast.compiled
