@@ -123,7 +123,8 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         block = torch.cat([anchor, drafts])[None] if n > 1 else anchor[None]  # (1, n)
         if defer_head and n > 1:
             normed, hidden = target.forward(block, state.target_cache, start, taps=True, logits=False)
-            host = greedy_prefix(target.logits_of, normed, drafts.tolist(), first=first_head_rows(n, mean_accepted, call_rows))
+            first = first_head_rows(n, mean_accepted, call_rows)
+            host = greedy_prefix(target.logits_of, normed, drafts.tolist(), first=first)
             host.append(len(host) - 1)
             mean_accepted += 0.2 * (host[-1] - mean_accepted)
             choice = torch.tensor(host[:-1], device=anchor.device)

@@ -212,7 +212,7 @@ class Target:
         return self.fast.logits_of(normed)
 
     def head_call_rows(self) -> float:
-        """What one call of the LM head costs beyond its rows, in rows (FastTarget.head_call_rows)."""
+        """What one call of the LM head costs beyond its rows, in rows (FastPath.head_call_rows)."""
         assert self.fast is not None
         return self.fast.head_call_rows()
 
