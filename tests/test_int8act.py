@@ -23,6 +23,7 @@ from dflash_cli.engine.cpu.int8act import (
 from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, unpack_q4, unpack_q8
 from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
 from dflash_cli.engine.errors import InvalidSettingError, UnsupportedModelError
+from dflash_cli.engine.fast import KV_CACHE_ENV
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.sampling import greedy_ids
@@ -243,7 +244,8 @@ def test_a_tied_heads_codes_become_the_embeddings_and_the_dense_table_is_freed(t
 
 
 @pytest.mark.parametrize("family, last_tapped", [("qwen3", False), ("llama", False), ("qwen3", True)])
-def test_the_c_layer_computes_what_the_op_by_op_forward_does(pairs, family, last_tapped):
+def test_the_c_layer_computes_what_the_op_by_op_forward_does(pairs, family, last_tapped, monkeypatch):
+    monkeypatch.setenv(KV_CACHE_ENV, "f32")  # the op-by-op forward's cache is fp32: the same cache for both
     pair = a8_pair(pairs, family, "q4a8")
     fast = pair.target.fast
     ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 30, 31, 40]])
@@ -474,3 +476,33 @@ def test_the_targets_head_call_cost_is_measured_once(pairs):
     rows = target.head_call_rows()
     assert 0.5 <= rows <= 16.0 and sorted(calls) == [1, 1, 1, 4, 4, 4]
     assert target.head_call_rows() == rows and len(calls) == 6  # kept
+
+
+def test_the_c_layers_cache_is_fp16_and_close_to_fp32(pairs, monkeypatch):
+    """A target whose every layer is one C call keeps its K/V in fp16 (half the bytes attention reads at long
+    context), DFLASH_KV_CACHE=f32 in fp32; the logits stay close, and greedy speculative decoding on the fp16
+    cache still equals greedy plain decoding on it (a decode and a verify read the same rows)."""
+    from dflash_cli.engine.oracle import OracleDrafter
+
+    pair = a8_pair(pairs, "qwen3", "q4a8")
+    fast = pair.target.fast
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 30, 31, 40, 41, 42]])
+    half = fast.new_cache()
+    assert half.keys[0].dtype == torch.float16 and fast.shared_cache().keys[0].dtype == torch.float16
+    assert fast.new_cache(batch=2).keys[0].dtype == torch.float32  # the batched generator's: module forwards
+    monkeypatch.setenv(KV_CACHE_ENV, "f32")
+    full = fast.new_cache()
+    assert full.keys[0].dtype == torch.float32
+    got, _ = fast.forward(ids, half, 0, taps=False, last_logit_only=False)
+    want, _ = fast.forward(ids, full, 0, taps=False, last_logit_only=False)
+    assert not torch.equal(got, want)  # fp16 rows were read
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+    k_half, k_full = half.keys[0][0, :, :12].float(), full.keys[0][0, :, :12]  # the first layer: same inputs
+    assert torch.equal(k_half, k_full.half().float())  # the cached rows: the fp32 ones rounded
+    monkeypatch.delenv(KV_CACHE_ENV)
+    prompt = [5, 9, 11, 3, 7, 2, 8]
+    plain = generate(pair.target, None, prompt, max_new_tokens=24, stop_ids=[]).tokens
+    oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=0.7, seed=1, vocab_size=160)
+    spec = generate(pair.target, oracle, prompt, max_new_tokens=24, block_size=8, stop_ids=[])
+    assert pair.target.fast.shared_cache().keys[0].dtype == torch.float16
+    assert spec.tokens == plain and spec.stats.accepted > 0

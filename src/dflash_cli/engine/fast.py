@@ -28,6 +28,7 @@ per-layer support check, projections and math in engine/fast_layers.py (`fast_pa
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,8 @@ from dflash_cli.engine.linear_attention import CHUNK, BlockRecord, is_linear_att
 from dflash_cli.engine.moe import quantize_experts
 from dflash_cli.engine.static_cache import FAR, LinearStates, StaticCache, bucket, key_positions
 from dflash_cli.engine.static_forward import StaticForward
+
+KV_CACHE_ENV = "DFLASH_KV_CACHE"  # f32: keep the C layers' caches in fp32 (FastPath.cache_dtype)
 
 
 class FastPath:
@@ -197,6 +200,17 @@ class FastPath:
                 self._module(True, False, logits)
             self._module(True, True)
 
+    def cache_dtype(self, batch: int = 1) -> torch.dtype:
+        """fp16 for a cache that only the C layers write and read (one sequence, every layer one C call, eager
+        on the CPU): attention reads half the bytes, which at long context are most of a decode's (llama.cpp
+        keeps fp16 caches by default too), and a decode and a verify still read the same rows. Elsewhere,
+        and with DFLASH_KV_CACHE=f32, the model's dtype."""
+        if (batch == 1 and self.device.type == "cpu" and not self.compiled and self.ring is None
+                and os.environ.get(KV_CACHE_ENV, "").strip().lower() not in ("f32", "fp32", "float32")
+                and self._module(True, False).fused is not None):
+            return torch.float16
+        return self.dtype
+
     def shared_cache(self) -> StaticCache:
         """The model's one cache for decoding (engine/state.py hands it from one conversation to the next)."""
         if self._shared is None:
@@ -215,7 +229,7 @@ class FastPath:
                   for i in range(self.num_layers)]
         ring = (torch.full((self.ring[0],), FAR, dtype=torch.long, device=self.device)
                 if self.ring is not None else None)
-        cache = StaticCache(self.num_layers, self.kv_heads, self.head_dim, self.capacity, dtype=self.dtype,
+        cache = StaticCache(self.num_layers, self.kv_heads, self.head_dim, self.capacity, dtype=self.cache_dtype(batch),
                             device=devices, linear=linear, attention_layers=self.attention_layers,
                             layer_shapes=shapes, ring=ring, window=self.ring[1] if self.ring else None, batch=batch)
         if self.compiled and self.device.type == "cuda":  # CUDA graphs read the buffers where they are

@@ -69,11 +69,12 @@ def run_layer(lib: ctypes.CDLL, layer: native.Layer, h: torch.Tensor, positions:
               signed_sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               tap: torch.Tensor | None = None) -> None:
     """Runs one layer on h (1, n, hidden) fp32 in place; cos/signed_sin (n, hd); keys/values (1, kv, capacity,
-    hd), row r holding position r. `tap`: a (1, n, hidden) fp32 view with unit column stride (a slice of the
-    tapped states' columns) that gets the layer's output too."""
+    hd) fp32 or fp16, row r holding position r. `tap`: a (1, n, hidden) fp32 view with unit column stride (a
+    slice of the tapped states' columns) that gets the layer's output too."""
     where, stride = (tap.data_ptr(), tap.stride(1)) if tap is not None else (None, 0)
     lib.dfq_layer_forward(ctypes.byref(layer), h.data_ptr(), h.shape[1], positions.data_ptr(), cos.data_ptr(),
-                          signed_sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], where, stride)
+                          signed_sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], where, stride,
+                          int(keys.dtype == torch.float16))
 
 
 def _weight(norm: Any) -> tuple[int, float]:

@@ -109,7 +109,7 @@ SIGNATURES = {
     "dfq_q8_matmul": [P, LONG, LONG, P, P, LONG, P, P],
     "dfq_q8_rows": [P, P, LONG, P, LONG, P],
     "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P],
-    "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG, P, LONG],
+    "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG, P, LONG, ctypes.c_int],
     "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],
     "dfq_amx_set_min_rows": [ctypes.c_int],
     "dfq_set_pair_min_rows": [ctypes.c_int],

@@ -36,14 +36,14 @@ void dfq_quantize_row(const float *x, long k, int8_t *q, float *d, float *s);
 void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *ad, const float *as, long m,
                      float *out, long out_stride, int accumulate);
 
-/* One (token, head) of causal attention: q (hd), keys/values rows lo..lo+count-1 of (capacity, hd) head
- * buffers, out (hd). */
-void dfq_attend_one(const float *q, long hd, const float *keys, const float *values, long lo, long count,
-                    float scale, float *out);
+/* Causal attention of `rows` queries of one key/value group's `heads` heads (query r at q + r * q_stride, its
+ * output at out + r * out_stride) over rows lo..lo+count[r]-1 of the group's (capacity, hd) key and value
+ * buffers, in fp32, or fp16 where `half` (the fused layers' caches); dfq_attend_group: one query, fp32. */
 void dfq_attend_group(const float *q, long heads, long hd, const float *keys, const float *values, long lo,
                       long count, float scale, float *out);
-void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long hd, const float *keys,
-                     const float *values, long lo, const long *count, float scale, float *out, long out_stride);
+void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long hd, const void *keys,
+                     const void *values, long lo, const long *count, float scale, float *out, long out_stride,
+                     int half);
 
 /* the sum of a vector's 8 lanes, always in the same order */
 static inline float dfq_sum8(__m256 v) {

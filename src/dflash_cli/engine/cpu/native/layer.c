@@ -55,13 +55,25 @@ static void silu_mul(const float *gate, const float *up, long k, float *out) {
     }
 }
 
+/* a key or value row of hd floats into its cache row: fp32, or fp16 (rounded to nearest) where `half` */
+static void cache_write(void *cache, long row, const float *x, long hd, int half) {
+    if (half) {
+        uint16_t *dst = (uint16_t *)cache + row * hd;
+        for (long i = 0; i < hd; i += 8)
+            _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    } else {
+        memcpy((float *)cache + row * hd, x, sizeof(float) * (size_t)hd);
+    }
+}
+
 /* Attention of n tokens (query r at q + r * q_stride, output at out + r * out_stride) over a cache of kv
  * key/value groups of `group` heads, token r seeing keys lo..lo+counts[r]-1, inside a parallel region: a
  * group's heads and a run of its tokens per task (about two tasks per thread in all), so each group's cache is
  * read once per run. */
-static void attend_runs(const float *q, long q_stride, long n, long group, long kv, long hd, const float *keys,
-                        const float *values, long capacity, long lo, const long *counts, float *out,
-                        long out_stride) {
+static void attend_runs(const float *q, long q_stride, long n, long group, long kv, long hd, const void *keys,
+                        const void *values, long capacity, long lo, const long *counts, float *out,
+                        long out_stride, int half) {
+    const long size = half ? 2 : 4;  /* bytes per cached element */
 #ifdef _OPENMP
     extern int omp_get_num_threads(void);
     const long threads = omp_get_num_threads();
@@ -73,19 +85,20 @@ static void attend_runs(const float *q, long q_stride, long n, long group, long 
     for (long task = 0; task < kv * runs; task++) {
         const long g = task / runs, r = task % runs * per, rows = n - r < per ? n - r : per;
         if (rows > 0)
-            dfq_attend_rows(q + r * q_stride + g * group * hd, q_stride, rows, group, hd, keys + g * capacity * hd,
-                            values + g * capacity * hd, lo, counts + r, 1.0f, out + r * out_stride + g * group * hd,
-                            out_stride);
+            dfq_attend_rows(q + r * q_stride + g * group * hd, q_stride, rows, group, hd,
+                            (const char *)keys + g * capacity * hd * size, (const char *)values + g * capacity * hd * size,
+                            lo, counts + r, 1.0f, out + r * out_stride + g * group * hd, out_stride, half);
     }
 }
 
 /* Runs the layer on h (n, hidden), in place, for tokens at `positions` (n); cos and signed_sin: (n, hd)
- * rotary tables; keys/values: (kv, capacity, hd) cache buffers whose row r holds position r. With tap (not
+ * rotary tables; keys/values: (kv, capacity, hd) cache buffers whose row r holds position r, fp32, or fp16
+ * where `half` (half the bytes for attention to read at long context). With tap (not
  * NULL), the layer's output rows are also copied to tap + r * tap_stride (the drafter's tapped states): by
  * the threads that wrote their columns, inside the call (a torch copy between two calls cost ~30 us each). */
 void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_t *positions, const float *cos,
-                       const float *signed_sin, float *keys, float *values, long capacity, float *tap,
-                       long tap_stride) {
+                       const float *signed_sin, void *keys, void *values, long capacity, float *tap,
+                       long tap_stride, int half) {
     const long H = L->hidden, heads = L->heads, kv = L->kv, hd = L->hd, I = L->inter;
     const long wide = (heads + 2 * kv) * hd, widest = I > H ? (I > heads * hd ? I : heads * hd) : H;
     float *xn = malloc(sizeof(float) * (size_t)(n * (H > heads * hd ? H : heads * hd)));
@@ -118,14 +131,12 @@ void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_
                 const long g = j - heads;
                 if (L->k_norm) rms_norm(x, L->k_norm, hd, L->qk_eps, x);
                 rope(x, c, s, hd, 1.0f);
-                float *krow = keys + (g * capacity + positions[r]) * hd;
-                float *vrow = values + (g * capacity + positions[r]) * hd;
-                const float *v = qkv + r * wide + (heads + kv + g) * hd;
-                for (long i = 0; i < hd; i++) { krow[i] = x[i]; vrow[i] = v[i]; }
+                cache_write(keys, g * capacity + positions[r], x, hd, half);
+                cache_write(values, g * capacity + positions[r], qkv + r * wide + (heads + kv + g) * hd, hd, half);
             }
         }
         /* attention into xn (n, heads * hd), then quantized for o */
-        attend_runs(qkv, wide, n, group, kv, hd, keys, values, capacity, 0, counts, xn, heads * hd);
+        attend_runs(qkv, wide, n, group, kv, hd, keys, values, capacity, 0, counts, xn, heads * hd, half);
         const long A = heads * hd;
 #pragma omp for schedule(static)
         for (long r = 0; r < n; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
@@ -220,7 +231,7 @@ void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, 
                 for (long i = 0; i < hd; i++) { krow[i] = x[i]; vrow[i] = vv[i]; }
             }
         }
-        attend_runs(q, A, B, group, kv, hd, keys, values, capacity, lo, counts, xn, A);
+        attend_runs(q, A, B, group, kv, hd, keys, values, capacity, lo, counts, xn, A, 0);
 #pragma omp for schedule(static)
         for (long r = 0; r < B; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
         dfq_matmul_rows(&L->o, aq, ad, as, B, h, H, 1);
