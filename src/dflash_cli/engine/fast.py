@@ -200,12 +200,13 @@ class FastPath:
                 self._module(True, False, logits)
             self._module(True, True)
 
-    def cache_dtype(self, batch: int = 1) -> torch.dtype:
-        """fp16 for a cache that only the C layers write and read (one sequence, every layer one C call, eager
-        on the CPU): attention reads half the bytes, which at long context are most of a decode's (llama.cpp
-        keeps fp16 caches by default too), and a decode and a verify still read the same rows. Elsewhere,
-        and with DFLASH_KV_CACHE=f32, the model's dtype."""
-        if (batch == 1 and self.device.type == "cpu" and not self.compiled and self.ring is None
+    def cache_dtype(self) -> torch.dtype:
+        """fp16 where every layer runs as one C call (eager, on the CPU): attention reads half the bytes, which
+        at long context are most of a decode's (llama.cpp keeps fp16 caches by default too); a decode and a
+        verify read the same rows, and the batched generator's caches (new_cache(batch=...), read by the
+        layers' op-by-op forward) hold the same values, so its replies are decoding's. Elsewhere, and with
+        DFLASH_KV_CACHE=f32, the model's dtype."""
+        if (self.device.type == "cpu" and not self.compiled and self.ring is None
                 and os.environ.get(KV_CACHE_ENV, "").strip().lower() not in ("f32", "fp32", "float32")
                 and self._module(True, False).fused is not None):
             return torch.float16
@@ -229,7 +230,7 @@ class FastPath:
                   for i in range(self.num_layers)]
         ring = (torch.full((self.ring[0],), FAR, dtype=torch.long, device=self.device)
                 if self.ring is not None else None)
-        cache = StaticCache(self.num_layers, self.kv_heads, self.head_dim, self.capacity, dtype=self.cache_dtype(batch),
+        cache = StaticCache(self.num_layers, self.kv_heads, self.head_dim, self.capacity, dtype=self.cache_dtype(),
                             device=devices, linear=linear, attention_layers=self.attention_layers,
                             layer_shapes=shapes, ring=ring, window=self.ring[1] if self.ring else None, batch=batch)
         if self.compiled and self.device.type == "cuda":  # CUDA graphs read the buffers where they are

@@ -170,7 +170,9 @@ class LinearStates:
 
 def write_rows(buffer: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
     """Writes K/V rows (b, heads, n, hd) into a cache buffer (b, heads, capacity, hd) at `at`: (n,) buffer
-    rows for every sequence alike (decoding), or (b, n), each sequence its own (batched generation)."""
+    rows for every sequence alike (decoding), or (b, n), each sequence its own (batched generation); fp32
+    rows into an fp16 buffer are rounded to nearest, as the C layers write theirs."""
+    rows = rows.to(buffer.dtype)
     if at.dim() == 1:
         buffer.index_copy_(2, at, rows)
     else:  # advanced indices first: the target is (b, n, heads, hd). (scatter_ measured 100x slower.)

@@ -340,11 +340,12 @@ class StaticForward(nn.Module):
             out = native.attention(self.native, q, keys, values, write_at, self.kinds[i][0], scale)
             return proj["o"](out * torch.sigmoid(gate) if gate is not None else out)
         folded = q.reshape(b, n, kv, heads // kv, hd).permute(0, 2, 3, 1, 4).reshape(b, kv, -1, hd)
+        # an fp16 cache (FastPath.cache_dtype) read back in the queries' dtype: the values the C attention reads
+        seen_k, seen_v = keys[:, :, :rows].to(q.dtype), values[:, :, :rows].to(q.dtype)
         if blocked is not None:
-            out = row_exact_attention(folded, keys[:, :, :rows], values[:, :, :rows], blocked, scale)
+            out = row_exact_attention(folded, seen_k, seen_v, blocked, scale)
         else:
-            out = F.scaled_dot_product_attention(folded, keys[:, :, :rows], values[:, :, :rows],
-                                                 attn_mask=mask, scale=scale)
+            out = F.scaled_dot_product_attention(folded, seen_k, seen_v, attn_mask=mask, scale=scale)
         out = out.reshape(b, kv, heads // kv, n, hd).permute(0, 3, 1, 2, 4).reshape(b, n, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

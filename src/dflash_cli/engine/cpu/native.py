@@ -108,7 +108,7 @@ SIGNATURES = {
     "dfq_q4_matmul": [P, LONG, LONG, P, P, P, LONG, P, P],
     "dfq_q8_matmul": [P, LONG, LONG, P, P, LONG, P, P],
     "dfq_q8_rows": [P, P, LONG, P, LONG, P],
-    "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P],
+    "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P, ctypes.c_int],
     "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG, P, LONG, ctypes.c_int],
     "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],
     "dfq_amx_set_min_rows": [ctypes.c_int],
@@ -473,14 +473,15 @@ def ptr(t: torch.Tensor | None) -> int | None:
 def attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               positions: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
     """Causal fp32 attention of one sequence's queries q (1, n, heads, hd) at `positions` (n,) over cache
-    buffers (1, kv, capacity, hd) whose row r holds position r, each row exact in any company
+    buffers (1, kv, capacity, hd) of fp32 or fp16 whose row r holds position r, each row exact in any company
     (native/attention.c); (1, n, heads * hd)."""
     _, n, heads, hd = q.shape
     if q.stride(-1) != 1 or q.stride(2) != hd:
         q = q.contiguous()
     out = torch.empty(1, n, heads * hd)
     lib.dfq_attention(q.data_ptr(), q.stride(1), n, heads, keys.shape[1], hd, keys.data_ptr(), values.data_ptr(),
-                      keys.shape[2], positions.data_ptr(), window or 0, scale, out.data_ptr())
+                      keys.shape[2], positions.data_ptr(), window or 0, scale, out.data_ptr(),
+                      int(keys.dtype == torch.float16))
     return out
 
 

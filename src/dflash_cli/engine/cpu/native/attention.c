@@ -124,7 +124,7 @@ static inline __attribute__((always_inline)) void weighted_values(const float *w
     }
 }
 
-/* dfq_attend_group for `rows` queries of the group at once (query r at q + r * q_stride, its output at
+/* The `heads` query heads of one key/value group for `rows` queries at once (query r at q + r * q_stride, its output at
  * out + r * out_stride, seeing keys lo..lo+count[r]-1): each key and value row is read once for all of them
  * (a verify's 8 queries used to read the whole cache 8 times). Each query's scores, maximum, weights and
  * sums are the same operations in the same order as alone. */
@@ -251,27 +251,20 @@ void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long 
                                                        count + r, scale, out + r * out_stride + h * hd, out_stride);
 }
 
-/* The `heads` query heads of one key/value group (q and out: heads rows of hd floats, one after the other),
- * each key and value row read once for all of them: at long context the cache's reads, not the arithmetic,
- * are the cost. Every head's row is computed in the same order as alone, so the result is bit-identical to
- * attending head by head (and to a block of any length). */
-void dfq_attend_group(const float *q, long heads, long hd, const float *keys, const float *values, long lo,
-                      long count, float scale, float *out) {
-    dfq_attend_rows(q, 0, 1, heads, hd, keys, values, lo, &count, scale, out, 0, 0);
-}
-
 /* q: (n, heads, hd) with row stride q_stride (floats between tokens); keys/values: (kv, capacity, hd), buffer
- * row == position; positions (n,); a query at position p sees keys lo..p, lo = p - window + 1 with a window,
- * else 0; scale multiplies the scores; out: (n, heads * hd). hd is a multiple of 8. */
-void dfq_attention(const float *q, long q_stride, long n, long heads, long kv, long hd, const float *keys,
-                   const float *values, long capacity, const int64_t *positions, long window, float scale,
-                   float *out) {
-    const long group = heads / kv, tasks = n * kv;
+ * row == position, fp32, or fp16 where `half`; positions (n,); a query at position p sees keys lo..p, lo =
+ * p - window + 1 with a window, else 0; scale multiplies the scores; out: (n, heads * hd). hd is a multiple
+ * of 8. */
+void dfq_attention(const float *q, long q_stride, long n, long heads, long kv, long hd, const void *keys,
+                   const void *values, long capacity, const int64_t *positions, long window, float scale,
+                   float *out, int half) {
+    const long group = heads / kv, tasks = n * kv, size = half ? 2 : 4;
 #pragma omp parallel for schedule(static) if (tasks > 1 && positions[n - 1] * tasks * group > 2048)
     for (long task = 0; task < tasks; task++) {
         const long t = task / kv, g = task % kv, pos = positions[t];
-        const long lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        dfq_attend_group(q + t * q_stride + g * group * hd, group, hd, keys + g * capacity * hd,
-                         values + g * capacity * hd, lo, pos - lo + 1, scale, out + t * heads * hd + g * group * hd);
+        const long lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, count = pos - lo + 1;
+        dfq_attend_rows(q + t * q_stride + g * group * hd, 0, 1, group, hd,
+                        (const char *)keys + g * capacity * hd * size, (const char *)values + g * capacity * hd * size,
+                        lo, &count, scale, out + t * heads * hd + g * group * hd, 0, half);
     }
 }

@@ -38,9 +38,7 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
 
 /* Causal attention of `rows` queries of one key/value group's `heads` heads (query r at q + r * q_stride, its
  * output at out + r * out_stride) over rows lo..lo+count[r]-1 of the group's (capacity, hd) key and value
- * buffers, in fp32, or fp16 where `half` (the fused layers' caches); dfq_attend_group: one query, fp32. */
-void dfq_attend_group(const float *q, long heads, long hd, const float *keys, const float *values, long lo,
-                      long count, float scale, float *out);
+ * buffers, in fp32, or fp16 where `half` (the C layers' caches). */
 void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long hd, const void *keys,
                      const void *values, long lo, const long *count, float scale, float *out, long out_stride,
                      int half);
