@@ -185,10 +185,15 @@ def test_width_shrinks_to_fit_memory(tiny_models, monkeypatch):
 
 
 @pytest.mark.parametrize("weights", ["q4a8", "q8a8"])
-def test_integer_activation_formats_answer_as_that_format_decodes_alone(tiny_models, weights):
+@pytest.mark.parametrize("kv_cache", ["", "f16"])
+def test_integer_activation_formats_answer_as_that_format_decodes_alone(tiny_models, weights, kv_cache,
+                                                                          monkeypatch):
     """The deployed target on most CPUs decodes in q4a8: the batched generator in that format writes exactly
-    the replies decoding writes, one prompt at a time (each row's activations are quantized on their own)."""
+    the replies decoding writes, one prompt at a time (each row's activations are quantized on their own),
+    with fp16 caches (DFLASH_KV_CACHE=f16) too."""
     from dflash_cli.engine.cpu import native
+
+    monkeypatch.setenv("DFLASH_KV_CACHE", kv_cache)
 
     if native.unavailable():
         pytest.skip(f"the q4a8/q8a8 kernels cannot be built here: {native.unavailable()}")

@@ -478,19 +478,21 @@ def test_the_targets_head_call_cost_is_measured_once(pairs):
     assert target.head_call_rows() == rows and len(calls) == 6  # kept
 
 
-def test_the_c_layers_cache_is_fp16_and_close_to_fp32(pairs, monkeypatch):
-    """A target whose every layer is one C call keeps its K/V in fp16 (half the bytes attention reads at long
-    context), DFLASH_KV_CACHE=f32 in fp32; the logits stay close, and greedy speculative decoding on the fp16
-    cache still equals greedy plain decoding on it (a decode and a verify read the same rows)."""
+def test_the_c_layers_cache_is_fp16_when_asked_and_close_to_fp32(pairs, monkeypatch):
+    """With DFLASH_KV_CACHE=f16 a target whose every layer is one C call keeps its K/V in fp16 (half the bytes
+    attention reads at long context), by default in fp32; the logits stay close, and greedy speculative
+    decoding on the fp16 cache still equals greedy plain decoding on it (a decode and a verify read the same
+    rows)."""
     from dflash_cli.engine.oracle import OracleDrafter
 
+    monkeypatch.setenv(KV_CACHE_ENV, "f16")
     pair = a8_pair(pairs, "qwen3", "q4a8")
     fast = pair.target.fast
     ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 30, 31, 40, 41, 42]])
     half = fast.new_cache()
     assert half.keys[0].dtype == torch.float16 and fast.shared_cache().keys[0].dtype == torch.float16
     assert fast.new_cache(batch=2).keys[0].dtype == torch.float16  # the batched generator's too
-    monkeypatch.setenv(KV_CACHE_ENV, "f32")
+    monkeypatch.delenv(KV_CACHE_ENV)
     full = fast.new_cache()
     assert full.keys[0].dtype == torch.float32
     got, _ = fast.forward(ids, half, 0, taps=False, last_logit_only=False)
@@ -499,7 +501,7 @@ def test_the_c_layers_cache_is_fp16_and_close_to_fp32(pairs, monkeypatch):
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
     k_half, k_full = half.keys[0][0, :, :12].float(), full.keys[0][0, :, :12]  # the first layer: same inputs
     assert torch.equal(k_half, k_full.half().float())  # the cached rows: the fp32 ones rounded
-    monkeypatch.delenv(KV_CACHE_ENV)
+    monkeypatch.setenv(KV_CACHE_ENV, "f16")
     prompt = [5, 9, 11, 3, 7, 2, 8]
     plain = generate(pair.target, None, prompt, max_new_tokens=24, stop_ids=[]).tokens
     oracle = OracleDrafter(pair.drafter, prompt + plain + [0] * 20, acceptance=0.7, seed=1, vocab_size=160)
