@@ -432,11 +432,11 @@ def test_a_greedy_verify_runs_the_lm_head_only_up_to_the_first_rejected_draft(pa
         return finish(normed)
 
     pair.target.logits_of = counted
-    pair.target.head_call_rows = lambda: 2.0  # a call costing two rows (measured, it varies by machine)
+    pair.target.head_costs = lambda: None  # a call costing two rows beyond its own (measured, it varies by machine)
     try:
         got = generate(pair.target, oracle, prompt, max_new_tokens=24, block_size=8, stop_ids=[])
     finally:
-        del pair.target.logits_of, pair.target.head_call_rows
+        del pair.target.logits_of, pair.target.head_costs
     assert got.tokens == plain
     verifies = got.stats.steps
     if acceptance == 0.0:  # 2 rows while the estimate of accepted drafts is near 1, then 1
@@ -473,9 +473,10 @@ def test_the_targets_head_call_cost_is_measured_once(pairs):
     calls = []
     logits_of = target.fast.logits_of
     target.fast.logits_of = lambda normed: calls.append(normed.shape[0]) or logits_of(normed)
-    rows = target.head_call_rows()
-    assert 0.5 <= rows <= 16.0 and sorted(calls) == [1, 1, 1, 4, 4, 4]
-    assert target.head_call_rows() == rows and len(calls) == 6  # kept
+    costs = target.head_costs()
+    assert len(costs) == 9 and costs[0] == 0.0 and all(c > 0 for c in costs[1:])
+    assert sorted(calls) == sorted([k for k in range(1, 9) for _ in range(3)])
+    assert target.head_costs() is costs and len(calls) == 24  # kept
 
 
 def test_the_c_layers_cache_is_fp16_when_asked_and_close_to_fp32(pairs, monkeypatch):

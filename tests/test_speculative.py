@@ -238,13 +238,16 @@ def test_the_verify_head_takes_few_rows_first_for_a_weak_drafter_and_more_for_a_
     assert firsts == sorted(firsts) and firsts[0] == 1 and 4 <= firsts[-1] < 16
 
 
-def test_a_head_call_that_costs_many_rows_takes_every_row_at_once():
-    """Where one LM-head call costs several rows' worth whatever it takes (a memory-bound head), the first
-    piece grows to the whole block; where it costs little, the split stays."""
+def test_the_verify_heads_first_piece_follows_the_measured_costs():
+    """Where the head's first rows come almost free (a memory-bound head: a flat cost up to several rows) the
+    first piece takes them; where every row costs as much as a call, the split stays small; past the measured
+    rows the cost goes on with its last step."""
     from dflash_cli.engine.speculative import first_head_rows
 
-    assert first_head_rows(8, 6.0, call_rows=16.0) == 8
-    assert first_head_rows(8, 6.0, call_rows=0.5) < 8
-    firsts = [first_head_rows(8, 1.5, call_rows=c) for c in (0.5, 2.0, 6.0, 16.0)]
-    assert firsts == sorted(firsts) and firsts[0] < firsts[-1]
-
+    flat = (0.0, 1.0, 1.02, 1.05, 1.08, 2.0, 2.3, 2.6, 2.9)  # Zen 4's shape: flat to 4 rows, then a step
+    linear = (0.0, *(1.0 + k for k in range(1, 9)))  # Zen 1's: each row a call's worth
+    assert first_head_rows(8, 1.5, flat) == 4
+    assert first_head_rows(8, 1.5, linear) < 4
+    assert first_head_rows(8, 0.5, flat) == 4 and first_head_rows(8, 0.5, linear) <= 2
+    fixed = (0.0, *(10.0 + 0.1 * k for k in range(1, 9)))  # a call's own cost dominates: one call
+    assert first_head_rows(16, 8.0, fixed) == 16  # past the measured 8 rows, their last step

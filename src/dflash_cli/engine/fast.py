@@ -55,6 +55,7 @@ from dflash_cli.engine.static_cache import FAR, LinearStates, StaticCache, bucke
 from dflash_cli.engine.static_forward import StaticForward
 
 KV_CACHE_ENV = "DFLASH_KV_CACHE"  # f16: the C layers' caches in fp16 (FastPath.cache_dtype)
+HEAD_COST_ROWS = 8  # the row counts FastPath.head_costs measures, 1..this
 
 
 class FastPath:
@@ -110,7 +111,7 @@ class FastPath:
         self.ring_layers = set(windows) if self.ring is not None else set()
         # the compute dtype (a float32 target may keep its embeddings 16-bit: engine/layerwise.py)
         self.dtype = model.get_decoder().norm.weight.dtype
-        self._head_call_rows: float | None = None  # head_call_rows(), measured at the first greedy verify
+        self._head_costs: tuple[float, ...] | None = None  # head_costs(), measured once
         self.device = model.get_input_embeddings().weight.device  # the hot device: ids, logits, taps
         devices = [layer_device(layer) for layer in layers]
         # each layer's device under a device map; None on one device (no boundary checks at all)
@@ -279,13 +280,13 @@ class FastPath:
         with torch.inference_mode():
             return self._module(True, False, False).logits_of(normed)
 
-    def head_call_rows(self) -> float:
-        """What one LM-head call costs beyond its rows, in rows, measured once (the head on 1 and 4 rows, best
-        of 3 each): greedy verifies weigh one call on every row against a first piece and a second call
-        (engine/speculative.first_head_rows). Where the head is compute-bound (AVX2 on Zen 1) a call costs
-        about its rows; where it is memory-bound (the demo's 28 MB head on Zen 4: 0.52 ms for 1 row, 0.74 for
-        4) a call costs several rows' worth whatever it takes."""
-        if self._head_call_rows is None:
+    def head_costs(self) -> tuple[float, ...]:
+        """What a call of the LM head on k rows costs (seconds, index k; 0 unused), k = 1..8, measured once, best
+        of 3 each: greedy verifies weigh one call on every row against a first piece and a second call
+        (engine/speculative.first_head_rows). Where the head is compute-bound (AVX2 on Zen 1: the demo's head
+        2.5 ms for 1 row, 8.7 for 8) each row costs about what a call does; where it is memory-bound (the
+        same head on Zen 4: 0.52 ms for 1 row, 0.74 for 4, 1.5 for 8) the first rows come almost free."""
+        if self._head_costs is None:
             width = int(self.model.get_decoder().norm.weight.shape[0])
 
             def best(rows: int) -> float:
@@ -297,10 +298,8 @@ class FastPath:
                     times.append(time.perf_counter() - started)
                 return min(times)
 
-            one, four = best(1), best(4)
-            per_row = max((four - one) / 3, one / 64)
-            self._head_call_rows = min(max((one - per_row) / per_row, 0.5), 16.0)
-        return self._head_call_rows
+            self._head_costs = (0.0, *(best(rows) for rows in range(1, HEAD_COST_ROWS + 1)))
+        return self._head_costs
 
     def forward(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,
                 last_logit_only: bool, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

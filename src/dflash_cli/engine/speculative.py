@@ -12,7 +12,7 @@ drafts are samples of its distribution coupled to the target's (docs/engine.md, 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,16 +55,25 @@ def read_context(state: DecodeState, drafter: Drafter) -> None:
 HEAD_CALL_ROWS = 2.0  # what a head call costs beyond its rows, in rows, where the target has not measured it
 
 
-def first_head_rows(n: int, mean_accepted: float, call_rows: float = HEAD_CALL_ROWS) -> int:
+def first_head_rows(n: int, mean_accepted: float, head_costs: Sequence[float] | None = None) -> int:
     """How many of a verify's n rows the LM head should take first: the count that minimizes the expected
     cost of the head, its first call plus, when every draft in it is accepted, a second call on the rest,
-    with drafts accepted independently at the rate that gives `mean_accepted` (a geometric count); a call
-    costs `call_rows` rows beyond its own (Target.head_call_rows)."""
+    with drafts accepted independently at the rate that gives `mean_accepted` (a geometric count).
+    `head_costs[k]`: what a call of k rows costs (Target.head_costs; past its end, its last step again);
+    None: a call costs HEAD_CALL_ROWS rows beyond its own."""
     rate = mean_accepted / (1.0 + mean_accepted)
+
+    def call(rows: int) -> float:
+        if head_costs is None:
+            return HEAD_CALL_ROWS + rows
+        last = len(head_costs) - 1
+        if rows <= last:
+            return head_costs[rows]
+        return head_costs[last] + (rows - last) * (head_costs[last] - head_costs[last - 1])
 
     def expected(first: int) -> float:
         rest = n - first
-        return call_rows + first + (rate**first * (call_rows + rest) if rest else 0.0)
+        return call(first) + (rate**first * call(rest) if rest else 0.0)
 
     return min(range(1, n + 1), key=expected)
 
@@ -100,7 +109,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
     # greedy verifies on the CPU fast path stop the LM head at the first rejected draft (greedy_prefix)
     defer_head = sample.greedy and not sample.constrained and target.defers_head
     mean_accepted = 1.0  # drafts accepted per verify, recent rounds weighted most: sizes the head's first piece
-    call_rows = target.head_call_rows() if defer_head else HEAD_CALL_ROWS
+    head_costs = target.head_costs() if defer_head else None
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
         state.check_caches()
@@ -123,7 +132,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         block = torch.cat([anchor, drafts])[None] if n > 1 else anchor[None]  # (1, n)
         if defer_head and n > 1:
             normed, hidden = target.forward(block, state.target_cache, start, taps=True, logits=False)
-            first = first_head_rows(n, mean_accepted, call_rows)
+            first = first_head_rows(n, mean_accepted, head_costs)
             host = greedy_prefix(target.logits_of, normed, drafts.tolist(), first=first)
             host.append(len(host) - 1)
             mean_accepted += 0.2 * (host[-1] - mean_accepted)

@@ -211,10 +211,10 @@ class Target:
         assert self.fast is not None
         return self.fast.logits_of(normed)
 
-    def head_call_rows(self) -> float:
-        """What one call of the LM head costs beyond its rows, in rows (FastPath.head_call_rows)."""
+    def head_costs(self) -> tuple[float, ...] | None:
+        """What a call of the LM head on k rows costs, by k (FastPath.head_costs)."""
         assert self.fast is not None
-        return self.fast.head_call_rows()
+        return self.fast.head_costs()
 
     @property
     def fast_compiled(self) -> bool:

@@ -367,7 +367,7 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
         if target.fast.packed and drafter is not None and room_to_pack(drafter):
             pack_linears(drafter)  # its layers run at the same few rows as the target's
         if drafter is not None and target.defers_head:
-            target.head_call_rows()  # measured now (a few ms), not in the first reply's decode
+            target.head_costs()  # measured now (10-150 ms), not in the first reply's decode
         return f"static cache, eager{form} ({why}){attention}{drafting}"
     if on_status is not None:
         on_status("Compiling the decode and verify forwards (first run; kept on disk for the next) ...")
