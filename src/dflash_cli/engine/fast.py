@@ -282,23 +282,26 @@ class FastPath:
 
     def head_costs(self) -> tuple[float, ...]:
         """What a call of the LM head on k rows costs (seconds, index k; 0 unused), k = 1..8, measured once, best
-        of 3 each: greedy verifies weigh one call on every row against a first piece and a second call
-        (engine/speculative.first_head_rows). Where the head is compute-bound (AVX2 on Zen 1: the demo's head
-        2.5 ms for 1 row, 8.7 for 8) each row costs about what a call does; where it is memory-bound (the
-        same head on Zen 4: 0.52 ms for 1 row, 0.74 for 4, 1.5 for 8) the first rows come almost free."""
+        of 3 each (one each for a head slower than 10 ms a call, a multi-GB one): greedy verifies weigh one call
+        on every row against a first piece and a second call (engine/speculative.first_head_rows). Where the
+        head is compute-bound (AVX2 on Zen 1: the demo's head 2.5 ms for 1 row, 8.7 for 8) each row costs about
+        what a call does; where it is memory-bound (the same head on Zen 4: 0.52 ms for 1 row, 0.74 for 4, 1.5
+        for 8) the first rows come almost free."""
         if self._head_costs is None:
             width = int(self.model.get_decoder().norm.weight.shape[0])
 
-            def best(rows: int) -> float:
+            def best(rows: int, repeats: int) -> float:
                 normed = torch.zeros(rows, width, dtype=self.dtype, device=self.device)
                 times = []
-                for _ in range(3):
+                for _ in range(repeats):
                     started = time.perf_counter()
                     self.logits_of(normed)
                     times.append(time.perf_counter() - started)
                 return min(times)
 
-            self._head_costs = (0.0, *(best(rows) for rows in range(1, HEAD_COST_ROWS + 1)))
+            # a first call as a warm-up, which also says whether three of each fit in well under a second
+            repeats = 3 if best(1, 1) < 0.01 else 1
+            self._head_costs = (0.0, *(best(rows, repeats) for rows in range(1, HEAD_COST_ROWS + 1)))
         return self._head_costs
 
     def forward(self, ids: torch.Tensor, cache: StaticCache, start: int, *, taps: bool,
