@@ -138,6 +138,16 @@ class FastPath:
         self.projections = quantized.projections
         self.freed_bytes = quantized.freed_bytes
         self.codes_used = quantized.codes_used  # linears that run the checkpoint's own codes
+        self._make_head(model, weights, pack, free_dense)
+        self.fallback_reason: str | None = None
+        self.taps: list[int] = []
+        self._eager: dict[tuple[bool, bool, bool], StaticForward] = {}
+        self._compiled: dict[bool, Callable[..., Any]] = {}
+        self._shared: StaticCache | None = None
+
+    def _make_head(self, model: HFModule, weights: str | None, pack: bool, free_dense: bool) -> None:
+        """self.lm_head in the run's format, and self.codes_embedding: the input embeddings when they are the
+        LM head's codes (a tied head under q4a8/q8a8), else None."""
         head = model.get_output_embeddings()
         # keep_source: a draft vocabulary takes its rows from the dense head (drafter.draft_head). Under q4 the
         # LM head is q8: 4-bit groups cost it 9% of its weight (the demo's tau fell from 1.7 to 1.1), as fast
@@ -145,7 +155,6 @@ class FastPath:
         head_kind = "q8a8" if weights in INT8_ACT_QUANTS else "q8"
         self.lm_head = ((quantize_linears([head], head_kind, keep_source=True) if weights else None)
                         or (PackedLinear.pack(head, keep_source=True) if pack else None) or head)
-        # the input embeddings when they are the LM head's codes (a tied head under q4a8/q8a8), else None
         self.codes_embedding: CodesEmbedding | None = None
         if free_dense and weights in INT8_ACT_QUANTS and self.lm_head is not head:
             tied = head.weight is self.embed_weight(model)
@@ -155,11 +164,6 @@ class FastPath:
                 # rows for a draft vocabulary come from the head's 8-bit codes (dense_rows): free its source
                 self.lm_head.source = None
                 self.freed_bytes += free_dense_weights([head])
-        self.fallback_reason: str | None = None
-        self.taps: list[int] = []
-        self._eager: dict[tuple[bool, bool, bool], StaticForward] = {}
-        self._compiled: dict[bool, Callable[..., Any]] = {}
-        self._shared: StaticCache | None = None
 
     @staticmethod
     def embed_weight(model: HFModule) -> torch.Tensor:

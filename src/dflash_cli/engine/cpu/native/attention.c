@@ -124,10 +124,10 @@ static inline __attribute__((always_inline)) void weighted_values(const float *w
     }
 }
 
-/* The `heads` query heads of one key/value group for `rows` queries at once (query r at q + r * q_stride, its output at
- * out + r * out_stride, seeing keys lo..lo+count[r]-1): each key and value row is read once for all of them
- * (a verify's 8 queries used to read the whole cache 8 times). Each query's scores, maximum, weights and
- * sums are the same operations in the same order as alone. */
+/* The `heads` query heads of one key/value group for `rows` queries at once (query r at q + r * q_stride,
+ * its output at out + r * out_stride, seeing keys lo..lo+count[r]-1): each key and value row is read once for
+ * all of them (a verify's 8 queries used to read the whole cache 8 times). Each query's scores, maximum,
+ * weights and sums are the same operations in the same order as alone. */
 static inline __attribute__((always_inline)) void attend_rows(const float *q, long q_stride, long rows, long heads,
                                                               long hd, const void *keys, const void *values,
                                                               long lo, const long *count, float scale, float *out,

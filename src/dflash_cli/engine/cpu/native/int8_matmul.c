@@ -297,7 +297,8 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
             int rows = m - r < 4 ? (int)(m - r) : 4;
 #ifdef DFQ_AVX512_VNNI
             if (g + 1 < groups && pair_min_rows <= m) {
-                rows = m - r < 8 ? (int)(m - r) : 8;  /* a pair's weights unpacked once for up to 8 rows (32 registers hold it) */
+                /* a pair's weights unpacked once for up to 8 rows (32 registers hold it) */
+                rows = m - r < 8 ? (int)(m - r) : 8;
                 pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
                 r += rows;
                 continue;

@@ -86,7 +86,8 @@ static void attend_runs(const float *q, long q_stride, long n, long group, long 
         const long g = task / runs, r = task % runs * per, rows = n - r < per ? n - r : per;
         if (rows > 0)
             dfq_attend_rows(q + r * q_stride + g * group * hd, q_stride, rows, group, hd,
-                            (const char *)keys + g * capacity * hd * size, (const char *)values + g * capacity * hd * size,
+                            (const char *)keys + g * capacity * hd * size,
+                            (const char *)values + g * capacity * hd * size,
                             lo, counts + r, 1.0f, out + r * out_stride + g * group * hd, out_stride, half);
     }
 }
