@@ -85,8 +85,9 @@ def activations(m, k, generator):
 def test_every_variant_gives_the_avx2_bits_on_random_and_extreme_inputs(builds, name):
     lib, reference = library(builds, name), library(builds, "avx2")
     generator = torch.Generator().manual_seed(1)
-    # 8 and 24 columns: one group alone; 16 and 136: pairs (136 = 8 pairs and one alone)
-    for n, k in ((8, 32), (16, 64), (24, 576), (136, 96)):
+    # 8 and 24 columns: one group alone; 16 and 136: pairs (136 = 8 pairs and one alone); k = 4096 at 21 rows:
+    # more blocks than the q8 kernels' per-block offsets keep on the stack (int8_matmul.c, q8_offsets)
+    for n, k in ((8, 32), (16, 64), (24, 576), (136, 96), (40, 4096)):
         q4, q8 = weights(n, k, generator)
         for m in (1, 2, 3, 4, 5, 8, 16, 21):  # 21: a tile of 16 rows, then 5 on the VNNI kernel
             x = activations(m, k, generator)

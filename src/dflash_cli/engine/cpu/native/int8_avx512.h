@@ -9,7 +9,6 @@
 #define W(name) simde##name
 typedef simde__m512i wide_i;
 typedef simde__m512 wide_f;
-typedef simde__mmask64 mask64;
 /* SIMDe 0.7 has no _mm512_cvtepi32_ps: the two halves through AVX's conversion (exact either way) */
 static inline wide_f simde_mm512_cvtepi32_ps(wide_i v) {
     const __m256 lo = _mm256_cvtepi32_ps(simde_mm512_castsi512_si256(v));
@@ -21,7 +20,6 @@ static inline wide_f simde_mm512_cvtepi32_ps(wide_i v) {
 #define W(name) name
 typedef __m512i wide_i;
 typedef __m512 wide_f;
-typedef __mmask64 mask64;
 #endif
 
 /* 32 bytes of each group, group a's in lanes 0-7 and group b's in lanes 8-15 */
@@ -42,6 +40,17 @@ static inline wide_i bcast4_wide(const int8_t *a) {
     int32_t v;
     memcpy(&v, a, 4);
     return W(_mm512_set1_epi32)(v);
+}
+
+/* acc + vpdpbusd(u, the 4 bytes at a broadcast): gcc 12 does not fold the broadcast into the instruction's
+ * memory operand ({1to16}), which saves a separate load-and-broadcast per product */
+static inline __attribute__((always_inline)) wide_i dpbusd_bcast_wide(wide_i acc, wide_i u, const int8_t *a) {
+#ifdef DFQ_EMULATE
+    return W(_mm512_dpbusd_epi32)(acc, u, bcast4_wide(a));
+#else
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)a));
+    return acc;
+#endif
 }
 
 /* the 16 outputs of a pair: + bias, then = or += (as store8, per lane) */
@@ -75,8 +84,8 @@ static inline __attribute__((always_inline)) void q4_pair(const int R, const int
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int8_t *a = aq + r * k + b * QK;
-                s32[r] = W(_mm512_dpbusd_epi32)(s32[r], lo, bcast4_wide(a + 4 * t));
-                s32[r] = W(_mm512_dpbusd_epi32)(s32[r], hi, bcast4_wide(a + 16 + 4 * t));
+                s32[r] = dpbusd_bcast_wide(s32[r], lo, a + 4 * t);
+                s32[r] = dpbusd_bcast_wide(s32[r], hi, a + 16 + 4 * t);
             }
         }
         const wide_f dw = scales_pair(d + b * 8, d + nb * 8 + b * 8);
@@ -92,11 +101,12 @@ static inline __attribute__((always_inline)) void q4_pair(const int R, const int
     for (int r = 0; r < R; r++) store16(out + r * ldo, acc[r], bias, accumulate);
 }
 
-static inline __attribute__((always_inline)) void q8_pair(const int R, const int8_t *aq, const float *ad, long k,
-                                                          const int8_t *codes, const uint16_t *d, float *out,
-                                                          long ldo, const float *bias, int accumulate) {
+static inline __attribute__((always_inline)) void q8_pair(const int R, const int8_t *aq, const float *ad,
+                                                          const int32_t *off, long k, const int8_t *codes,
+                                                          const uint16_t *d, float *out, long ldo,
+                                                          const float *bias, int accumulate) {
     const long nb = k / QK;
-    const wide_i zero = W(_mm512_setzero_si512)();
+    const wide_i flip = W(_mm512_set1_epi8)((char)0x80);
     wide_f acc[8];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
@@ -106,18 +116,14 @@ static inline __attribute__((always_inline)) void q8_pair(const int R, const int
         prefetch_block(codes + nb * 256, 256, d + nb * 8, NULL, b);
         wide_i s32[8];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) s32[r] = zero;
+        for (int r = 0; r < R; r++) s32[r] = W(_mm512_set1_epi32)(off[r * nb + b]);
 #pragma GCC unroll 1
         for (int t = 0; t < 8; t++) {
-            const wide_i w = load_pair(cb + 32 * t, cb + nb * 256 + 32 * t);
-            /* vpdpbusd takes unsigned x signed: |w| times the activation with w's sign (AVX2's sign trick) */
-            const wide_i wabs = W(_mm512_abs_epi8)(w);
-            const mask64 negative = W(_mm512_movepi8_mask)(w);
+            /* vpdpbusd takes unsigned x signed: w + 128 (the sum starts at -128 times the activations' sum) */
+            const wide_i biased = W(_mm512_xor_si512)(load_pair(cb + 32 * t, cb + nb * 256 + 32 * t), flip);
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const wide_i a = bcast4_wide(aq + r * k + b * QK + 4 * t);
-                s32[r] = W(_mm512_dpbusd_epi32)(s32[r], wabs, W(_mm512_mask_sub_epi8)(a, negative, zero, a));
-            }
+            for (int r = 0; r < R; r++)
+                s32[r] = dpbusd_bcast_wide(s32[r], biased, aq + r * k + b * QK + 4 * t);
         }
         const wide_f dw = scales_pair(d + b * 8, d + nb * 8 + b * 8);
 #pragma GCC unroll 8
@@ -131,7 +137,7 @@ static inline __attribute__((always_inline)) void q8_pair(const int R, const int
 
 /* group_rows for groups g and g + 1 together */
 static void pair_rows(const struct dfq_linear *w, long g, const int8_t *aq, const float *ad, const float *as,
-                      int rows, float *out, long ldo, int accumulate) {
+                      const int32_t *off, int rows, float *out, long ldo, int accumulate) {
     const long k = w->k, nb = k / QK;
     const float *bias = w->bias ? w->bias + 8 * g : NULL;
     out += 8 * g;
@@ -152,14 +158,14 @@ static void pair_rows(const struct dfq_linear *w, long g, const int8_t *aq, cons
         const int8_t *codes = (const int8_t *)w->codes + g * nb * 256;
         const uint16_t *d = (const uint16_t *)w->d + g * nb * 8;
         switch (rows) {
-        case 1: q8_pair(1, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        case 2: q8_pair(2, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        case 3: q8_pair(3, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        case 4: q8_pair(4, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        case 5: q8_pair(5, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        case 6: q8_pair(6, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        case 7: q8_pair(7, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        default: q8_pair(8, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 1: q8_pair(1, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        case 2: q8_pair(2, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        case 3: q8_pair(3, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        case 4: q8_pair(4, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        case 5: q8_pair(5, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        case 6: q8_pair(6, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        case 7: q8_pair(7, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        default: q8_pair(8, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
         }
     }
 }

@@ -126,6 +126,19 @@ static inline __m256i bcast4(const int8_t *a) {
     return _mm256_set1_epi32(v);
 }
 
+#ifdef DFQ_VNNI
+/* acc + vpdpbusd(u, the 4 bytes at a broadcast); with AVX-512 the broadcast is the instruction's memory
+ * operand ({1to8}), which gcc 12 does not fold by itself (one load-and-broadcast less per product) */
+static inline __attribute__((always_inline)) __m256i dpbusd_bcast(__m256i acc, __m256i u, const int8_t *a) {
+#if defined(DFQ_AVX512_VNNI) && !defined(DFQ_EMULATE)
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)a));
+    return acc;
+#else
+    return dpbusd256(acc, u, bcast4(a));
+#endif
+}
+#endif
+
 static inline __attribute__((always_inline)) void q4_group(const int R, const int8_t *aq, const float *ad,
                                                            const float *as, long k, const uint8_t *codes,
                                                            const uint16_t *d, const uint16_t *m, float *out,
@@ -152,7 +165,7 @@ static inline __attribute__((always_inline)) void q4_group(const int R, const in
             for (int r = 0; r < R; r++) {
                 const int8_t *a = aq + r * k + b * QK;
 #ifdef DFQ_VNNI
-                s16[r] = dpbusd256(dpbusd256(s16[r], lo, bcast4(a + 4 * t)), hi, bcast4(a + 16 + 4 * t));
+                s16[r] = dpbusd_bcast(dpbusd_bcast(s16[r], lo, a + 4 * t), hi, a + 16 + 4 * t);
 #else
                 /* |sum| <= 8 * 2 * 15 * 127 = 30480: int16 holds the block's 8 maddubs terms */
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(a + 4 * t)));
@@ -178,12 +191,15 @@ static inline __attribute__((always_inline)) void q4_group(const int R, const in
 }
 
 static inline __attribute__((always_inline)) void q8_group(const int R, const int8_t *aq, const float *ad,
-                                                           long k, const int8_t *codes, const uint16_t *d,
-                                                           float *out, long ldo, const float *bias,
-                                                           int accumulate) {
+                                                           const int32_t *off, long k, const int8_t *codes,
+                                                           const uint16_t *d, float *out, long ldo,
+                                                           const float *bias, int accumulate) {
     const long nb = k / QK;
-#ifndef DFQ_VNNI
+#ifdef DFQ_VNNI
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+#else
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)off;
 #endif
     __m256 acc[4];
 #pragma GCC unroll 4
@@ -193,20 +209,26 @@ static inline __attribute__((always_inline)) void q8_group(const int R, const in
         prefetch_block(codes, 256, d, NULL, b);
         __m256i s32[4];
 #pragma GCC unroll 4
+#ifdef DFQ_VNNI
+        for (int r = 0; r < R; r++) s32[r] = _mm256_set1_epi32(off[r * nb + b]);
+#else
         for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 1
         for (int t = 0; t < 8; t++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(cb + 32 * t));
+#ifdef DFQ_VNNI
+            const __m256i biased = _mm256_xor_si256(w, flip);  /* w + 128, unsigned */
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) s32[r] = dpbusd_bcast(s32[r], biased, aq + r * k + b * QK + 4 * t);
+#else
             const __m256i wabs = _mm256_sign_epi8(w, w);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const __m256i a = _mm256_sign_epi8(bcast4(aq + r * k + b * QK + 4 * t), w);
-#ifdef DFQ_VNNI
-                s32[r] = dpbusd256(s32[r], wabs, a);
-#else
                 s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, a), ones));
-#endif
             }
+#endif
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 8)));
 #pragma GCC unroll 4
@@ -218,8 +240,27 @@ static inline __attribute__((always_inline)) void q8_group(const int R, const in
     for (int r = 0; r < R; r++) store8(out + r * ldo, acc[r], bias, accumulate);
 }
 
+/* The q8 kernels with vpdpbusd (unsigned x signed) take each weight code as w + 128 (one xor, shared by all
+ * rows) and start each block's sum at -128 times the sum of its activation codes, which leaves the same exact
+ * integer sum. Without it each row would flip the sign of its activations per weight vector (AVX2's sign
+ * trick: one more operation per vpdpbusd). off[i] for the blocks of m rows, laid out as ad. */
+#define OFFSETS_ON_STACK 2048
+#ifdef DFQ_VNNI
+static void q8_offsets(const int8_t *aq, long blocks, int32_t *off) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+    for (long i = 0; i < blocks; i++) {
+        /* the sum of 32 codes + 128 each as 4 sums of 8 (psadbw), then less 32 * 128 */
+        const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(aq + i * QK)),
+                                                              flip), zero);
+        const __m128i two = _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        const long total = _mm_cvtsi128_si64(_mm_add_epi64(two, _mm_unpackhi_epi64(two, two))) - QK * 128;
+        off[i] = (int32_t)(-128 * total);
+    }
+}
+#endif
+
 static void group_rows(const struct dfq_linear *w, long g, const int8_t *aq, const float *ad, const float *as,
-                       int rows, float *out, long ldo, int accumulate) {
+                       const int32_t *off, int rows, float *out, long ldo, int accumulate) {
     const long k = w->k, nb = k / QK;
     const float *bias = w->bias ? w->bias + 8 * g : NULL;
     out += 8 * g;
@@ -236,10 +277,10 @@ static void group_rows(const struct dfq_linear *w, long g, const int8_t *aq, con
         const int8_t *codes = (const int8_t *)w->codes + g * nb * 256;
         const uint16_t *d = (const uint16_t *)w->d + g * nb * 8;
         switch (rows) {
-        case 1: q8_group(1, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        case 2: q8_group(2, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        case 3: q8_group(3, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
-        default: q8_group(4, aq, ad, k, codes, d, out, ldo, bias, accumulate); break;
+        case 1: q8_group(1, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        case 2: q8_group(2, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        case 3: q8_group(3, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
+        default: q8_group(4, aq, ad, off, k, codes, d, out, ldo, bias, accumulate); break;
         }
     }
 }
@@ -280,6 +321,13 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
                      float *out, long ldo, int accumulate) {
     const long k = w->k, nb = k / QK, groups = w->n / 8;
     const long steps = (groups + DFQ_GROUPS_PER_STEP - 1) / DFQ_GROUPS_PER_STEP;
+    int32_t on_stack[OFFSETS_ON_STACK], *off = NULL;
+#ifdef DFQ_VNNI
+    if (w->kind == 8) {  /* each thread its own copy: m * k byte sums, next to m * n * k products */
+        off = m * nb <= OFFSETS_ON_STACK ? on_stack : malloc(sizeof(int32_t) * (size_t)(m * nb));
+        q8_offsets(aq, m * nb, off);
+    }
+#endif
 #ifdef DFQ_AMX
     const long tile_rows = amx_rows_for(m);  /* rows past the last whole tile take the VNNI kernel */
     if (tile_rows) amx_configure(tile_rows);  /* every thread of the team runs this, before sharing out */
@@ -299,16 +347,19 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
             if (g + 1 < groups && pair_min_rows <= m) {
                 /* a pair's weights unpacked once for up to 8 rows (32 registers hold it) */
                 rows = m - r < 8 ? (int)(m - r) : 8;
-                pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
+                pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, off ? off + r * nb : NULL, rows, out + r * ldo,
+                          ldo, accumulate);
                 r += rows;
                 continue;
             }
 #endif
             for (long h = g; h < g + DFQ_GROUPS_PER_STEP && h < groups; h++)
-                group_rows(w, h, aq + r * k, ad + r * nb, as + r * nb, rows, out + r * ldo, ldo, accumulate);
+                group_rows(w, h, aq + r * k, ad + r * nb, as + r * nb, off ? off + r * nb : NULL, rows,
+                           out + r * ldo, ldo, accumulate);
             r += rows;
         }
     }
+    if (off != on_stack) free(off);
 }
 
 static void matmul(const struct dfq_linear *w, const float *x, long m, float *out) {
