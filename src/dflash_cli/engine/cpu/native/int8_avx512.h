@@ -53,6 +53,31 @@ static inline __attribute__((always_inline)) wide_i dpbusd_bcast_wide(wide_i acc
 #endif
 }
 
+/* prefetch_block for a pair: its two groups' streams (codes a, and b = a + nb blocks), read side by side, and
+ * where that runs past their end, the next pair's two (the same thread's next step). prefetch_block on each
+ * stream would fetch group b's bytes from group a's (read already) and leave the next pair's first group to
+ * the hardware: with k = 576 (18 blocks a group) most of the distance ran past the end. */
+static inline __attribute__((always_inline)) void prefetch_pair(const void *codes, long block_bytes, long nb,
+                                                                const uint16_t *d, const uint16_t *m, long b) {
+    long at = b + DFQ_PREFETCH_BYTES / block_bytes;
+    const long pairs_on = at / nb;
+    at -= pairs_on * nb;
+    const char *a = (const char *)codes + (2 * pairs_on * nb + at) * block_bytes;
+    for (long line = 0; line < block_bytes; line += 64) {
+        _mm_prefetch(a + line, _MM_HINT_T0);
+        _mm_prefetch(a + nb * block_bytes + line, _MM_HINT_T0);
+    }
+    if ((at & 3) == 0) { /* 8 fp16 scales a block: one cache line per 4 blocks */
+        const long s = (2 * pairs_on * nb + at) * 8;
+        _mm_prefetch((const char *)(d + s), _MM_HINT_T0);
+        _mm_prefetch((const char *)(d + s + nb * 8), _MM_HINT_T0);
+        if (m) {
+            _mm_prefetch((const char *)(m + s), _MM_HINT_T0);
+            _mm_prefetch((const char *)(m + s + nb * 8), _MM_HINT_T0);
+        }
+    }
+}
+
 /* the 16 outputs of a pair: + bias, then = or += (as store8, per lane) */
 static inline void store16(float *out, wide_f y, const float *bias, int accumulate) {
     if (bias) y = W(_mm512_add_ps)(y, W(_mm512_loadu_ps)(bias));
@@ -71,8 +96,7 @@ static inline __attribute__((always_inline)) void q4_pair(const int R, const int
     for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
     for (long b = 0; b < nb; b++) {
         const uint8_t *cb = codes + b * 128;
-        prefetch_block(codes, 128, d, m, b);  /* both groups' streams */
-        prefetch_block(codes + nb * 128, 128, d + nb * 8, m + nb * 8, b);
+        prefetch_pair(codes, 128, nb, d, m, b);
         wide_i s32[8];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) s32[r] = W(_mm512_setzero_si512)();
@@ -112,8 +136,7 @@ static inline __attribute__((always_inline)) void q8_pair(const int R, const int
     for (int r = 0; r < R; r++) acc[r] = W(_mm512_setzero_ps)();
     for (long b = 0; b < nb; b++) {
         const int8_t *cb = codes + b * 256;
-        prefetch_block(codes, 256, d, NULL, b);
-        prefetch_block(codes + nb * 256, 256, d + nb * 8, NULL, b);
+        prefetch_pair(codes, 256, nb, d, NULL, b);
         wide_i s32[8];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) s32[r] = W(_mm512_set1_epi32)(off[r * nb + b]);
