@@ -80,6 +80,21 @@ def test_gguf_q4_1_blocks_keep_their_codes_d_and_m_exactly():
     assert torch.equal(layer.dequantize(), expected)
 
 
+def test_the_c_rms_norm_is_the_drafters_rms_norm():
+    """The drafter's norms around its C layers (native.rms_norm): the module's function, rows in any shape."""
+    from dflash_cli.engine.drafter import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x = torch.randn(2, 3, 64) * 5
+    x[0, 0] = 0.0  # eps alone under the root
+    got = native.rms_norm(native.library().lib, x, norm.weight.detach(), norm.eps)
+    torch.testing.assert_close(got, norm(x).detach(), rtol=1e-6, atol=1e-6)
+    assert native.rms_norm(native.library().lib, torch.randn(2, 12), torch.ones(12), 1e-5) is None  # 12 % 8
+
+
 @pytest.mark.parametrize("hd", [32, 64, 96])  # the weighted values' 8-vector passes and the remainder
 def test_attention_in_c_is_softmax_attention_with_exact_rows(hd):
     torch.manual_seed(0)

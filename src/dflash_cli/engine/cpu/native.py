@@ -114,6 +114,7 @@ SIGNATURES = {
     "dfq_amx_set_min_rows": [ctypes.c_int],
     "dfq_set_pair_min_rows": [ctypes.c_int],
     "dfq_argmax_rows": [P, LONG, LONG, LONG, P],
+    "dfq_rms_norm_rows": [P, LONG, LONG, P, ctypes.c_float, P],
 }
 RESULTS = {"dfq_argmax_rows": LONG}  # what a call returns, where it returns something
 
@@ -491,3 +492,15 @@ def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     nans = lib.dfq_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return None if nans else out
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of a CPU float32 tensor's rows (x / sqrt(mean(x^2) + eps) * weight) in one call; None where the
+    kernel does not take it (another dtype or device, a width not a multiple of 8)."""
+    k = x.shape[-1]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or k % 8:
+        return None
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    lib.dfq_rms_norm_rows(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), eps, out.data_ptr())
+    return out

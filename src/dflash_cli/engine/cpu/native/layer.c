@@ -34,6 +34,12 @@ static void rms_norm(const float *x, const float *w, long k, float eps, float *o
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _mm256_loadu_ps(w + i)));
 }
 
+/* rms_norm of `rows` rows of k floats (k a multiple of 8), for the drafter's norms around its C layers (a torch
+ * RMSNorm is ~7 ops of 10-15 us each on a few rows) */
+void dfq_rms_norm_rows(const float *x, long rows, long k, const float *w, float eps, float *out) {
+    for (long r = 0; r < rows; r++) rms_norm(x + r * k, w, k, eps, out + r * k);
+}
+
 /* x (hd) roped in place: x * cos + rotate_half(x) * sin, with sin's first half negated (signed), times scale */
 static void rope(float *x, const float *cos, const float *signed_sin, long hd, float scale) {
     float tmp[1024];
