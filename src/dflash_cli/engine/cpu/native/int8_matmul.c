@@ -126,19 +126,6 @@ static inline __m256i bcast4(const int8_t *a) {
     return _mm256_set1_epi32(v);
 }
 
-#ifdef DFQ_VNNI
-/* acc + vpdpbusd(u, the 4 bytes at a broadcast); with AVX-512 the broadcast is the instruction's memory
- * operand ({1to8}), which gcc 12 does not fold by itself (one load-and-broadcast less per product) */
-static inline __attribute__((always_inline)) __m256i dpbusd_bcast(__m256i acc, __m256i u, const int8_t *a) {
-#if defined(DFQ_AVX512_VNNI) && !defined(DFQ_EMULATE)
-    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)a));
-    return acc;
-#else
-    return dpbusd256(acc, u, bcast4(a));
-#endif
-}
-#endif
-
 static inline __attribute__((always_inline)) void q4_group(const int R, const int8_t *aq, const float *ad,
                                                            const float *as, long k, const uint8_t *codes,
                                                            const uint16_t *d, const uint16_t *m, float *out,
@@ -165,7 +152,7 @@ static inline __attribute__((always_inline)) void q4_group(const int R, const in
             for (int r = 0; r < R; r++) {
                 const int8_t *a = aq + r * k + b * QK;
 #ifdef DFQ_VNNI
-                s16[r] = dpbusd_bcast(dpbusd_bcast(s16[r], lo, a + 4 * t), hi, a + 16 + 4 * t);
+                s16[r] = dpbusd256(dpbusd256(s16[r], lo, bcast4(a + 4 * t)), hi, bcast4(a + 16 + 4 * t));
 #else
                 /* |sum| <= 8 * 2 * 15 * 127 = 30480: int16 holds the block's 8 maddubs terms */
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(a + 4 * t)));
@@ -220,7 +207,7 @@ static inline __attribute__((always_inline)) void q8_group(const int R, const in
 #ifdef DFQ_VNNI
             const __m256i biased = _mm256_xor_si256(w, flip);  /* w + 128, unsigned */
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) s32[r] = dpbusd_bcast(s32[r], biased, aq + r * k + b * QK + 4 * t);
+            for (int r = 0; r < R; r++) s32[r] = dpbusd256(s32[r], biased, bcast4(aq + r * k + b * QK + 4 * t));
 #else
             const __m256i wabs = _mm256_sign_epi8(w, w);
 #pragma GCC unroll 4
