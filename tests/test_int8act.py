@@ -252,8 +252,9 @@ def test_a_tied_heads_codes_become_the_embeddings_and_the_dense_table_is_freed(t
     looked_up = embeddings(ids)
     assert looked_up.shape == (2, 3, cfg["hidden_size"]) and torch.equal(looked_up, reference[ids])
     assert (looked_up - dense[ids]).abs().max() <= dense.abs().max() / 254 * 1.01  # half a code step
-    with pytest.raises(IndexError):  # as nn.Embedding: never a read past the codes
-        embeddings(torch.tensor([cfg["vocab_size"]]))
+    for outside in ([cfg["vocab_size"]], [3, -1]):
+        with pytest.raises(IndexError):  # as nn.Embedding: never a read past the codes
+            embeddings(torch.tensor(outside))
     quantize_drafter(pair.drafter)
     assert_speculative_equals_plain(pair, random_prompts, (4, 8), max_new_tokens=20)
 

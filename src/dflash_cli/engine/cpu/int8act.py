@@ -150,11 +150,10 @@ class Q8A8Linear(Int8ActLinear):
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows `rows` of the weight as the kernel multiplies them (fp32), without the others in fp32."""
         ids = rows.reshape(-1).to(torch.long).contiguous()
-        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:
-            raise IndexError(f"rows out of range for a weight of {self.out_features} rows")
         out = torch.empty(ids.numel(), self.in_features)
-        self.lib.dfq_q8_rows(self.codes.data_ptr(), self.d.data_ptr(), self.in_features, ids.data_ptr(),
-                             ids.numel(), out.data_ptr())
+        if self.lib.dfq_q8_rows(self.codes.data_ptr(), self.d.data_ptr(), self.in_features, self.out_features,
+                                ids.data_ptr(), ids.numel(), out.data_ptr()):  # (the kernel checks the range)
+            raise IndexError(f"rows out of range for a weight of {self.out_features} rows")
         return out
 
 

@@ -107,7 +107,7 @@ SIGNATURES = {
     "dfq_quantize_rows": [P, LONG, LONG, P, P, P],
     "dfq_q4_matmul": [P, LONG, LONG, P, P, P, LONG, P, P],
     "dfq_q8_matmul": [P, LONG, LONG, P, P, LONG, P, P],
-    "dfq_q8_rows": [P, P, LONG, P, LONG, P],
+    "dfq_q8_rows": [P, P, LONG, LONG, P, LONG, P],
     "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P, ctypes.c_int],
     "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG, P, LONG, ctypes.c_int],
     "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],
@@ -116,7 +116,7 @@ SIGNATURES = {
     "dfq_argmax_rows": [P, LONG, LONG, LONG, P],
     "dfq_rms_norm_rows": [P, LONG, LONG, P, ctypes.c_float, P],
 }
-RESULTS = {"dfq_argmax_rows": LONG}  # what a call returns, where it returns something
+RESULTS = {"dfq_argmax_rows": LONG, "dfq_q8_rows": LONG}  # what a call returns, where it returns something
 
 
 class Linear(ctypes.Structure):

@@ -376,8 +376,13 @@ void dfq_q8_matmul(const float *x, long m, long k, const int8_t *codes, const ui
 }
 
 /* Rows ids[0..count) of a q8 weight of k inputs in the layout above, dequantized into out (count, k): an
-   embedding lookup from a tied LM head's codes. */
-void dfq_q8_rows(const int8_t *codes, const uint16_t *d, long k, const long *ids, long count, float *out) {
+   embedding lookup from a tied LM head's codes. Returns how many ids lie outside 0..rows-1 (nothing is written
+   then). */
+long dfq_q8_rows(const int8_t *codes, const uint16_t *d, long k, long rows, const long *ids, long count,
+                 float *out) {
+    long outside = 0;
+    for (long r = 0; r < count; r++) outside += ids[r] < 0 || ids[r] >= rows;
+    if (outside) return outside;
     const long blocks = k / 32;
     for (long r = 0; r < count; r++) {
         const long group = ids[r] / 8, column = ids[r] % 8;
@@ -389,4 +394,5 @@ void dfq_q8_rows(const int8_t *codes, const uint16_t *d, long k, const long *ids
                 for (int i = 0; i < 4; i++) dst[4 * t + i] = (float)src[32 * t + i] * scale;
         }
     }
+    return 0;
 }
