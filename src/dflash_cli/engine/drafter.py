@@ -476,7 +476,9 @@ class DFlashDrafter(nn.Module):
         key = (block_len, anchor.dtype, anchor.device)
         ids = self._ids_buffers.get(key)
         if ids is None:
-            ids = self._ids_buffers[key] = anchor.new_full((block_len,), self.mask_token_id)
+            with torch.inference_mode(False):  # a normal tensor: drafts run in and out of inference mode
+                ids = self._ids_buffers[key] = torch.full((block_len,), self.mask_token_id, dtype=anchor.dtype,
+                                                          device=anchor.device)
         ids[:1].copy_(anchor)
         return ids
 
