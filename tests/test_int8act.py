@@ -80,6 +80,36 @@ def test_gguf_q4_1_blocks_keep_their_codes_d_and_m_exactly():
     assert torch.equal(layer.dequantize(), expected)
 
 
+def test_the_rope_table_gives_each_positions_rows_as_the_rotary_does():
+    """The C layers' rotary tables (c_layers.RopeTable): rows of a table of every position so far, grown by
+    doubling, equal to the rotary's own for those positions; a dynamic rotary (whose tables depend on the
+    call's longest position) makes each call's rows itself."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from dflash_cli.engine.cpu.c_layers import RopeTable
+
+    def reference(rotary, lo, end):
+        cos, sin = rotary(torch.empty(0), torch.arange(lo, end)[None])
+        return cos, torch.cat([-sin[..., :8], sin[..., 8:]], dim=-1)
+
+    shape = dict(head_dim=16, hidden_size=64, num_attention_heads=4, max_position_embeddings=1024)
+    rotary = Qwen3RotaryEmbedding(Qwen3Config(**shape))
+    table = RopeTable(rotary)
+    for lo, end, size in ((3, 9, 256), (250, 300, 512), (0, 1, 512), (1000, 1040, 1040)):
+        got = table.rows(lo, end)
+        assert table.cos is not None and table.cos.shape[1] == size and got[0].shape == (1, end - lo, 16)
+        for g, w in zip(got, reference(rotary, lo, end)):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    dynamic = Qwen3RotaryEmbedding(Qwen3Config(**shape, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    table = RopeTable(dynamic)
+    got = table.rows(2000, 2004)  # past max_position_embeddings: the dynamic frequencies of this call
+    assert table.cos is None
+    for g, w in zip(got, reference(Qwen3RotaryEmbedding(Qwen3Config(**shape, rope_scaling={
+            "rope_type": "dynamic", "factor": 2.0})), 2000, 2004)):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
 def test_the_c_rms_norm_is_the_drafters_rms_norm():
     """The drafter's norms around its C layers (native.rms_norm): the module's function, rows in any shape."""
     from dflash_cli.engine.drafter import RMSNorm

@@ -290,7 +290,7 @@ class DFlashDrafter(nn.Module):
         raw.update(head_dim=self.config.head_dim, hidden_size=self.config.hidden_size,
                    num_attention_heads=self.config.num_attention_heads)
         self.rotary = Qwen3RotaryEmbedding(Qwen3Config(**raw)).to(device)
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # _rope_rows's, made on first use
+        self._rope: Any = None  # engine/cpu/c_layers.RopeTable for the C layers, made on first use
 
     def _apply(self, fn, recurse=True):
         # .to(dtype)/.to(device) would cast RoPE's fp32 frequencies too: recompute them instead
@@ -329,11 +329,13 @@ class DFlashDrafter(nn.Module):
     def _run_native_layers(self, h: torch.Tensor, ctx: torch.Tensor | None, positions: torch.Tensor,
                            cache: DraftCache) -> torch.Tensor:
         """run_layers with each layer one C call (engine/cpu/c_layers.py, q8a8 linears), for one block."""
-        from dflash_cli.engine.cpu.c_layers import run_draft_layer
+        from dflash_cli.engine.cpu.c_layers import RopeTable, run_draft_layer
 
         assert self.native_layers is not None and self.rotary is not None
         lib, layers = self.native_layers
-        cos, signed = self._rope_rows(int(positions[0, 0]), int(positions[0, -1]) + 1)  # (1, P+B, hd)
+        if self._rope is None:
+            self._rope = RopeTable(self.rotary, h.device)
+        cos, signed = self._rope.rows(int(positions[0, 0]), int(positions[0, -1]) + 1)  # (1, P+B, hd)
         h = h.contiguous().clone()  # updated in place
         ctx = ctx.contiguous() if ctx is not None else None
         end = positions.shape[-1] + cache.length
@@ -354,20 +356,6 @@ class DFlashDrafter(nn.Module):
             if out is not None:
                 return out
         return norm(x)
-
-    def _rope_rows(self, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin with its first half negated (native/layer.c's tables), (1, end - lo, hd), for positions
-        lo..end-1: slices of tables of every position so far (computing them per draft took 70 us)."""
-        table = self._rope_table
-        if table is None or table[0].shape[1] < end:
-            assert self.rotary is not None
-            size = max(end, 2 * table[0].shape[1] if table is not None else 256)
-            like = self.hidden_norm.weight
-            cos, sin = self.rotary(like, torch.arange(size, device=like.device)[None])
-            half = cos.shape[-1] // 2
-            table = self._rope_table = (cos.float().contiguous(),
-                                        torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).float().contiguous())
-        return table[0][:, lo:end], table[1][:, lo:end]
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(.)) of tapped target states (N, P, n_taps*H): the context rows, (N, P, H)."""

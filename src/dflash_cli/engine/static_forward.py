@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_cli.engine.cpu import native
-from dflash_cli.engine.cpu.c_layers import layer_struct, run_layer
+from dflash_cli.engine.cpu.c_layers import RopeTable, layer_struct, run_layer
 from dflash_cli.engine.cpu.weightonly import WeightOnlyLinear
 from dflash_cli.engine.fast_layers import (
     ROW_EXACT_ATTENTION,
@@ -143,6 +143,7 @@ class StaticForward(nn.Module):
             made = [layer_struct(layer, proj, heads=self.heads, kv=self.kv_heads, hd=self.head_dim,
                                  scale=self.scaling) for layer, proj in zip(self.layers, projections)]
             self.fused = made if all(m is not None for m in made) and self.uniform else None
+        self.rope_table = RopeTable(self.rotary) if self.fused is not None else None  # (CPU)
 
     def _call_tables(self, h: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                      ring: torch.Tensor | None):
@@ -255,11 +256,14 @@ class StaticForward(nn.Module):
                        values: list[torch.Tensor]):
         """forward() with every layer one C call (engine/cpu/c_layers.py), on one sequence."""
         assert self.fused is not None and self.native is not None
+        assert self.rope_table is not None
         h = self.embed(ids).contiguous()  # (1, n, H) fp32, updated in place by each layer
-        cos, sin = self.rotary(h, positions[None])  # (1, n, hd)
-        half = cos.shape[-1] // 2
-        cos, signed = cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         positions = positions.contiguous()
+        lo, n = int(positions[0]), positions.shape[0]
+        if int(positions[-1]) == lo + n - 1:  # (1, n, hd) rows of the tables of every position
+            cos, signed = self.rope_table.rows(lo, lo + n)
+        else:  # (not a run of positions: this call's own)
+            cos, signed = self.rope_table.for_positions(positions)
         size, last = h.shape[-1], len(self.layers) - 1
         # the tapped states (1, n, taps * H), each tap layer's output written into its columns by the layer's call
         hidden = h.new_empty(1, h.shape[1], len(self.taps) * size) if self.taps else None

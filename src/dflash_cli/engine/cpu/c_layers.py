@@ -20,6 +20,38 @@ PLAIN_RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSN
 SILU = {"SiLU", "SiLUActivation"}
 
 
+# rotary types whose tables transformers recomputes from a call's longest position (dynamic_rope_update)
+DYNAMIC_ROPE = {"dynamic", "longrope"}
+
+
+class RopeTable:
+    """cos and sin with its first half negated (native/layer.c's tables) for positions lo..end-1, (1, end - lo,
+    hd) fp32, made by `rotary` (a transformers rotary module): slices of tables of every position so far, grown
+    by doubling. Computing them per call cost ~0.1 ms of a ~5 ms decode (70 us of a draft), and so a decode and
+    a verify read the same rows for a position. A rotary whose tables depend on the call (DYNAMIC_ROPE) makes
+    each call's rows itself, as before."""
+
+    def __init__(self, rotary: Any, device: torch.device | str = "cpu"):
+        self.rotary = rotary
+        self.like = torch.empty(0, device=device)  # fp32 on the device: what the tables are made as
+        self.per_call = getattr(rotary, "rope_type", "default") in DYNAMIC_ROPE
+        self.cos: torch.Tensor | None = None
+        self.signed: torch.Tensor | None = None
+
+    def for_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(self.like, positions[None])
+        half = cos.shape[-1] // 2
+        return cos.float().contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).float().contiguous()
+
+    def rows(self, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.per_call:
+            return self.for_positions(torch.arange(lo, end, device=self.like.device))
+        if self.cos is None or self.signed is None or self.cos.shape[1] < end:
+            size = max(end, 2 * self.cos.shape[1] if self.cos is not None else 256)
+            self.cos, self.signed = self.for_positions(torch.arange(size, device=self.like.device))
+        return self.cos[:, lo:end], self.signed[:, lo:end]
+
+
 def _linear(layer: Any) -> native.Linear | None:
     if not isinstance(layer, Int8ActLinear) or layer.padded != layer.out_features:
         return None
