@@ -151,6 +151,38 @@ def test_tiles_give_the_avx2_bits_at_every_row_count(builds):
     assert native._tiles_note(built) == f"; tiles for calls of {default}+ rows"
 
 
+def attend(lib, q, keys, values, counts, heads, half):
+    """dfq_attend_rows (the C layers' attention of one key/value group) for the queries q (rows, heads * hd)."""
+    import ctypes
+
+    P, LONG = ctypes.c_void_p, ctypes.c_long
+    lib.dfq_attend_rows.argtypes = [P, LONG, LONG, LONG, LONG, P, P, LONG, P, ctypes.c_float, P, LONG, ctypes.c_int]
+    rows, hd = q.shape[0], keys.shape[1]
+    out = torch.empty(rows, heads * hd)
+    lib.dfq_attend_rows(q.data_ptr(), heads * hd, rows, heads, hd, keys.data_ptr(), values.data_ptr(), 0,
+                        counts.data_ptr(), hd**-0.5, out.data_ptr(), heads * hd, half)
+    return out
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_attention_gives_the_avx2_bits_on_every_variant(builds, name):
+    """The C attention (native/attention.c), built for each variant, gives AVX2's bits: one query and several
+    (the blocked scores, the widened fp16 chunks), fp32 and fp16 caches, head dims with and without an 8-wide
+    tail and past one 128-wide pass over the values (a 16-lane version must keep each lane's sums in order)."""
+    lib, reference = library(builds, name), library(builds, "avx2")
+    generator = torch.Generator().manual_seed(6)
+    heads, rows = 3, 6
+    for hd in (40, 64, 96, 136):
+        keys, values = torch.randn(2, 300, hd, generator=generator) * 2
+        q = torch.randn(rows, heads * hd, generator=generator)
+        counts = torch.arange(250, 250 + rows)
+        for half in (0, 1):
+            k, v = (keys.half(), values.half()) if half else (keys, values)
+            for m in (1, rows):
+                got, want = (attend(x, q[:m], k, v, counts, heads, half) for x in (lib, reference))
+                assert torch.equal(got, want), f"{name} ({builds[name][1]}) differs at hd={hd} half={half} rows={m}"
+
+
 def run_pair(pairs, lib, variant, monkeypatch):
     """A q4a8 pair loaded with `lib` as the process's kernels: the target's logits and taps of a prompt
     (every layer one C call, outputs accumulated onto the residual), and a draft."""
