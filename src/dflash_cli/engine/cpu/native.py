@@ -39,7 +39,7 @@ SOURCES = ("int8_matmul.c", "attention.c", "layer.c", "argmax.c")
 # scheduling flags keep the kernels' accumulators in registers (gcc otherwise spills them)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-tree-reassoc",
          "-fschedule-insns", "-fsched-pressure", "-fPIC", "-shared")
-ABI_VERSION = 3
+ABI_VERSION = 4
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 COMPILE_TIMEOUT_S = 300
 KERNELS_ENV = "DFLASH_KERNELS"

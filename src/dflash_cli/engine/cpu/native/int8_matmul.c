@@ -37,7 +37,7 @@
 #define dpbusd256 _mm256_dpbusd_avx_epi32
 #endif
 
-int dfq_abi_version(void) { return 3; }
+int dfq_abi_version(void) { return 4; }
 
 int dfq_max_threads(void) {
 #ifdef _OPENMP
