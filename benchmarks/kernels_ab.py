@@ -1,0 +1,153 @@
+"""Two builds of the C kernels in one process, alternating: another checkout's `engine/cpu/native` sources (the
+baseline) and this tree's, each loaded with the demo pair (q4a8), measured turn by turn so that a noisy
+machine's drift falls on both alike. Separate processes a minute apart moved the demo's decode 4.4 -> 8.0 ms
+on one 2-core VM; alternating inside one process keeps such comparisons to a few percent.
+
+    git worktree add /tmp/base HEAD~3
+    .venv/bin/python benchmarks/kernels_ab.py /tmp/base units              # decode, verify 8, per round
+    .venv/bin/python benchmarks/kernels_ab.py /tmp/base units --position 2000 --rounds 10 --reverse
+    .venv/bin/python benchmarks/kernels_ab.py /tmp/base generate --block-size 8   # plain and DFlash tok/s
+
+`units`: one forward of the target at --position (a 1-token decode and an 8-token verify, best of 20 calls
+each), per round, both builds in turn (the order swaps every round); prints the ratios new/baseline per round
+and their medians. `generate`: 8 prompts per set, each decoded plainly and speculatively by both builds in
+turn, tok/s per set and whether all four outputs agree. Only the C sources differ: the Python code is this
+tree's for both, so the baseline must have this tree's kernel ABI (`dfq_abi_version`; a function whose
+arguments changed bumps it); a baseline library that lacks a newer kernel (e.g. the drafter's C norm) gets
+the Python path that kernel replaced. `--reverse` loads this tree's build first (the first runtime loaded
+may run a little faster: measure both orders).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_formats import prompts_for  # noqa: E402
+
+
+def base_abi(sources: Path) -> int | None:
+    found = re.search(r"int dfq_abi_version\(void\) \{ return (\d+); \}", (sources / "int8_matmul.c").read_text())
+    return int(found.group(1)) if found else None
+
+
+def load_both(base: Path, reverse: bool) -> dict:
+    """{"base": runtime, "new": runtime}, each on its own build of the kernels."""
+    import dflash_cli
+    from dflash_cli.engine.cpu import native
+
+    abi = base_abi(base / "src/dflash_cli/engine/cpu/native")
+    if abi != native.ABI_VERSION:  # this tree's Python would call its functions with other arguments
+        sys.exit(f"{base}'s kernels have ABI {abi}, this tree's {native.ABI_VERSION}: compare them in alternating "
+                 "processes instead (cpu_formats.py --before, or dflash-cli bench from each checkout)")
+
+    signatures = dict(native.SIGNATURES)
+    norm = native.rms_norm
+    # a baseline library without the C norm: its drafter keeps torch's norms
+    native.rms_norm = lambda lib, *a: norm(lib, *a) if hasattr(lib, "dfq_rms_norm_rows") else None
+    order = [("base", base / "src/dflash_cli/engine/cpu/native"), ("new", native.source_dir())]
+    runtimes = {}
+    for name, src in order[::-1] if reverse else order:
+        native._state.clear()
+        native.SIGNATURES.clear()  # only the functions this build has
+        source = "".join(p.read_text() for p in src.glob("*.c"))
+        native.SIGNATURES.update({k: v for k, v in signatures.items() if f" {k}(" in source})
+        with mock.patch.object(native, "source_dir", lambda src=src: src):
+            runtimes[name] = dflash_cli.load("demo", quant="q4a8", device="cpu")
+        built = native.library()
+        print(f"{name}: {built.path if built else native.unavailable()}", file=sys.stderr)
+    native.SIGNATURES.update(signatures)
+    return runtimes
+
+
+def units(runtimes: dict, position: int, rounds: int) -> None:
+    def forward_ms(target, n: int, cache) -> float:
+        x = torch.randint(100, 2000, (1, n))
+        best = float("inf")
+        for _ in range(20):
+            start = time.perf_counter()
+            target.forward(x, cache, position, taps=n > 1)
+            best = min(best, time.perf_counter() - start)
+            cache.crop(position)
+        return best * 1000
+
+    caches = {}
+    for name, rt in runtimes.items():
+        caches[name] = rt.target.new_cache()
+        rt.target.forward(torch.randint(100, 2000, (1, position)), caches[name], 0, last_logit_only=True)
+    got: dict[str, list[tuple[float, float]]] = {name: [] for name in runtimes}
+    for r in range(rounds):
+        for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
+            target = runtimes[name].target
+            got[name].append((forward_ms(target, 1, caches[name]), forward_ms(target, 8, caches[name])))
+    print(f"one forward of the demo at position {position}, best of 20 calls, {rounds} rounds (ms):")
+    for name, rows in got.items():
+        decode = statistics.median(d for d, _ in rows)
+        verify = statistics.median(v for _, v in rows)
+        print(f"  {name:4s} decode {decode:.2f}  verify 8 {verify:.2f}  ({verify / decode:.2f}x)")
+    for i, what in enumerate(("decode", "verify 8")):
+        ratios = [n[i] / b[i] for b, n in zip(got["base"], got["new"])]
+        print(f"  new/base {what}: median {statistics.median(ratios):.3f}; rounds "
+              + " ".join(f"{x:.2f}" for x in ratios))
+
+
+def generate(runtimes: dict, sets: list[str], limit: int, new_tokens: int, block_size: int | None) -> None:
+    import dflash_cli
+
+    tokenizer = runtimes["new"].tokenizer
+    speculative = {"block_size": block_size} if block_size else {}
+    for rt in runtimes.values():  # warm-up, both loops
+        ids = prompts_for(["math"], 1, tokenizer)[0][1]
+        dflash_cli.generate(rt, ids, max_new_tokens=16, **speculative)
+        dflash_cli.generate(rt, ids, max_new_tokens=16, block_size=1)
+    blocks = f"blocks of {block_size}" if block_size else "adaptive blocks"
+    print(f"{limit} prompts a set, {new_tokens} new tokens, {blocks}; decode tok/s (mean over prompts):")
+    print("| set | plain base | plain new | DFlash base | DFlash new | DFlash new/base | DFlash/plain new | same |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for set_name in sets:
+        rates: dict[tuple[str, str], list[float]] = {}
+        same = 0
+        for i, (_, ids) in enumerate(prompts_for([set_name], limit, tokenizer)):
+            outputs = []
+            for name in (("base", "new") if i % 2 == 0 else ("new", "base")):
+                plain = dflash_cli.generate(runtimes[name], ids, max_new_tokens=new_tokens, block_size=1)
+                spec = dflash_cli.generate(runtimes[name], ids, max_new_tokens=new_tokens, **speculative)
+                rates.setdefault((name, "plain"), []).append(plain.stats.decode_tokens_per_second)
+                rates.setdefault((name, "spec"), []).append(spec.stats.decode_tokens_per_second)
+                outputs += [plain.tokens, spec.tokens]
+            same += all(o == outputs[0] for o in outputs)
+        m = {k: statistics.mean(v) for k, v in rates.items()}
+        print(f"| {set_name} | {m['base', 'plain']:.1f} | {m['new', 'plain']:.1f} | {m['base', 'spec']:.1f} | "
+              f"{m['new', 'spec']:.1f} | {m['new', 'spec'] / m['base', 'spec']:.3f} | "
+              f"{m['new', 'spec'] / m['new', 'plain']:.2f}x | {same}/{limit} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("base", type=Path, help="a checkout (git worktree) whose kernels are the baseline")
+    ap.add_argument("what", choices=("units", "generate"))
+    ap.add_argument("--position", type=int, default=200, help="units: the cache's length before the forward")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--sets", nargs="+", default=["math", "code", "chat"])
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("-n", "--new-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=None, help="generate: fixed blocks (default adaptive)")
+    ap.add_argument("--reverse", action="store_true", help="load this tree's build first")
+    args = ap.parse_args()
+    runtimes = load_both(args.base, args.reverse)
+    if args.what == "units":
+        units(runtimes, args.position, args.rounds)
+    else:
+        generate(runtimes, args.sets, args.limit, args.new_tokens, args.block_size)
+
+
+if __name__ == "__main__":
+    main()
