@@ -17,7 +17,7 @@ chooses its threads from the free cores.
 
     .venv/bin/python benchmarks/cpu_formats.py                       # math prompts, 128 tokens, about 4 min
     .venv/bin/python benchmarks/cpu_formats.py --sets math code chat --limit 4 --json out.json
-    .venv/bin/python benchmarks/cpu_formats.py --before /tmp/old-checkout   # + an older checkout's default
+    .venv/bin/python benchmarks/cpu_formats.py --before /tmp/old   # + an older checkout's default, first and last
 
 Run it on idle cores: under load llama.cpp and torch both lose their time slices (benchmarks/README.md).
 """
@@ -152,8 +152,9 @@ def spinner():
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
-def before_row(args) -> dict:
-    """The --before checkout's default, run by this script in a subprocess on that checkout's code."""
+def before_row(args, when: str) -> dict:
+    """The --before checkout's default, run by this script in a subprocess on that checkout's code; `when`
+    (first, last) goes into its name."""
     import os
     import subprocess
 
@@ -162,7 +163,7 @@ def before_row(args) -> dict:
            "-n", str(args.new_tokens), "--threads", str(torch.get_num_threads())]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     row = json.loads(out.strip().splitlines()[-1])
-    row["format"] = f"before ({args.before.name}, its default)"
+    row["format"] = f"before ({args.before.name}, its default; {when})"
     return row
 
 
@@ -178,7 +179,7 @@ def main() -> None:
                     help="also run each format forced to this many threads")
     ap.add_argument("--json", type=Path, help="also write every number here")
     ap.add_argument("--before", type=Path, help="a checkout of an earlier version: its default format (the "
-                    "API's dtype and quant defaults) is measured too, in a subprocess, as the first row")
+                    "API's dtype and quant defaults) is measured too, in a subprocess, first and again last")
     ap.add_argument("--rows-for", help=argparse.SUPPRESS)  # internal: the --before subprocess
     ap.add_argument("--debug-same", action="store_true", help="name the first token where DFlash and plain differ")
     args = ap.parse_args()
@@ -200,12 +201,15 @@ def main() -> None:
     try:
         rates, note = llama_cpp_rows(prompts, args.new_tokens, threads)
         base = statistics.median(rates) if rates else None
-        rows = [before_row(args) for _ in [args.before] if args.before]
+        # the checkout before and after ours: a machine whose speed drifts during the run shows in its two rows
+        rows = [before_row(args, "first")] if args.before else []
         for name in args.formats:
             rows.append(run_format(name, FORMATS[name], prompts, args.new_tokens, args.debug_same))
             if args.fixed_threads:
                 rows.append(run_format(name, FORMATS[name], prompts, args.new_tokens, args.debug_same,
                                        threads=args.fixed_threads))
+        if args.before:
+            rows.append(before_row(args, "last"))
     finally:
         for s in spinners:
             s.kill()
