@@ -133,13 +133,16 @@ class StaticForward(nn.Module):
         # under a device map each layer runs where its weights are; the rest (embeddings, norm, LM head) on
         # the hot device, where the caller's ids and the drafter are
         self.devices = list(devices) if devices is not None else None
-        # q4a8/q8a8 (fp32 activations): short calls attend through the project's C kernel instead, row-exact
-        # in fp32 where torch's matmuls are not (engine/cpu/native.py; head dims in multiples of 8)
+        self._use_c_kernels(native_attention, projections)
+
+    def _use_c_kernels(self, native_attention: bool, projections: nn.ModuleList) -> None:
+        """q4a8/q8a8 (fp32 activations): short calls attend through the project's C kernel instead, row-exact
+        in fp32 where torch's matmuls are not (engine/cpu/native.py; head dims in multiples of 8); Llama-style
+        layers run each as one C call (engine/cpu/c_layers.py) when every layer can, outside a device map."""
         built = native.library() if native_attention else None
         self.native = built.lib if built is not None and all(hd % 8 == 0 for _, hd in self.shapes) else None
-        # q4a8/q8a8 Llama-style layers: each one C call (engine/cpu/c_layers.py), when every layer can be
         self.fused: list[Any] | None = None
-        if self.native is not None and devices is None:
+        if self.native is not None and self.devices is None:
             made = [layer_struct(layer, proj, heads=self.heads, kv=self.kv_heads, hd=self.head_dim,
                                  scale=self.scaling) for layer, proj in zip(self.layers, projections)]
             self.fused = made if all(m is not None for m in made) and self.uniform else None
