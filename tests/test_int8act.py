@@ -125,7 +125,7 @@ def test_the_c_rms_norm_is_the_drafters_rms_norm():
     assert native.rms_norm(native.library().lib, torch.randn(2, 12), torch.ones(12), 1e-5) is None  # 12 % 8
 
 
-@pytest.mark.parametrize("hd", [32, 64, 96])  # the weighted values' 8-vector passes and the remainder
+@pytest.mark.parametrize("hd", [32, 64, 96, 128])  # the 8-vector passes, the remainder, the hd instances
 def test_attention_in_c_is_softmax_attention_with_exact_rows(hd):
     torch.manual_seed(0)
     kv, heads, capacity = 2, 6, 300

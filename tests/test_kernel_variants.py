@@ -172,7 +172,7 @@ def test_attention_gives_the_avx2_bits_on_every_variant(builds, name):
     lib, reference = library(builds, name), library(builds, "avx2")
     generator = torch.Generator().manual_seed(6)
     heads, rows = 3, 6
-    for hd in (40, 64, 96, 136):
+    for hd in (40, 64, 96, 128, 136):
         keys, values = torch.randn(2, 300, hd, generator=generator) * 2
         q = torch.randn(rows, heads * hd, generator=generator)
         counts = torch.arange(250, 250 + rows)

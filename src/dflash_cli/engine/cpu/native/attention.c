@@ -228,27 +228,38 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, lo
     if (p != stack) free(p);
 }
 
-static void attend_rows_f32(const float *q, long q_stride, long rows, long heads, long hd, const void *keys,
-                            const void *values, long lo, const long *count, float scale, float *out, long out_stride) {
-    attend_rows(q, q_stride, rows, heads, hd, keys, values, lo, count, scale, out, out_stride, 0);
-}
+/* attend_rows for fp32 or fp16 caches, and instances for the common head dimensions (64: SmolLM2; 128: Llama,
+ * Qwen3, Mistral), where hd is a constant: the compiler unrolls the dot products and loads each query vector
+ * once for four keys (the demo's verify of 8 rows 1.3% faster at 200 positions, 2.6% at 2,000, on Zen 4). Every
+ * instance runs the same operations in the same order: the same bits. */
+#define ATTEND_ROWS(name, half, HD)                                                                              \
+    static void name(const float *q, long q_stride, long rows, long heads, long hd, const void *keys,            \
+                     const void *values, long lo, const long *count, float scale, float *out, long out_stride) { \
+        attend_rows(q, q_stride, rows, heads, HD ? HD : hd, keys, values, lo, count, scale, out, out_stride, half); \
+    }
+ATTEND_ROWS(attend_rows_f32, 0, 0)
+ATTEND_ROWS(attend_rows_f16, 1, 0)
+ATTEND_ROWS(attend_rows_f32_hd64, 0, 64)
+ATTEND_ROWS(attend_rows_f16_hd64, 1, 64)
+ATTEND_ROWS(attend_rows_f32_hd128, 0, 128)
+ATTEND_ROWS(attend_rows_f16_hd128, 1, 128)
 
-static void attend_rows_f16(const float *q, long q_stride, long rows, long heads, long hd, const void *keys,
-                            const void *values, long lo, const long *count, float scale, float *out, long out_stride) {
-    attend_rows(q, q_stride, rows, heads, hd, keys, values, lo, count, scale, out, out_stride, 1);
-}
+typedef void (*attend_rows_fn)(const float *, long, long, long, long, const void *, const void *, long, const long *,
+                               float, float *, long);
 
 /* attend_rows over a cache of fp32 rows, or of fp16 rows where `half` (dfq.h); in parts of at most 8 heads
  * and MAX_ROWS queries (the accumulators that registers and the stack hold) */
 void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long hd, const void *keys,
                      const void *values, long lo, const long *count, float scale, float *out, long out_stride,
                      int half) {
+    const attend_rows_fn attend = hd == 64    ? (half ? attend_rows_f16_hd64 : attend_rows_f32_hd64)
+                                  : hd == 128 ? (half ? attend_rows_f16_hd128 : attend_rows_f32_hd128)
+                                              : (half ? attend_rows_f16 : attend_rows_f32);
     for (long h = 0; h < heads; h += 8)
         for (long r = 0; r < rows; r += MAX_ROWS)
-            (half ? attend_rows_f16 : attend_rows_f32)(q + r * q_stride + h * hd, q_stride,
-                                                       rows - r < MAX_ROWS ? rows - r : MAX_ROWS,
-                                                       heads - h < 8 ? heads - h : 8, hd, keys, values, lo,
-                                                       count + r, scale, out + r * out_stride + h * hd, out_stride);
+            attend(q + r * q_stride + h * hd, q_stride, rows - r < MAX_ROWS ? rows - r : MAX_ROWS,
+                   heads - h < 8 ? heads - h : 8, hd, keys, values, lo, count + r, scale, out + r * out_stride + h * hd,
+                   out_stride);
 }
 
 /* q: (n, heads, hd) with row stride q_stride (floats between tokens); keys/values: (kv, capacity, hd), buffer
