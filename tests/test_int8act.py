@@ -22,8 +22,8 @@ from dflash_cli.engine.cpu.int8act import (
 )
 from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, unpack_q4, unpack_q8
 from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
+from dflash_cli.engine.dtypes import KV_CACHE_ENV
 from dflash_cli.engine.errors import InvalidSettingError, UnsupportedModelError
-from dflash_cli.engine.fast import KV_CACHE_ENV
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair
 from dflash_cli.engine.sampling import greedy_ids

@@ -556,3 +556,28 @@ def test_mxfp4_is_dequantized_on_a_cpu():
     from dflash_cli.models.memory.preflight import mxfp4_kept
 
     assert mxfp4_kept("cpu") == (False, "transformers dequantizes them on cpu")
+
+
+def test_the_preflight_counts_fp32_caches_where_the_target_runs_fp32_activations(monkeypatch):
+    """q4a8/q8a8 targets and fp32 models cache 4 bytes a value (the planner used to count 2 everywhere): a
+    budget between the two totals is refused for q4a8 and in fp32, one above fits; DFLASH_KV_CACHE=f16 (the C
+    layers' fp16 caches) plans 2 bytes again for q4a8 on a CPU."""
+    from dflash_cli.engine.dtypes import KV_CACHE_ENV
+    from dflash_cli.models.memory.preflight import MemoryBudget, MemoryPlanError, preflight_memory
+
+    monkeypatch.delenv(KV_CACHE_ENV, raising=False)
+    smol, context = cfg("HuggingFaceTB__SmolLM2-135M-Instruct"), 65536
+    for planned in ("q4a8", "none"):  # "none" in the budget's dtype, fp32
+        two, four = (plan_memory(smol, None, quant="fp32" if planned == "none" else planned, context_tokens=context,
+                                 available_bytes=0, kv_dtype_bytes=size).total for size in (2, 4))
+        held = kv_cache_bytes(smol, context + 1, 4)  # (one row for a block: no drafter)
+        assert four - two == held / 2 > GIB
+        budget = MemoryBudget((two + four) // 2, context, "fp32", "system memory", "cpu")
+        with pytest.raises(MemoryPlanError, match=rf"KV caches {held / GIB:.1f} "):
+            preflight_memory(smol, None, planned, budget, "smol")
+        roomy = MemoryBudget(four + 2**20, context, "fp32", "system memory", "cpu")
+        assert preflight_memory(smol, None, planned, roomy, "smol") == planned
+    monkeypatch.setenv(KV_CACHE_ENV, "f16")
+    two = plan_memory(smol, None, quant="q4a8", context_tokens=context, available_bytes=0).total
+    assert preflight_memory(smol, None, "q4a8", MemoryBudget(two + 2**20, context, "fp32", "system memory", "cpu"),
+                            "smol") == "q4a8"

@@ -15,6 +15,14 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 #: q4a8/q8a8 with 8-bit activations (engine/cpu/int8act.py), int8/nf4 bitsandbytes (engine/quant.py)
 QUANT_CHOICES = ("none", "int8", "nf4", "q4", "q8", "q4a8", "q8a8")
 _PLAN_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+KV_CACHE_ENV = "DFLASH_KV_CACHE"  # f16: the C layers' caches in fp16 (engine/fast.py, FastPath.cache_dtype)
+
+
+def half_caches_asked() -> bool:
+    """Whether DFLASH_KV_CACHE asks for the C layers' caches in fp16."""
+    import os
+
+    return os.environ.get(KV_CACHE_ENV, "").strip().lower() in ("f16", "fp16", "float16")
 
 
 def dtype_name(dtype: object) -> str | None:

@@ -28,7 +28,6 @@ per-layer support check, projections and math in engine/fast_layers.py (`fast_pa
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +38,7 @@ from torch import nn
 from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS, CodesEmbedding, Q8A8Linear
 from dflash_cli.engine.cpu.packed import PackedLinear, room_to_pack
 from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
+from dflash_cli.engine.dtypes import half_caches_asked
 from dflash_cli.engine.fast_layers import (
     QuantizedLayers,
     codes_lookup,
@@ -54,7 +54,6 @@ from dflash_cli.engine.moe import quantize_experts
 from dflash_cli.engine.static_cache import FAR, LinearStates, StaticCache, bucket, key_positions
 from dflash_cli.engine.static_forward import StaticForward
 
-KV_CACHE_ENV = "DFLASH_KV_CACHE"  # f16: the C layers' caches in fp16 (FastPath.cache_dtype)
 HEAD_COST_ROWS = 8  # the row counts FastPath.head_costs measures, 1..this
 
 
@@ -211,7 +210,7 @@ class FastPath:
         and decodes, verifies and the batched generator read the same rows, so speculation stays lossless; but
         the demo drafter, trained on the fp32-cache target, accepts less behind it (tau at block 8 2.24 ->
         2.09), so it is not the default. Otherwise the model's dtype."""
-        if (os.environ.get(KV_CACHE_ENV, "").strip().lower() in ("f16", "fp16", "float16")
+        if (half_caches_asked()
                 and self.device.type == "cpu" and not self.compiled and self.ring is None
                 and self._module(True, False).fused is not None):
             return torch.float16

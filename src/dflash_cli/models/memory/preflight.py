@@ -86,6 +86,15 @@ def mxfp4_packed_on(target_cfg: dict, budget: MemoryBudget) -> bool:
     return all(d.startswith("cuda") for d in devices) and mxfp4_kept(devices[0])[0]
 
 
+def cache_bytes(planned: str, budget: MemoryBudget) -> int:
+    """Bytes per cached key or value of a target planned in `planned` (a quantization, or the budget's dtype):
+    4 where the engine runs fp32 activations (q4a8/q8a8, an fp32 model), which the planner counted as 2."""
+    from dflash_cli.engine.dtypes import half_caches_asked
+    from dflash_cli.models.memory.sizes import cache_value_bytes
+
+    return cache_value_bytes(planned, budget.dtype, half_caches_asked() and budget.device == "cpu")
+
+
 def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, budget: MemoryBudget,
                      name: str) -> str:
     """Returns the quantization to use; raises MemoryPlanError naming components and alternatives."""
@@ -102,18 +111,21 @@ def preflight_memory(target_cfg: dict, drafter_cfg: dict | None, quant: str, bud
         quant = cpu_auto_quant()[0] or "none"
         planned = budget.dtype if quant == "none" else quant
         q4_plan = plan_memory(target_cfg, drafter_cfg, quant=quant, available_bytes=budget.available_bytes,
-                              context_tokens=budget.context_tokens) if quant != "none" else None
+                              context_tokens=budget.context_tokens,
+                              kv_dtype_bytes=cache_bytes(quant, budget)) if quant != "none" else None
         if q4_plan is not None and not q4_plan.fits:
             quant, planned = "none", budget.dtype  # q4 keeps the 16-bit weights beside its codes: try without
     elif quant == "auto":
         chosen = choose_quant(target_cfg, drafter_cfg, context_tokens=budget.context_tokens,
-                              available_bytes=budget.available_bytes, mxfp4_packed=packed)
+                              available_bytes=budget.available_bytes, mxfp4_packed=packed,
+                              kv_dtype_bytes=cache_bytes("none", budget))
         if chosen is not None:
             return "none" if chosen in ("bf16", "fp16", "fp32") else chosen
         # nothing fits: plan the smallest setting there is (a checkpoint published quantized: as it is)
         quant, planned = ("nf4", "nf4") if prequantized(target_cfg) is None else ("none", budget.dtype)
     plan = plan_memory(target_cfg, drafter_cfg, quant=planned, context_tokens=budget.context_tokens,
-                       available_bytes=budget.available_bytes, mxfp4_packed=packed)
+                       available_bytes=budget.available_bytes, mxfp4_packed=packed,
+                       kv_dtype_bytes=cache_bytes(planned, budget))
     if plan.fits:
         return quant
     parts = (f"target {plan.target_weights / GIB:.1f} + drafter {plan.drafter_weights / GIB:.1f} + "
@@ -138,13 +150,15 @@ def preflight_split(target_cfg: dict, drafter_cfg: dict | None, quant: str, budg
         from dflash_cli.models.memory.params import prequantized
 
         chosen = choose_split_quant(target_cfg, drafter_cfg, devices=devices, strategy=budget.strategy,
-                                    context_tokens=budget.context_tokens, mxfp4_packed=packed)
+                                    context_tokens=budget.context_tokens, mxfp4_packed=packed,
+                                    kv_dtype_bytes=cache_bytes("none", budget))
         if chosen is not None:
             return "none" if chosen in ("bf16", "fp16", "fp32") else chosen
         quant = "nf4" if prequantized(target_cfg) is None else "none"
     planned = budget.dtype if quant == "none" else quant
     plan = plan_split(target_cfg, drafter_cfg, devices=devices, strategy=budget.strategy, quant=planned,
-                      context_tokens=budget.context_tokens, mxfp4_packed=packed)
+                      context_tokens=budget.context_tokens, mxfp4_packed=packed,
+                      kv_dtype_bytes=cache_bytes(planned, budget))
     if plan.fits:
         return quant
     from dflash_cli.engine.pairing import HYBRID_MODEL_TYPES

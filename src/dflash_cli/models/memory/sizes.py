@@ -365,6 +365,16 @@ def drafter_weight_bytes(drafter_config: dict[str, Any], quant: str = "bf16", *,
 # KV caches
 
 
+def cache_value_bytes(quant: str, dtype: str, half_caches: bool = False) -> int:
+    """Bytes of one cached key or value element for a target planned in `quant` ("none" reads `dtype`: bf16, fp16
+    or fp32): the caches hold the activations' dtype, fp32 around q4a8/q8a8's 8-bit activations and in an fp32
+    model, 16-bit otherwise (q4/q8 always run bf16 activations). `half_caches`: the C layers' fp16 caches
+    (DFLASH_KV_CACHE=f16, engine/fast.py), which only a q4a8/q8a8 target on a CPU runs."""
+    if quant in ("q4a8", "q8a8"):
+        return 2 if half_caches else 4
+    return 4 if dtype == "fp32" and quant in ("none", "fp32", "int8", "nf4") else 2
+
+
 def kv_cache_bytes(config: dict[str, Any], context_tokens: int, dtype_bytes: int = 2, *,
                    cap_sliding: bool = True) -> int:
     """K+V bytes for `context_tokens` rows: 2 * kv_heads * head_dim * rows * dtype_bytes per attention layer.
