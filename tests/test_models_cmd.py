@@ -119,10 +119,13 @@ def test_show_pair_and_memory_plan(fake, online, env):
     assert data["settings"]["quant"] == {"value": "nf4", "from": "flag"}
     assert data["memory"]["total_bytes"] > 0 and data["memory"]["available_bytes"] > 0
     plans = {q: json.loads(invoke("show", "tiny", "--json", "--quant", q, endpoint=fake.endpoint).stdout)["memory"]
-             for q in ("bf16", "q4")}  # the CPU's weight-only formats plan too
+             for q in ("bf16", "q4", "q4a8")}  # the CPU's formats plan too
     # a dense target loads layer by layer under q4 (engine/layerwise.py): its codes and one 16-bit layer
     weights = {q: plans[q]["components"]["target weights"] for q in plans}
     assert plans["q4"]["quant"] == "q4" and weights["bf16"] / 2 < weights["q4"] < weights["bf16"]
+    # q4a8 runs fp32 activations: its caches hold 4 bytes a value, q4's (bf16 activations) 2
+    caches = {q: plans[q]["components"]["target KV cache"] for q in plans}
+    assert caches["q4a8"] == 2 * caches["q4"] == 2 * caches["bf16"] > 0
 
 
 def test_show_offline_not_cached_says_so(env):

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from dflash_cli import settings as S
-from dflash_cli.engine.dtypes import QUANT_CHOICES
+from dflash_cli.engine.dtypes import QUANT_CHOICES, half_caches_asked
 from dflash_cli.engine.errors import CheckpointError
 from dflash_cli.ui.common import cell, config_values, echo, registry, run_plain
 from dflash_cli.ui.errors import EXIT_OK
@@ -21,18 +21,18 @@ DEFAULT_SHOW_QUANT = "bf16"
 def plan_budget(device: str, context: int) -> tuple[int, str]:
     """(bytes, what): free memory on the device `generate --device` would use, as generate's preflight
     reads it."""
-    available, what, _ = plan_device(device, context)
+    available, what, _, _ = plan_device(device, context)
     return available, what
 
 
-def plan_device(device: str, context: int) -> tuple[int, str, str | None]:
-    """plan_budget and the device it read (None: unknown)."""
+def plan_device(device: str, context: int) -> tuple[int, str, str | None, str]:
+    """plan_budget, the device it read (None: unknown) and the dtype a target runs in there unquantized."""
     from dflash_cli.models.memory.preflight import memory_budget
 
     budget = memory_budget(device, None, context)
     if budget is None:
-        return 0, "unknown (no /proc/meminfo)", None
-    return budget.available_bytes, f"free {budget.where} on {budget.device}", budget.device
+        return 0, "unknown (no /proc/meminfo)", None, "bf16"
+    return budget.available_bytes, f"free {budget.where} on {budget.device}", budget.device, budget.dtype
 
 
 def mxfp4_on(target: dict, device: str | None) -> tuple[bool, str | None]:
@@ -151,6 +151,7 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
 
     from dflash_cli.engine.placement import resolve_split
     from dflash_cli.models.memory.plan import format_server, plan_memory, server_estimate
+    from dflash_cli.models.memory.sizes import cache_value_bytes
     from dflash_cli.models.memory.split import format_split, plan_split
     from dflash_cli.models.registry import BUILTIN_MODELS
     from dflash_cli.models.resolve import resolve_spec
@@ -174,10 +175,11 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
     mem_bytes, mem_what, mxfp4_why = (0, "", None)
     engine_only = entry is not None and entry.engine_only
     if t_cfg is not None:
-        mem_bytes, mem_what, planned_on = plan_device(device, context)
+        mem_bytes, mem_what, planned_on, dtype = plan_device(device, context)
         packed, mxfp4_why = mxfp4_on(t_cfg, planned_on)
+        half = half_caches_asked() and planned_on == "cpu"
         plan = plan_memory(t_cfg, d_cfg, quant=quant, context_tokens=context, available_bytes=mem_bytes,
-                           mxfp4_packed=packed)
+                           mxfp4_packed=packed, kv_dtype_bytes=cache_value_bytes(quant, dtype, half))
         if engine_only:  # what a server needs, in place of knobs that would not make it fit here
             plan = replace(plan, alternatives=())
             server = server_estimate(t_cfg, d_cfg, context_tokens=context)
