@@ -4,9 +4,12 @@ The controller keeps, with exponential forgetting, the acceptance rate at each d
 that the earlier ones were accepted (q_k), and the measured cost of a draft and of a verify at each
 block size it has used. The expected tokens of a round of n slots are 1 + sum_k prod_{j<=k} q_j (the
 bonus token always counts), its cost draft(n) + verify(n); a plain round (n = 1) commits one token for
-verify(1). When nothing beats plain decoding, drafting pauses and is re-probed now and then with one draft
-(each probe that fails doubling the wait, up to 8 times), so a drafter that starts to pay again (code after
-prose, say) is noticed. Output stays lossless whatever is chosen: the block size only changes how many tokens
+verify(1). A size not measured yet is estimated as a draft plus a verify, each on a line through the sizes
+measured: the draft runs the whole block but its LM head only on the rows kept, which is most of a real-size
+drafter's draft on a CPU (a Qwen3-1.7B-shaped drafter's 311 MB head), so before pausing on the draft of a
+full block the controller times a block of 2 once. When nothing beats plain decoding, drafting pauses and is
+re-probed now and then with one draft (each probe that fails doubling the wait, up to 8 times), so a drafter
+that starts to pay again (code after prose, say) is noticed. Output stays lossless whatever is chosen: the block size only changes how many tokens
 each verify step can commit.
 
 Costs are kept per context length (buckets that double from 512 tokens): a verify of n rows attends over
@@ -42,7 +45,27 @@ def length_bucket(length: int) -> int:
     return max(0, int(length) // FIRST_BUCKET).bit_length()
 
 
-DRAFT = 0  # the key of a bucket's cost table that holds the draft's own seconds (a block drafts in full)
+
+
+def draft_key(n: int) -> int:
+    """The key of a bucket's cost table that holds the draft's own seconds in rounds of n slots (the draft runs
+    the whole block, its LM head only the n - 1 rows kept: a real-size drafter's head read per draft is most
+    of its cost on a CPU)."""
+    return -n
+
+
+def on_line(points: list[tuple[int, float]], n: int) -> float | None:
+    """The value at n of the broken line through `points` (sorted by x), extended past either end along its
+    nearest segment; the one value where there is one point; None where there is none."""
+    if not points:
+        return None
+    exact = [y for x, y in points if x == n]
+    if exact or len(points) == 1:
+        return exact[0] if exact else points[0][1]
+    segment = next((i for i in range(len(points) - 1) if n <= points[i + 1][0]), len(points) - 2)
+    (x0, y0), (x1, y1) = points[segment], points[segment + 1]
+    return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
 MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
@@ -86,7 +109,7 @@ class RoundCosts:
         costs = cls()
         for bucket, table in data["seconds"].items():
             row = {int(n): float(s) for n, s in table.items()}
-            if any(not (0.0 < s < 3600.0) for s in row.values()) or any(n < 0 for n in row):
+            if any(not (0.0 < s < 3600.0) for s in row.values()) or any(n in (0, -1) for n in row):
                 raise ValueError("a round cost out of range")
             costs.seconds[int(bucket)] = row
             costs.samples[int(bucket)] = dict.fromkeys(row, 1)
@@ -184,37 +207,46 @@ class BlockSizeController:
         return total
 
     def cost(self, n: int) -> float | None:
-        """Seconds per round of n slots: measured, or interpolated linearly from measured sizes."""
+        """Seconds per round of n slots: measured, or estimated as a draft plus a verify, each on a line through
+        the sizes measured (a plain round is a verify of one row)."""
+        return self._estimate(n, self._lines())
+
+    def draft_cost(self, n: int) -> float | None:
+        """Seconds of the draft of a round of n slots: measured, or on a line through the sizes measured."""
+        return on_line(self._lines()[0], n)
+
+    def _lines(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+        """The draft's measured (size, seconds) and the verify's (a round's less its draft), by size."""
+        table = self._cost
+        drafts = sorted((-key, s) for key, s in table.items() if key < 0)
+        verifies = [(1, table[1])] if 1 in table else []
+        verifies += [(m, table[m] - (on_line(drafts, m) or 0.0)) for m in sorted(table) if m > 1]
+        return drafts, verifies
+
+    def _estimate(self, n: int, lines: tuple[list[tuple[int, float]], list[tuple[int, float]]]) -> float | None:
         if self.injected_cost is not None:
             return self.injected_cost(n)
         table = self._cost
         if n in table:
             return table[n]
-        drafted = sorted(m for m in table if m > 1)
-        if not drafted or n == 1:
-            return None
-        if len(drafted) == 1:
-            if 1 not in table:
-                return table[drafted[0]]  # one measurement: assume the block size barely matters
-            # a plain round and one block size measured: the draft (the whole block, whatever is kept) plus
-            # a verify on a line through both verifies (its cost grows with its length where compute, not
-            # weight reads, dominates: CPUs), so smaller blocks get tried at what they will cost
-            hi, draft = drafted[0], table.get(DRAFT, 0.0)
-            plain, verify = table[1], table[hi] - draft
-            return max(draft + plain + (verify - plain) * (n - 1) / (hi - 1), 1e-9)
-        lo, hi = drafted[0], drafted[-1]
-        slope = (table[hi] - table[lo]) / (hi - lo)
-        return max(table[lo] + slope * (n - lo), 1e-9)
+        drafts, verifies = lines
+        if len(verifies) < 2 or n == 1:  # nothing drafted yet, or one block and no plain round
+            # one measurement: assume the block size barely matters
+            return table[verifies[0][0]] if verifies and n > 1 and 1 not in table else None
+        # the verify grows with its rows where compute, not weight reads, dominates (CPUs), so smaller blocks
+        # get tried at what they will cost; the draft is the one size timed until a second one is
+        return max((on_line(drafts, n) or 0.0) + (on_line(verifies, n) or 0.0), 1e-9)
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per second at each block size whose cost is known or can be estimated."""
         out = {}
+        lines = self._lines()
         tokens, run = 1.0, 1.0  # expected_tokens(n), built up one position at a time (this runs every round)
         for n in range(1, self.max_block + 1):
             if n > 1:
                 run *= self.acceptance(n - 1)
                 tokens += run
-            c = self.cost(n)
+            c = self._estimate(n, lines)
             if c:
                 out[n] = tokens / c
         return out
@@ -251,6 +283,10 @@ class BlockSizeController:
         else:
             rates = self.rates()
             before, self.choice = self.choice, max(rates, key=rates.__getitem__) if rates else self.max_block
+            if self.choice == 1 and self._one_draft_size_timed():
+                # about to pause on the draft of one size (a full block's): time a block of 2 once first, whose
+                # draft's head runs on one row (where that head is most of a draft, blocks of 3-4 may pay)
+                self.choice = 2
             if self.choice > 1:
                 self._probe_gap = self.probe_every
             elif before > 1 and length is not None:  # drafting pauses (or a probe did not end the pause): why
@@ -263,6 +299,11 @@ class BlockSizeController:
         here = self._costs.get(self.bucket, {})
         full, plain = here.get(self.max_block), here.get(1)
         return self.injected_cost is None and full is not None and plain is not None and full > WARMUP_MAX_COST * plain
+
+    def _one_draft_size_timed(self) -> bool:
+        table = self._cost
+        return (self.injected_cost is None and self.max_block > 2 and 2 not in table
+                and sum(key < 0 for key in table) == 1)
 
     def _why_paused(self, length: int) -> str:
         """The measured costs against the measured acceptance that paused drafting, in words."""
@@ -296,7 +337,7 @@ class BlockSizeController:
             self.shared.reached, self.shared.accepted = list(self.reached), list(self.accepted)
         here = self._costs.setdefault(self.bucket, {})
         counts = self.shared.samples.setdefault(self.bucket, {})
-        for key, value in ((n, seconds), (DRAFT, draft_seconds if n > 1 else None)):
+        for key, value in ((n, seconds), (draft_key(n), draft_seconds if n > 1 else None)):
             if value is not None:
                 previous, count = here.get(key), counts.get(key, 0)
                 counts[key] = count + 1

@@ -23,7 +23,7 @@ from typing import Any
 from dflash_cli import settings as S
 from dflash_cli.engine.adaptive import RoundCosts, adopt_costs, shared_costs
 
-VERSION = 1
+VERSION = 2  # 2: drafts timed per block size
 
 
 def costs_key(target_dir: Path, drafter_dir: Path, **settings: Any) -> dict[str, Any]:
