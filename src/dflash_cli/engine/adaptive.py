@@ -9,8 +9,8 @@ measured: the draft runs the whole block but its LM head only on the rows kept, 
 drafter's draft on a CPU (a Qwen3-1.7B-shaped drafter's 311 MB head), so before pausing on the draft of a
 full block the controller times a block of 2 once. When nothing beats plain decoding, drafting pauses and is
 re-probed now and then with one draft (each probe that fails doubling the wait, up to 8 times), so a drafter
-that starts to pay again (code after prose, say) is noticed. Output stays lossless whatever is chosen: the block size only changes how many tokens
-each verify step can commit.
+that starts to pay again (code after prose, say) is noticed. Output stays lossless whatever is chosen: the
+block size only changes how many tokens each verify step can commit.
 
 Costs are kept per context length (buckets that double from 512 tokens): a verify of n rows attends over
 every cached position, and a draft over the drafter's context, so the costs learned at 200 tokens are not
