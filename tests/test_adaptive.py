@@ -376,3 +376,15 @@ def test_drafts_timed_per_size_are_kept_for_the_next_process():
     restored = BlockSizeController(16, shared=again)
     assert restored.draft_cost(4) == pytest.approx(head_heavy_costs(4)[1])
     assert restored.cost(4) == pytest.approx(head_heavy_costs(4)[0])
+
+
+def test_the_draft_is_not_drawn_on_past_the_sizes_timed():
+    """Two close sizes' drafts differ by noise as much as by size: a line drawn on past them made a block of 2
+    look free on the demo (its drafts cost about the same at any size) and chose short blocks that lost."""
+    controller = BlockSizeController(8)
+    controller.observe(8, 3, 0.012, draft_seconds=0.0009)
+    controller.observe(6, 3, 0.010, draft_seconds=0.0006)
+    controller.observe(1, 0, 0.004)
+    assert controller.draft_cost(2) == pytest.approx(0.0006)
+    assert controller.draft_cost(7) == pytest.approx(0.00075)
+    assert controller.cost(2) == pytest.approx(0.0006 + 0.004 + (0.0094 - 0.004) / 5)

@@ -66,6 +66,11 @@ def on_line(points: list[tuple[int, float]], n: int) -> float | None:
     (x0, y0), (x1, y1) = points[segment], points[segment + 1]
     return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
+
+def within(points: list[tuple[int, float]], n: int) -> float | None:
+    """on_line between the first and last points, their values outside them."""
+    return on_line(points, min(max(n, points[0][0]), points[-1][0])) if points else None
+
 MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
@@ -212,15 +217,17 @@ class BlockSizeController:
         return self._estimate(n, self._lines())
 
     def draft_cost(self, n: int) -> float | None:
-        """Seconds of the draft of a round of n slots: measured, or on a line through the sizes measured."""
-        return on_line(self._lines()[0], n)
+        """Seconds of the draft of a round of n slots: measured, or on a line between the sizes measured (the
+        nearest one's outside them: a line drawn on past them from two close sizes' noise made small blocks
+        look free)."""
+        return within(self._lines()[0], n)
 
     def _lines(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
         """The draft's measured (size, seconds) and the verify's (a round's less its draft), by size."""
         table = self._cost
         drafts = sorted((-key, s) for key, s in table.items() if key < 0)
         verifies = [(1, table[1])] if 1 in table else []
-        verifies += [(m, table[m] - (on_line(drafts, m) or 0.0)) for m in sorted(table) if m > 1]
+        verifies += [(m, table[m] - (within(drafts, m) or 0.0)) for m in sorted(table) if m > 1]
         return drafts, verifies
 
     def _estimate(self, n: int, lines: tuple[list[tuple[int, float]], list[tuple[int, float]]]) -> float | None:
@@ -235,7 +242,7 @@ class BlockSizeController:
             return table[verifies[0][0]] if verifies and n > 1 and 1 not in table else None
         # the verify grows with its rows where compute, not weight reads, dominates (CPUs), so smaller blocks
         # get tried at what they will cost; the draft is the one size timed until a second one is
-        return max((on_line(drafts, n) or 0.0) + (on_line(verifies, n) or 0.0), 1e-9)
+        return max((within(drafts, n) or 0.0) + (on_line(verifies, n) or 0.0), 1e-9)
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per second at each block size whose cost is known or can be estimated."""
