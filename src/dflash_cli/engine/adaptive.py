@@ -33,6 +33,8 @@ by runtime/round_costs.py), after one full block of its own.
 
 from __future__ import annotations
 
+import bisect
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -57,13 +59,12 @@ def draft_key(n: int) -> int:
 def on_line(points: list[tuple[int, float]], n: int) -> float | None:
     """The value at n of the broken line through `points` (sorted by x), extended past either end along its
     nearest segment; the one value where there is one point; None where there is none."""
-    if not points:
-        return None
-    exact = [y for x, y in points if x == n]
-    if exact or len(points) == 1:
-        return exact[0] if exact else points[0][1]
-    segment = next((i for i in range(len(points) - 1) if n <= points[i + 1][0]), len(points) - 2)
-    (x0, y0), (x1, y1) = points[segment], points[segment + 1]
+    if len(points) < 2:
+        return points[0][1] if points else None
+    i = bisect.bisect_left(points, (n, -math.inf))  # the first point at or past n
+    if i < len(points) and points[i][0] == n:
+        return points[i][1]
+    (x0, y0), (x1, y1) = points[min(max(i - 1, 0), len(points) - 2):][:2]
     return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
 
@@ -93,6 +94,7 @@ class RoundCosts:
         self.probe_gap = 0  # 0: no controller has paused yet
         self.plain_streak = 0
         self.warmup_next = 0  # full blocks the next controller starts with, where not 0 (a restored process)
+        self.version = 0  # bumped by every cost recorded: the estimates drawn from the costs are kept until then
 
     def drafting_measured(self) -> bool:
         return any(n > 1 for costs in self.seconds.values() for n in costs)
@@ -173,6 +175,7 @@ class BlockSizeController:
         self._since_plain = 0  # drafted rounds since the last plain one
         self.choice = max_block
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
+        self._drawn: tuple[tuple[int, int], tuple[list[tuple[int, float]], list[tuple[int, float]]]] | None = None
 
     def _start_from(self, shared: RoundCosts) -> None:
         """Takes the earlier requests' acceptance as a prior worth PRIOR_ROUNDS rounds."""
@@ -223,11 +226,17 @@ class BlockSizeController:
         return within(self._lines()[0], n)
 
     def _lines(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-        """The draft's measured (size, seconds) and the verify's (a round's less its draft), by size."""
+        """The draft's measured (size, seconds) and the verify's (a round's less its draft), by size; drawn
+        again only when a cost was recorded or the length moved to another table (each round prices every
+        block size: a paused drafter's round should cost what a plain step does)."""
         table = self._cost
+        key = (id(table), self.shared.version)
+        if self._drawn is not None and self._drawn[0] == key:
+            return self._drawn[1]
         drafts = sorted((-key, s) for key, s in table.items() if key < 0)
         verifies = [(1, table[1])] if 1 in table else []
         verifies += [(m, table[m] - (within(drafts, m) or 0.0)) for m in sorted(table) if m > 1]
+        self._drawn = (key, (drafts, verifies))
         return drafts, verifies
 
     def _estimate(self, n: int, lines: tuple[list[tuple[int, float]], list[tuple[int, float]]]) -> float | None:
@@ -344,6 +353,7 @@ class BlockSizeController:
             self.shared.reached, self.shared.accepted = list(self.reached), list(self.accepted)
         here = self._costs.setdefault(self.bucket, {})
         counts = self.shared.samples.setdefault(self.bucket, {})
+        self.shared.version += 1
         for key, value in ((n, seconds), (draft_key(n), draft_seconds if n > 1 else None)):
             if value is not None:
                 previous, count = here.get(key), counts.get(key, 0)
