@@ -4,13 +4,13 @@ The controller keeps, with exponential forgetting, the acceptance rate at each d
 that the earlier ones were accepted (q_k), and the measured cost of a draft and of a verify at each
 block size it has used. The expected tokens of a round of n slots are 1 + sum_k prod_{j<=k} q_j (the
 bonus token always counts), its cost draft(n) + verify(n); a plain round (n = 1) commits one token for
-verify(1). A size not measured yet is estimated as a draft plus a verify, each on a line through the sizes
-measured: the draft runs the whole block but its LM head only on the rows kept, which is most of a real-size
-drafter's draft on a CPU (a Qwen3-1.7B-shaped drafter's 311 MB head), so before pausing on the draft of a
-full block the controller times a block of 2 once. When nothing beats plain decoding, drafting pauses and is
-re-probed now and then with one draft (each probe that fails doubling the wait, up to 8 times), so a drafter
-that starts to pay again (code after prose, say) is noticed. Output stays lossless whatever is chosen: the
-block size only changes how many tokens each verify step can commit.
+verify(1). A size not measured yet is estimated as a draft between the sizes timed plus a verify on a line
+through them and the plain round: the draft runs the whole block but its LM head only on the rows kept, and
+that head is much of a real-size drafter's draft on a CPU (a Qwen3-1.7B-shaped drafter's 311 MB), so before
+pausing on the draft of a full block the controller times a block of 2 once. When nothing beats plain
+decoding, drafting pauses and is re-probed now and then with one draft (each probe that fails doubling the
+wait, up to 8 times), so a drafter that starts to pay again (code after prose, say) is noticed. Output stays
+lossless whatever is chosen: the block size only changes how many tokens each verify step can commit.
 
 Costs are kept per context length (buckets that double from 512 tokens): a verify of n rows attends over
 every cached position, and a draft over the drafter's context, so the costs learned at 200 tokens are not
@@ -45,8 +45,6 @@ FIRST_BUCKET = 512  # context lengths below this share one set of costs; each bu
 def length_bucket(length: int) -> int:
     """0 below FIRST_BUCKET tokens, then 1 up to twice that, 2 up to four times, ..."""
     return max(0, int(length) // FIRST_BUCKET).bit_length()
-
-
 
 
 def draft_key(n: int) -> int:
@@ -215,8 +213,8 @@ class BlockSizeController:
         return total
 
     def cost(self, n: int) -> float | None:
-        """Seconds per round of n slots: measured, or estimated as a draft plus a verify, each on a line through
-        the sizes measured (a plain round is a verify of one row)."""
+        """Seconds per round of n slots: measured, or estimated as a draft plus a verify, from the sizes measured
+        (a plain round is a verify of one row)."""
         return self._estimate(n, self._lines())
 
     def draft_cost(self, n: int) -> float | None:
@@ -233,7 +231,7 @@ class BlockSizeController:
         key = (id(table), self.shared.version)
         if self._drawn is not None and self._drawn[0] == key:
             return self._drawn[1]
-        drafts = sorted((-key, s) for key, s in table.items() if key < 0)
+        drafts = sorted((-k, s) for k, s in table.items() if k < 0)
         verifies = [(1, table[1])] if 1 in table else []
         verifies += [(m, table[m] - (within(drafts, m) or 0.0)) for m in sorted(table) if m > 1]
         self._drawn = (key, (drafts, verifies))
@@ -317,6 +315,7 @@ class BlockSizeController:
         return self.injected_cost is None and full is not None and plain is not None and full > WARMUP_MAX_COST * plain
 
     def _one_draft_size_timed(self) -> bool:
+        """Whether the draft was timed at one block size only here, and a block of 2 not yet."""
         table = self._cost
         return (self.injected_cost is None and self.max_block > 2 and 2 not in table
                 and sum(key < 0 for key in table) == 1)
