@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_cli.engine.cpu import native
-from dflash_cli.engine.cpu.c_layers import RopeTable, layer_struct, run_layer
+from dflash_cli.engine.cpu.c_layers import RopeTable, c_final_norm, layer_struct, run_layer
 from dflash_cli.engine.cpu.weightonly import WeightOnlyLinear
 from dflash_cli.engine.fast_layers import (
     ROW_EXACT_ATTENTION,
@@ -147,6 +147,8 @@ class StaticForward(nn.Module):
                                  scale=self.scaling) for layer, proj in zip(self.layers, projections)]
             self.fused = made if all(m is not None for m in made) and self.uniform else None
         self.rope_table = RopeTable(self.rotary) if self.fused is not None else None  # (CPU)
+        if self.fused is not None and self.native is not None:
+            self.final_norm = c_final_norm(self.native, self.norm, self.final_norm)
 
     def _call_tables(self, h: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                      ring: torch.Tensor | None):
