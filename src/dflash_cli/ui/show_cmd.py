@@ -147,11 +147,8 @@ def _config_lines(summary: dict[str, Any], t_note: str, d_note: str) -> list[str
 def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, context: int, quant: str,
              device: str, endpoint: str | None, device_map: str | None = None,
              max_memory: str | None = None) -> int:
-    from dataclasses import replace
-
     from dflash_cli.engine.placement import resolve_split
-    from dflash_cli.models.memory.plan import format_server, plan_memory, server_estimate
-    from dflash_cli.models.memory.sizes import cache_value_bytes
+    from dflash_cli.models.memory.plan import format_server
     from dflash_cli.models.memory.split import format_split, plan_split
     from dflash_cli.models.registry import BUILTIN_MODELS
     from dflash_cli.models.resolve import resolve_spec
@@ -171,18 +168,8 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         t_cfg, t_note = read_configs(target, t_rev, endpoint)
     d_cfg, d_note = read_configs(drafter, d_rev, endpoint)
     summary = config_summary(t_cfg, d_cfg)
-    plan = server = None
-    mem_bytes, mem_what, mxfp4_why = (0, "", None)
     engine_only = entry is not None and entry.engine_only
-    if t_cfg is not None:
-        mem_bytes, mem_what, planned_on, dtype = plan_device(device, context)
-        packed, mxfp4_why = mxfp4_on(t_cfg, planned_on)
-        half = half_caches_asked() and planned_on == "cpu"
-        plan = plan_memory(t_cfg, d_cfg, quant=quant, context_tokens=context, available_bytes=mem_bytes,
-                           mxfp4_packed=packed, kv_dtype_bytes=cache_value_bytes(quant, dtype, half))
-        if engine_only:  # what a server needs, in place of knobs that would not make it fit here
-            plan = replace(plan, alternatives=())
-            server = server_estimate(t_cfg, d_cfg, context_tokens=context)
+    plan, server, mem_what, mxfp4_why = _memory_plan(t_cfg, d_cfg, quant, context, device, engine_only)
     split_plan = None
     if t_cfg is not None and split is not None:
         quant_for_split = "bf16" if quant in ("auto", "none") else quant
@@ -226,6 +213,29 @@ def run_show(out: Any, ctx_sources: dict[str, str], value: str, as_json: bool, c
         lines += ["  " + line for line in format_split(split_plan)]
     echo(lines)
     return EXIT_OK
+
+
+def _memory_plan(t_cfg: dict | None, d_cfg: dict | None, quant: str, context: int, device: str,
+                 engine_only: bool) -> tuple[Any, Any, str, str | None]:
+    """(memory plan, server estimate, what memory the plan is for, why MXFP4 is or is not packed) of the pair on
+    this machine; Nones where the target's config is not known. A pair only a server runs gets the server's
+    estimate in place of knobs that would not make it fit here."""
+    from dataclasses import replace
+
+    from dflash_cli.models.memory.plan import plan_memory, server_estimate
+    from dflash_cli.models.memory.sizes import cache_value_bytes
+
+    if t_cfg is None:
+        return None, None, "", None
+    mem_bytes, mem_what, planned_on, dtype = plan_device(device, context)
+    packed, mxfp4_why = mxfp4_on(t_cfg, planned_on)
+    half = half_caches_asked() and planned_on == "cpu"
+    plan = plan_memory(t_cfg, d_cfg, quant=quant, context_tokens=context, available_bytes=mem_bytes,
+                       mxfp4_packed=packed, kv_dtype_bytes=cache_value_bytes(quant, dtype, half))
+    if not engine_only:
+        return plan, None, mem_what, mxfp4_why
+    return (replace(plan, alternatives=()), server_estimate(t_cfg, d_cfg, context_tokens=context), mem_what,
+            mxfp4_why)
 
 
 def _server_info(server: Any) -> dict[str, Any]:
