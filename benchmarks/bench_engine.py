@@ -209,12 +209,16 @@ def build_hf_dflash_assistant(drafter: DFlashDrafter, device: torch.device, dtyp
 
 # ---------------------------------------------------------------- measurements
 
-def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of fn() over `repeats` calls, synchronised on GPUs."""
+def timed(fn, device: torch.device, repeats: int, warmup: int = 2, before=None) -> float:
+    """Median wall time of fn() over `repeats` calls, synchronised on GPUs; `before()`, untimed, ahead of each."""
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         synchronize(device)
         t0 = time.perf_counter()
         fn()
@@ -262,23 +266,11 @@ def unit_costs(target: Target, drafter: DFlashDrafter, context: int, blocks: lis
                       target.logits_head, keep=b - 1)
         dcache.crop(context - p)
 
-    def draft_after_verify(b: int) -> float:
-        """A draft as generation meets it: right after a verify of b rows has streamed the target's weights
-        through the caches (a loop of drafts alone keeps the drafter's in them: on a CPU a 1.7B-shaped pair's
-        draft read 27 ms so and 42 inside generation)."""
-        times = []
-        for i in range(repeats + 2):
-            forward(b, True)
-            synchronize(dev)
-            t0 = time.perf_counter()
-            draft(b)
-            synchronize(dev)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
+    # each draft right after a verify of b rows, as generation meets it: the verify streams the target's weights
+    # through the caches (a loop of drafts alone keeps the drafter's in them: on a CPU a 1.7B-shaped pair's
+    # draft read 27 ms so and 42 inside generation)
     for b in blocks:
-        out[f"draft_{b}"] = draft_after_verify(b)
+        out[f"draft_{b}"] = timed(lambda: draft(b), dev, repeats, before=lambda: forward(b, True))
     out["draft_context_rows"] = p
     return out
 
