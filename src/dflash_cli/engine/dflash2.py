@@ -154,7 +154,8 @@ class DFlash2Drafter(DFlashDrafter):
 
     @torch.inference_mode()
     def draft(self, context, anchor, start, block_len, cache, embed_weight, lm_head, *, keep=None,
-              sampler: Sampler | None = None) -> torch.Tensor:
+              sampler: Sampler | None = None, confidence: list[float] | None = None) -> torch.Tensor:
+        """The selector's walk over the draft logits (no confidence: its drafts are not each row's maximum)."""
         hidden, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
         return self.candidate_selector.walk(logits, hidden, anchor, start, sampler)
 

@@ -16,7 +16,7 @@ from torch import nn
 from dflash_cli.engine.cpu.packed import PackedLinear, dense_rows, dense_weight, embedding_rows
 from dflash_cli.engine.cpu.weightonly import quantize_linears
 from dflash_cli.engine.hf_config import DrafterConfig
-from dflash_cli.engine.sampling import Sampler, greedy_ids
+from dflash_cli.engine.sampling import Sampler, greedy_ids, greedy_ids_with_confidence
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -38,8 +38,11 @@ class Drafter(Protocol):
 
     def draft(self, context: torch.Tensor | None, anchor: torch.Tensor, start: int, block_len: int,
               cache: DraftCache, embed_weight: torch.Tensor | nn.Module, lm_head: nn.Module, *,
-              keep: int | None = None, sampler: Sampler | None = None) -> torch.Tensor:
-        """The first `keep` drafts after `anchor` (a (1,) tensor), as a (keep,) tensor; commits `context`."""
+              keep: int | None = None, sampler: Sampler | None = None,
+              confidence: list[float] | None = None) -> torch.Tensor:
+        """The first `keep` drafts after `anchor` (a (1,) tensor), as a (keep,) tensor; commits `context`.
+        `confidence`, where given, receives each greedy draft's probability under the drafter (nothing where
+        the drafter cannot tell: sampled drafts, another kind of drafter)."""
         ...
 
 
@@ -383,7 +386,8 @@ class DFlashDrafter(nn.Module):
     @torch.inference_mode()
     def draft(self, context: torch.Tensor | None, anchor: torch.Tensor, start: int, block_len: int,
               cache: DraftCache, embed_weight: torch.Tensor | nn.Module, lm_head: nn.Module, *,
-              keep: int | None = None, sampler: Sampler | None = None) -> torch.Tensor:
+              keep: int | None = None, sampler: Sampler | None = None,
+              confidence: list[float] | None = None) -> torch.Tensor:
         """Proposes tokens after `anchor` (a (1,) tensor) from a block of `block_len` slots.
 
         Returns the first `keep` drafts (default all block_len-1) as a (keep,) tensor; the LM head runs on
@@ -392,20 +396,30 @@ class DFlashDrafter(nn.Module):
 
         `sampler` (the target's): the draft at position p is the sampler's own choice from the draft logits
         with the noise it will use for the target at p (coupled drafts, docs/format.md section 5); None = argmax.
+        `confidence` (greedy drafts only): gets each draft's probability under the drafter, its softmax's maximum.
         """
+        sampled = sampler if sampler is not None and (not sampler.greedy or sampler.constrained) else None
         if self.draft_vocab is None:
             _, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
-            return greedy_ids(logits) if sampler is None else sampler(logits, start + 1)
+            return self._greedy(logits, confidence) if sampled is None else sampled(logits, start + 1)
         h = self.draft_hidden(context, anchor, start, block_len, cache, embed_weight, keep)
         head = self.draft_head(lm_head)
         logits = self.postprocess_logits(head(h.to(lm_head_dtype(head) or h.dtype))).float()  # (keep, V')
-        if sampler is None or (sampler.greedy and not sampler.constrained):  # the vocabulary is sorted: the
-            # same first maximum as over `full`
-            return self.draft_vocab[greedy_ids(logits)]
+        if sampled is None:  # the vocabulary is sorted: the same first maximum as over `full`
+            return self.draft_vocab[self._greedy(logits, confidence)]
         width = int(getattr(lm_head, "out_features"))  # the target's vocabulary
         full = logits.new_full((logits.shape[0], width), -torch.inf)
         full[:, self.draft_vocab] = logits  # ids outside the draft vocabulary get probability 0
-        return sampler(full, start + 1)
+        return sampled(full, start + 1)
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor, confidence: list[float] | None) -> torch.Tensor:
+        """Each row's greedy token; with `confidence`, its probability appended there."""
+        if confidence is None:
+            return greedy_ids(logits)
+        ids, top = greedy_ids_with_confidence(logits)
+        confidence.extend(top.tolist())
+        return ids
 
     def draft_head(self, lm_head: nn.Module) -> nn.Module:
         """The target's LM head restricted to the draft vocabulary's rows (made once per LM head)."""

@@ -49,7 +49,9 @@ class OracleDrafter:
         return self.drafter.new_cache(capacity)
 
     def draft(self, context, anchor, start, block_len, cache, embed_weight, lm_head, *, keep=None,
-              sampler=None) -> torch.Tensor:
+              sampler=None, confidence=None) -> torch.Tensor:
+        """The real drafter's forward, then the reference's tokens; no confidence (its drafts are not the
+        drafter's)."""
         real = self.drafter.draft(context, anchor, start, block_len, cache, embed_weight, lm_head, keep=keep,
                                   sampler=sampler)
         known = self.reference[start + 1 : start + 1 + real.shape[0]]

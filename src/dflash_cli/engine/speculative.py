@@ -107,7 +107,8 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
     target = state.target
     draft_watch, verify_watch = Stopwatch(target.device), Stopwatch(target.device)
     # greedy verifies on the CPU fast path stop the LM head at the first rejected draft (greedy_prefix)
-    defer_head = sample.greedy and not sample.constrained and target.defers_head
+    greedy = sample.greedy and not sample.constrained
+    defer_head = greedy and target.defers_head
     mean_accepted = 1.0  # drafts accepted per verify, recent rounds weighted most: sizes the head's first piece
     head_costs = target.head_costs() if defer_head else None
     while len(state.tokens) < limit:
@@ -119,13 +120,22 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         assert anchor is not None  # the caller committed the first token
 
         draft_watch.start()
+        # the drafter's probability of each greedy draft: the unlikely tail is not verified (drafts_worth_verifying);
+        # asked only then, so a drafter written before the keyword keeps working
+        confidence: list[float] = []
+        asked = {"confidence": confidence} if controller is not None and n > 2 and greedy else {}
         if n > 1:  # draft the trained block, verify its first n-1 drafts
             assert state.draft_cache is not None  # a state made with a drafter has one
             drafts = drafter.draft(state.pending, anchor, start, drafter.block_size, state.draft_cache,
-                                   target.embed_table, target.logits_head, keep=n - 1, sampler=sample)  # (n-1,)
+                                   target.embed_table, target.logits_head, keep=n - 1, sampler=sample,
+                                   **asked)  # (n-1,)
             state.pending = None  # now in the draft cache
         else:
             drafts = anchor.new_empty(0)
+        unverified: list[float] = []
+        if controller is not None and confidence:
+            n = 1 + controller.drafts_worth_verifying(confidence)
+            drafts, unverified = drafts[: n - 1], confidence[n - 1 :]
         draft_watch.stop()
 
         verify_watch.start()
@@ -155,5 +165,5 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         round_ = Round(host[: a + 1], n - 1, a, draft_watch.seconds, verify_watch.seconds,
                        time.perf_counter() - t0)
         if controller is not None:
-            controller.observe(n, a, round_.wall_seconds, round_.draft_seconds)
+            controller.observe(n, a, round_.wall_seconds, round_.draft_seconds, unverified)
         yield round_

@@ -114,9 +114,11 @@ SIGNATURES = {
     "dfq_amx_set_min_rows": [ctypes.c_int],
     "dfq_set_pair_min_rows": [ctypes.c_int],
     "dfq_argmax_rows": [P, LONG, LONG, LONG, P],
+    "dfq_argmax_confidence_rows": [P, LONG, LONG, LONG, P, P],
     "dfq_rms_norm_rows": [P, LONG, LONG, P, ctypes.c_float, P],
 }
-RESULTS = {"dfq_argmax_rows": LONG, "dfq_q8_rows": LONG}  # what a call returns, where it returns something
+# what a call returns, where it returns something
+RESULTS = {"dfq_argmax_rows": LONG, "dfq_argmax_confidence_rows": LONG, "dfq_q8_rows": LONG}
 
 
 class Linear(ctypes.Structure):
@@ -492,6 +494,17 @@ def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     nans = lib.dfq_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return None if nans else out
+
+
+def argmax_confidence_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """argmax_rows, and each row's softmax probability of its maximum (float32 (rows,)); None when a row holds a
+    NaN or the library has no such kernel (an older build)."""
+    if not hasattr(lib, "dfq_argmax_confidence_rows"):
+        return None
+    out, top = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0])
+    nans = lib.dfq_argmax_confidence_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                                          top.data_ptr())
+    return None if nans else (out, top)
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
