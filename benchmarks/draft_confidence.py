@@ -6,13 +6,14 @@ acceptance (as two loaded pairs would have), plain decoding of the same prompt b
     .venv/bin/python benchmarks/draft_confidence.py --sets math --limit 4 -n 64
 
 `all drafts`: the controller's block, every draft verified (before); `sure drafts`: the drafts after the last
-one worth its verify row are cut (BlockSizeController.drafts_worth_verifying). Prints decode tok/s per set (mean
+one worth its verify row cut (BlockSizeController.drafts_worth_verifying). Prints decode tok/s per set (mean
 over prompts), speculative/plain, tau, the mean verify rows, and whether all three outputs agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -31,18 +32,16 @@ def main() -> None:
     args = ap.parse_args()
 
     import dflash_cli
-    from dflash_cli.engine.adaptive import BlockSizeController, RoundCosts, adopt_costs
+    from dflash_cli.engine.adaptive import RoundCosts, adopt_costs
 
     rt = dflash_cli.load("demo", quant=args.quant)
-    costs = {"all": RoundCosts(), "sure": RoundCosts()}
-    every = mock.patch.object(BlockSizeController, "drafts_worth_verifying", lambda self, conf: len(conf))
+    ways = {"all": mock.patch.object(type(rt.drafter), "reports_confidence", False), "sure": contextlib.nullcontext()}
+    costs = {way: RoundCosts() for way in ways}
 
     def run(way: str, ids: list[int]):
         adopt_costs(rt.drafter, costs[way])
-        if way == "all":
-            with every:
-                return dflash_cli.generate(rt, ids, max_new_tokens=args.new_tokens)
-        return dflash_cli.generate(rt, ids, max_new_tokens=args.new_tokens)
+        with ways[way]:
+            return dflash_cli.generate(rt, ids, max_new_tokens=args.new_tokens)
 
     print(cpu_line())
     warm = prompts_for(["math"], 1, rt.tokenizer)[0][1]

@@ -52,10 +52,14 @@ def test_unsure_drafts_are_cut_where_verify_rows_cost_and_kept_where_they_do_not
     assert chosen(steep, [0.01] * 7) == 1  # the first always is: its acceptance stays measured
 
 
-def test_a_controller_that_did_not_choose_by_its_rates_verifies_every_draft():
-    controller = BlockSizeController(B, cost=round_cost(0.25))  # warm-up: full blocks, measured as they are
+def test_every_draft_is_verified_until_what_a_verify_row_costs_is_measured():
+    controller = BlockSizeController(B)  # costs measured as rounds run
+    assert controller.choose() == B and controller.drafts_worth_verifying([0.1] * 7) == 7  # no costs yet
+    controller.observe(B, 0, 0.0055, 0.0005)  # a full block: its verify 5 ms (a decode 2 ms, 0.43 ms a row)
+    assert controller.choose() == 1  # then a plain round, to measure it
+    controller.observe(1, 0, 0.002)
     controller.choose()
-    assert controller.drafts_worth_verifying([0.1] * 7) == 7
+    assert controller.drafts_worth_verifying([0.1] * 7) == 1  # a draft at 0.01 does not pay 0.43 ms
 
 
 def calibrated_rounds(cut: bool, rounds: int = 3000) -> BlockSizeController:
@@ -102,6 +106,8 @@ def test_without_the_expected_counts_the_cut_would_flatter_the_drafter():
 class SureOfTheRightDrafts(OracleDrafter):
     """The reference's continuation with wrong tokens at a rate, reporting 0.95 for right drafts and 0.05 for
     wrong ones: a drafter that knows when it guesses."""
+
+    reports_confidence = True
 
     def __init__(self, drafter, reference: list[int], acceptance: float):
         super().__init__(drafter, reference, acceptance=acceptance, seed=3)

@@ -172,7 +172,7 @@ class BlockSizeController:
         self._probe_gap = self.shared.probe_gap or probe_every
         self._since_plain = 0  # drafted rounds since the last plain one
         self.choice = max_block
-        self._rate: float | None = None  # tokens per second expected of this round's choice, where rates chose it
+        self._rate: float | None = None  # tokens per second expected of this round's choice, where the rates chose it
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
         self._drawn: tuple[tuple[int, int], tuple[list[tuple[int, float]], list[tuple[int, float]]]] | None = None
 
@@ -318,8 +318,11 @@ class BlockSizeController:
         expected tokens less rate x cost maximizes the rate over many rounds). A CPU verify's row costs a
         tenth to a quarter of a decode, so unlikely tails are cut; a GPU's costs almost nothing, and every
         draft is verified. The first draft always is: its acceptance stays measured."""
-        rate = self._rate
-        if rate is None or len(confidence) < 2:
+        if len(confidence) < 2:
+            return len(confidence)
+        # the rate of the round's choice, or where it was not chosen by the rates (a re-probe), the best one
+        rate = self._rate if self._rate is not None else max(self.rates().values(), default=None)
+        if rate is None:
             return len(confidence)
         verify: Callable[[int], float | None]
         if self.injected_cost is not None:

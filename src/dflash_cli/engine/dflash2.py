@@ -144,6 +144,7 @@ class DFlash2Drafter(DFlashDrafter):
     """A DFlash 2 drafter: the v1 forward pass with DFlash2Layer layers, then the selector's walk."""
 
     layer_class = DFlash2Layer
+    reports_confidence = False  # its drafts come from the selector's walk
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)

@@ -120,12 +120,13 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         assert anchor is not None  # the caller committed the first token
 
         draft_watch.start()
-        # the drafter's probability of each greedy draft: the unlikely tail is not verified (drafts_worth_verifying);
-        # asked only then, so a drafter written before the keyword keeps working
+        # a drafter that knows how sure it is of each greedy draft says so, and the drafts after the last one worth
+        # its verify row are not verified (drafts_worth_verifying)
         confidence: list[float] = []
-        asked = {"confidence": confidence} if controller is not None and n > 2 and greedy else {}
+        sure = controller is not None and n > 2 and greedy and getattr(drafter, "reports_confidence", False)
         if n > 1:  # draft the trained block, verify its first n-1 drafts
             assert state.draft_cache is not None  # a state made with a drafter has one
+            asked = {"confidence": confidence} if sure else {}  # (a drafter written before the keyword works on)
             drafts = drafter.draft(state.pending, anchor, start, drafter.block_size, state.draft_cache,
                                    target.embed_table, target.logits_head, keep=n - 1, sampler=sample,
                                    **asked)  # (n-1,)
