@@ -128,7 +128,8 @@ def replayed(rt, sets: list[str], limit: int, new_tokens: int) -> None:
     block = rt.drafter.block_size
     print(f"recorded: {limit} prompts a set, {new_tokens} new tokens, blocks of {block}; replayed: 200 replies of "
           "64 rounds, speculative/plain")
-    print("| set | rounds | decode ms | verify per row, decodes | draft, decodes | all drafts | sure drafts | sure/all |")
+    print("| set | rounds | decode ms | verify per row, decodes | draft, decodes | all drafts | sure drafts "
+          "| sure/all |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for set_name in sets:
         rounds, s = record(rt, set_name, limit, new_tokens, block)
