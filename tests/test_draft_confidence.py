@@ -52,6 +52,11 @@ def test_unsure_drafts_are_cut_where_verify_rows_cost_and_kept_where_they_do_not
     assert chosen(steep, [0.01] * 7) == 1  # the first always is: its acceptance stays measured
 
 
+def test_a_drafter_is_asked_how_sure_it_is_only_where_a_verify_row_costs():
+    assert trained(0.25).wants_confidence()
+    assert not trained(0.005).wants_confidence()  # a GPU-like curve: nothing to cut, no confidence to wait for
+
+
 def test_every_draft_is_verified_until_what_a_verify_row_costs_is_measured():
     controller = BlockSizeController(B)  # costs measured as rounds run
     assert controller.choose() == B and controller.drafts_worth_verifying([0.1] * 7) == 7  # no costs yet

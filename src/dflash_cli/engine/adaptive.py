@@ -74,6 +74,9 @@ MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
 FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the later ones a moving average
+# a verify row that pays for drafts less likely than this (a GPU's: next to nothing) makes asking a drafter how
+# sure it is of each draft not worth it
+MIN_ROW_PRICE = 0.05
 RESTORED_PRIOR_ROUNDS = 1.0  # the weight, in rounds, of the acceptance an earlier process kept
 
 
@@ -318,27 +321,43 @@ class BlockSizeController:
         expected tokens less rate x cost maximizes the rate over many rounds). A CPU verify's row costs a
         tenth to a quarter of a decode, so unlikely tails are cut; a GPU's costs almost nothing, and every
         draft is verified. The first draft always is: its acceptance stays measured."""
-        if len(confidence) < 2:
+        price = self._row_price()
+        if price is None:
             return len(confidence)
-        # the rate of the round's choice, or where it was not chosen by the rates (a re-probe), the best one
-        rate = self._rate if self._rate is not None else max(self.rates().values(), default=None)
-        if rate is None:
-            return len(confidence)
-        verify: Callable[[int], float | None]
-        if self.injected_cost is not None:
-            verify = self.injected_cost  # a whole round's cost: its draft is the same at every size here
-        else:
-            verifies = self._lines()[1]
-            if len(verifies) < 2:
-                return len(confidence)
-            verify = lambda n: on_line(verifies, n)  # noqa: E731
         chance = 1.0
         for k, p in enumerate(confidence, start=1):
             chance *= p
-            more, less = verify(k + 1), verify(k)
-            if k > 1 and more is not None and less is not None and chance < rate * (more - less):
+            row = price(k + 1)
+            if k > 1 and row is not None and chance < row:
                 return k - 1
         return len(confidence)
+
+    def wants_confidence(self) -> bool:
+        """Whether a verify row costs enough that drafts_worth_verifying may cut a pair of drafts (where it
+        costs nothing, a GPU's, a drafter need not work out how sure it is, nor a GPU wait for it)."""
+        price = self._row_price()
+        row = price(3) if price is not None else None
+        return row is not None and row >= MIN_ROW_PRICE
+
+    def _row_price(self) -> Callable[[int], float | None] | None:
+        """The chance of acceptance that pays for row n of a verify: the rate of the round's choice (or where the
+        rates did not choose it, a re-probe, the best one) times what row n adds to the verify; None before
+        a verify's cost per row is known."""
+        rate = self._rate if self._rate is not None else max(self.rates().values(), default=None)
+        if rate is None:
+            return None
+        if self.injected_cost is not None:
+            cost = self.injected_cost  # a whole round's: its draft is the same at every size here
+            return lambda n: rate * (cost(n) - cost(n - 1))
+        verifies = self._lines()[1]
+        if len(verifies) < 2:
+            return None
+
+        def price(n: int) -> float | None:
+            more, less = on_line(verifies, n), on_line(verifies, n - 1)
+            return None if more is None or less is None else rate * (more - less)
+
+        return price
 
     def _dear_full_block(self) -> bool:
         """Whether a full block was measured to cost more than WARMUP_MAX_COST plain rounds (a CPU running a

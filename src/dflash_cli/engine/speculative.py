@@ -123,7 +123,8 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         # a drafter that knows how sure it is of each greedy draft says so, and the drafts after the last one worth
         # its verify row are not verified (drafts_worth_verifying)
         confidence: list[float] = []
-        sure = controller is not None and n > 2 and greedy and getattr(drafter, "reports_confidence", False)
+        sure = (controller is not None and n > 2 and greedy and getattr(drafter, "reports_confidence", False)
+                and controller.wants_confidence())
         if n > 1:  # draft the trained block, verify its first n-1 drafts
             assert state.draft_cache is not None  # a state made with a drafter has one
             asked = {"confidence": confidence} if sure else {}  # (a drafter written before the keyword works on)
