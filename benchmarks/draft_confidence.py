@@ -113,13 +113,13 @@ def replay(rounds: list, cost, block: int, sure: bool, seed: int, length: int = 
     tokens = seconds = 0.0
     for _ in range(length):
         n = controller.choose()
-        accepted, unverified = 0, []
+        accepted, confidence, drafted = 0, [], n
         if n > 1:
             confidence, full = rng.choice(rounds)
-            confidence = confidence[: n - 1]
+            confidence = confidence[: n - 1] if sure else []
             verified = controller.drafts_worth_verifying(confidence) if sure and n > 2 else n - 1
-            accepted, unverified, n = min(full, verified), confidence[verified:], verified + 1
-        controller.observe(n, accepted, cost(n), unverified=unverified)
+            accepted, n = min(full, verified), verified + 1
+        controller.observe(n, accepted, cost(n), confidence=confidence, drafted=drafted)
         tokens, seconds = tokens + accepted + 1, seconds + cost(n)
     return tokens / seconds * cost(1)
 

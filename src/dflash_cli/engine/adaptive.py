@@ -74,9 +74,10 @@ MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
 FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the later ones a moving average
-# a verify row that pays for drafts less likely than this (a GPU's: next to nothing) makes asking a drafter how
-# sure it is of each draft not worth it
+# a second draft's verify row that pays for drafts less likely than this (a GPU's: next to nothing) does not make
+# asking a drafter how sure it is worth it
 MIN_ROW_PRICE = 0.05
+CALIBRATION_PRIOR = 4.0  # drafts' worth of trust in a drafter's confidence before its verified drafts are counted
 RESTORED_PRIOR_ROUNDS = 1.0  # the weight, in rounds, of the acceptance an earlier process kept
 
 
@@ -95,6 +96,8 @@ class RoundCosts:
         self.probe_gap = 0  # 0: no controller has paused yet
         self.plain_streak = 0
         self.warmup_next = 0  # full blocks the next controller starts with, where not 0 (a restored process)
+        # the drafter's confidence in its verified drafts, summed, against how many of them were accepted (decayed)
+        self.said = self.held = 0.0
         self.version = 0  # bumped by every cost recorded: the estimates drawn from the costs are kept until then
 
     def drafting_measured(self) -> bool:
@@ -316,16 +319,17 @@ class BlockSizeController:
     def drafts_worth_verifying(self, confidence: Sequence[float]) -> int:
         """How many of this round's drafts to verify, from each one's probability under the drafter (a trained
         drafter's is close to the rate the target accepts it at: the demo's drafts at 0.8-1.0 were accepted
-        87-95% of the time, at 0.2-0.4 27-32%). Draft k is worth its row of the verify while the chance that
-        drafts 1..k are all accepted pays for that row at the rate this round was chosen for (maximizing
-        expected tokens less rate x cost maximizes the rate over many rounds). A CPU verify's row costs a
-        tenth to a quarter of a decode, so unlikely tails are cut; a GPU's costs almost nothing, and every
-        draft is verified. The first draft always is: its acceptance stays measured."""
+        87-95% of the time, at 0.2-0.4 27-32%; `calibrated` corrects one that is surer or less sure than its
+        drafts hold). Draft k is worth its row of the verify while the chance that drafts 1..k are all accepted
+        pays for that row at the rate this round's block was chosen for (maximizing expected tokens less rate x
+        cost maximizes the rate over many rounds). A CPU verify's row costs a tenth to a quarter of a decode, so
+        unlikely tails are cut; a GPU's almost nothing. The first draft is always verified (its acceptance stays
+        measured), and every draft of a round whose block the rates did not choose (a warm-up's full block)."""
         price = self._row_price()
         if price is None:
             return len(confidence)
         chance = 1.0
-        for k, p in enumerate(confidence, start=1):
+        for k, p in enumerate(self.calibrated(confidence), start=1):
             chance *= p
             row = price(k + 1)
             if k > 1 and row is not None and chance < row:
@@ -333,17 +337,25 @@ class BlockSizeController:
         return len(confidence)
 
     def wants_confidence(self) -> bool:
-        """Whether a verify row costs enough that drafts_worth_verifying may cut a pair of drafts (where it
-        costs nothing, a GPU's, a drafter need not work out how sure it is, nor a GPU wait for it)."""
+        """Whether this round may cut drafts: its block was chosen by the rates, and its second draft's row costs
+        at least MIN_ROW_PRICE in acceptance (a GPU's costs next to nothing: no drafter need work out how sure
+        it is, nor the GPU wait for that)."""
         price = self._row_price()
         row = price(3) if price is not None else None
         return row is not None and row >= MIN_ROW_PRICE
 
+    def calibrated(self, confidence: Sequence[float]) -> list[float]:
+        """The drafter's probabilities scaled by how often its verified drafts were accepted against how sure it
+        was of them (CALIBRATION_PRIOR drafts' worth of trust to start with): a drafter trained on short
+        prompts can be surer than its drafts hold behind a long one."""
+        ratio = (self.shared.held + CALIBRATION_PRIOR) / (self.shared.said + CALIBRATION_PRIOR)
+        return [min(1.0, p * ratio) for p in confidence]
+
     def _row_price(self) -> Callable[[int], float | None] | None:
-        """The chance of acceptance that pays for row n of a verify: the rate of the round's choice (or where the
-        rates did not choose it, a re-probe, the best one) times what row n adds to the verify; None before
-        a verify's cost per row is known."""
-        rate = self._rate if self._rate is not None else max(self.rates().values(), default=None)
+        """The chance of acceptance that pays for row n of a verify: the rate of the round's choice times what
+        row n adds to the verify; None where the rates did not choose the round's block, or before a verify's
+        cost per row is known."""
+        rate = self._rate
         if rate is None:
             return None
         if self.injected_cost is not None:
@@ -387,42 +399,57 @@ class BlockSizeController:
         return max(rates, key=rates.__getitem__) if rates else self.max_block
 
     def observe(self, n: int, accepted: int, seconds: float, draft_seconds: float | None = None,
-                unverified: Sequence[float] = ()) -> None:
+                confidence: Sequence[float] = (), drafted: int | None = None) -> None:
         """Records a round of n slots that accepted `accepted` drafts and took `seconds`, `draft_seconds` of
-        them drafting. `unverified`: the probabilities of the drafts after the n - 1 verified ones
-        (drafts_worth_verifying cut them): where every verified draft was accepted, they count at what the
-        drafter expected of them, so that cutting the unlikely ones does not make the later positions look
-        better than they are."""
+        them drafting. `drafted`: the block drafted where drafts_worth_verifying cut it to n (default n), and
+        `confidence` the drafter's probability of each of its drafts: where every verified draft was accepted,
+        the cut ones count at what the (calibrated) drafter expected of them, so that cutting the unlikely
+        ones does not make the later positions look better than they are."""
+        drafted = n if drafted is None else drafted
         self.rounds += 1
         self._plain_streak = self._plain_streak + 1 if n == 1 else 0
         self._since_plain = 0 if n == 1 else self._since_plain + 1
         self.shared.plain_streak, self.shared.probe_gap = self._plain_streak, self._probe_gap
         if n > 1:
-            for k in range(1, self.max_block):
-                self.reached[k] *= self.decay
-                self.accepted[k] *= self.decay
-            for k in range(1, min(accepted + 1, n - 1) + 1):  # positions 1..a accepted, a+1 rejected
-                self.reached[k] += 1.0
-                if k <= accepted:
-                    self.accepted[k] += 1.0
+            self._count_acceptance(n, accepted, confidence)
+        if drafted > 1 and draft_seconds is not None:
+            self._record(draft_key(drafted), draft_seconds)
+            if drafted != n:  # the draft ran the head on more rows than a round of n keeps: priced at n's size
+                seconds += (within(self._lines()[0], n) or draft_seconds) - draft_seconds
+        self._record(n, seconds)
+
+    def _count_acceptance(self, n: int, accepted: int, confidence: Sequence[float]) -> None:
+        for k in range(1, self.max_block):
+            self.reached[k] *= self.decay
+            self.accepted[k] *= self.decay
+        for k in range(1, min(accepted + 1, n - 1) + 1):  # positions 1..a accepted, a+1 rejected
+            self.reached[k] += 1.0
+            if k <= accepted:
+                self.accepted[k] += 1.0
+        if confidence:
+            shared = self.shared
+            reached = confidence[: min(accepted + 1, n - 1)]  # the verified drafts the target ruled on
+            shared.said = self.decay * shared.said + sum(reached)
+            shared.held = self.decay * shared.held + min(accepted, n - 1)
             chance = 1.0 if accepted == n - 1 else 0.0  # that the round would have reached the next position
-            for k, p in zip(range(n, self.max_block), unverified):
+            for k, p in zip(range(n, self.max_block), self.calibrated(confidence[n - 1 :])):
                 if not chance:
                     break
                 self.reached[k] += chance
                 chance *= p
                 self.accepted[k] += chance
-            self.shared.reached, self.shared.accepted = list(self.reached), list(self.accepted)
+        self.shared.reached, self.shared.accepted = list(self.reached), list(self.accepted)
+
+    def _record(self, key: int, value: float) -> None:
+        """A round's (key n) or a draft's (key -n) seconds at the current length."""
         here = self._costs.setdefault(self.bucket, {})
         counts = self.shared.samples.setdefault(self.bucket, {})
         self.shared.version += 1
-        for key, value in ((n, seconds), (draft_key(n), draft_seconds if n > 1 else None)):
-            if value is not None:
-                previous, count = here.get(key), counts.get(key, 0)
-                counts[key] = count + 1
-                if previous is None:
-                    here[key] = value
-                elif count < FIRST_SAMPLES:  # a one-time cost (a first call, a page fault) only ever adds time
-                    here[key] = min(previous, value)
-                else:
-                    here[key] = 0.8 * previous + 0.2 * value
+        previous, count = here.get(key), counts.get(key, 0)
+        counts[key] = count + 1
+        if previous is None:
+            here[key] = value
+        elif count < FIRST_SAMPLES:  # a one-time cost (a first call, a page fault) only ever adds time
+            here[key] = min(previous, value)
+        else:
+            here[key] = 0.8 * previous + 0.2 * value

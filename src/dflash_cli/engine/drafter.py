@@ -248,7 +248,8 @@ class DFlashDrafter(nn.Module):
     """A DFlash drafter. It has no embedding and no LM head: it borrows the target's."""
 
     layer_class: type[DraftLayer] = DraftLayer
-    reports_confidence = True  # draft(confidence=...) gets each greedy draft's probability
+    # draft(confidence=[...]) gets each greedy draft's probability (a subclass whose draft() does not sets it False)
+    reports_confidence = True
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()

@@ -34,15 +34,17 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 def greedy_ids_with_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """greedy_ids, and each row's softmax probability of its greedy token (float32): how sure a drafter is of
-    its draft, which for a trained drafter is close to how often the target accepts it."""
+    its draft, which for a trained drafter is close to how often the target accepts it (0 for a row of NaN or
+    infinite logits, where it cannot tell)."""
     logits = logits.float()
     built = native.loaded() if logits.device.type == "cpu" and logits.dim() == 2 else None
+    picked = None
     if built is not None and logits.stride(-1) == 1 and logits.shape[-1] > 0:
         picked = native.argmax_confidence_rows(built.lib, logits)
-        if picked is not None:
-            return picked
-    top = (logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)).exp()
-    return logits.argmax(dim=-1), top
+    if picked is None:
+        picked = logits.argmax(dim=-1), (logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)).exp()
+    ids, top = picked
+    return ids, torch.where(top.isfinite(), top.clamp(0.0, 1.0), 0.0)
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:

@@ -123,21 +123,22 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         # a drafter that knows how sure it is of each greedy draft says so, and the drafts after the last one worth
         # its verify row are not verified (drafts_worth_verifying)
         confidence: list[float] = []
-        sure = (controller is not None and n > 2 and greedy and getattr(drafter, "reports_confidence", False)
-                and controller.wants_confidence())
+        drafted = n
+        ask_confidence = (controller is not None and n > 2 and greedy and getattr(drafter, "reports_confidence", False)
+                          and controller.wants_confidence())
         if n > 1:  # draft the trained block, verify its first n-1 drafts
             assert state.draft_cache is not None  # a state made with a drafter has one
-            asked = {"confidence": confidence} if sure else {}  # (a drafter written before the keyword works on)
+            # (only asked where it reports confidence: a drafter written before the keyword works on)
+            asked = {"confidence": confidence} if ask_confidence else {}
             drafts = drafter.draft(state.pending, anchor, start, drafter.block_size, state.draft_cache,
                                    target.embed_table, target.logits_head, keep=n - 1, sampler=sample,
                                    **asked)  # (n-1,)
             state.pending = None  # now in the draft cache
         else:
             drafts = anchor.new_empty(0)
-        unverified: list[float] = []
-        if controller is not None and confidence:
+        if controller is not None and len(confidence) == n - 1 > 1:
             n = 1 + controller.drafts_worth_verifying(confidence)
-            drafts, unverified = drafts[: n - 1], confidence[n - 1 :]
+            drafts = drafts[: n - 1]
         draft_watch.stop()
 
         verify_watch.start()
@@ -167,5 +168,5 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
         round_ = Round(host[: a + 1], n - 1, a, draft_watch.seconds, verify_watch.seconds,
                        time.perf_counter() - t0)
         if controller is not None:
-            controller.observe(n, a, round_.wall_seconds, round_.draft_seconds, unverified)
+            controller.observe(n, a, round_.wall_seconds, round_.draft_seconds, confidence, drafted)
         yield round_

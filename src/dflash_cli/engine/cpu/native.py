@@ -498,10 +498,10 @@ def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:
 
 def argmax_confidence_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """argmax_rows, and each row's softmax probability of its maximum (float32 (rows,)); None when a row holds a
-    NaN or the library has no such kernel (an older build)."""
+    NaN, or the library is a build from before the kernel (benchmarks/kernels_ab.py's baseline)."""
     if not hasattr(lib, "dfq_argmax_confidence_rows"):
         return None
-    out, top = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0])
+    out, top = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0], dtype=torch.float32)
     nans = lib.dfq_argmax_confidence_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
                                           top.data_ptr())
     return None if nans else (out, top)
