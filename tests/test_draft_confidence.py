@@ -57,14 +57,14 @@ def test_a_drafter_is_asked_how_sure_it_is_only_where_a_verify_row_costs():
     assert not trained(0.005).wants_confidence()  # a GPU-like curve: nothing to cut, no confidence to wait for
 
 
-def test_warm_up_blocks_are_verified_whole_and_later_ones_cut():
-    controller = BlockSizeController(B, warmup=1)  # costs measured as rounds run
-    assert controller.choose() == B and controller.drafts_worth_verifying([0.1] * 7) == 7  # the warm-up block
-    controller.observe(B, 0, 0.0055, 0.0005)  # its verify 5 ms (a decode 2 ms, 0.43 ms a row)
+def test_every_draft_is_verified_until_what_a_verify_row_costs_is_measured():
+    controller = BlockSizeController(B)  # costs measured as rounds run; three warm-up blocks
+    assert controller.choose() == B and not controller.wants_confidence()
+    assert controller.drafts_worth_verifying([0.1] * 7) == 7  # no costs yet
+    controller.observe(B, 0, 0.0055, 0.0005)  # a full block: its verify 5 ms (a decode 2 ms, 0.43 ms a row)
     assert controller.choose() == 1  # then a plain round, to measure it
-    assert not controller.wants_confidence()
     controller.observe(1, 0, 0.002)
-    controller.choose()  # by the rates now
+    assert controller.choose() == B  # the warm-up goes on, its blocks cut now
     assert controller.wants_confidence()
     assert controller.drafts_worth_verifying([0.1] * 7) == 1  # a draft at 0.01 does not pay 0.43 ms
 

@@ -323,8 +323,9 @@ class BlockSizeController:
         drafts hold). Draft k is worth its row of the verify while the chance that drafts 1..k are all accepted
         pays for that row at the rate this round's block was chosen for (maximizing expected tokens less rate x
         cost maximizes the rate over many rounds). A CPU verify's row costs a tenth to a quarter of a decode, so
-        unlikely tails are cut; a GPU's almost nothing. The first draft is always verified (its acceptance stays
-        measured), and every draft of a round whose block the rates did not choose (a warm-up's full block)."""
+        unlikely tails are cut; a GPU's almost nothing. The first draft is always verified: its acceptance stays
+        measured. A warm-up's full block is cut too (its cut drafts count at what the drafter expects of them):
+        on a short reply the warm-up is much of what a weak drafter costs."""
         price = self._row_price()
         if price is None:
             return len(confidence)
@@ -337,9 +338,9 @@ class BlockSizeController:
         return len(confidence)
 
     def wants_confidence(self) -> bool:
-        """Whether this round may cut drafts: its block was chosen by the rates, and its second draft's row costs
-        at least MIN_ROW_PRICE in acceptance (a GPU's costs next to nothing: no drafter need work out how sure
-        it is, nor the GPU wait for that)."""
+        """Whether this round may cut drafts: its second draft's verify row costs at least MIN_ROW_PRICE in
+        acceptance (a GPU's costs next to nothing: no drafter need work out how sure it is, nor the GPU wait for
+        that)."""
         price = self._row_price()
         row = price(3) if price is not None else None
         return row is not None and row >= MIN_ROW_PRICE
@@ -352,10 +353,10 @@ class BlockSizeController:
         return [min(1.0, p * ratio) for p in confidence]
 
     def _row_price(self) -> Callable[[int], float | None] | None:
-        """The chance of acceptance that pays for row n of a verify: the rate of the round's choice times what
-        row n adds to the verify; None where the rates did not choose the round's block, or before a verify's
-        cost per row is known."""
-        rate = self._rate
+        """The chance of acceptance that pays for row n of a verify: the rate of the round's choice (where the
+        rates did not choose it, a warm-up's block, the best rate) times what row n adds to the verify; None
+        before a verify's cost per row is known."""
+        rate = self._rate if self._rate is not None else max(self.rates().values(), default=None)
         if rate is None:
             return None
         if self.injected_cost is not None:
