@@ -332,18 +332,15 @@ class BlockSizeController:
         chance = 1.0
         for k, p in enumerate(self.calibrated(confidence), start=1):
             chance *= p
-            row = price(k + 1)
-            if k > 1 and row is not None and chance < row:
+            if k > 1 and chance < price:
                 return k - 1
         return len(confidence)
 
     def wants_confidence(self) -> bool:
-        """Whether this round may cut drafts: its second draft's verify row costs at least MIN_ROW_PRICE in
-        acceptance (a GPU's costs next to nothing: no drafter need work out how sure it is, nor the GPU wait for
-        that)."""
+        """Whether this round may cut drafts: a verify row costs at least MIN_ROW_PRICE in acceptance (a GPU's
+        costs next to nothing: no drafter need work out how sure it is, nor the GPU wait for that)."""
         price = self._row_price()
-        row = price(3) if price is not None else None
-        return row is not None and row >= MIN_ROW_PRICE
+        return price is not None and price >= MIN_ROW_PRICE
 
     def calibrated(self, confidence: Sequence[float]) -> list[float]:
         """The drafter's probabilities scaled by how often its verified drafts were accepted against how sure it
@@ -352,25 +349,26 @@ class BlockSizeController:
         ratio = (self.shared.held + CALIBRATION_PRIOR) / (self.shared.said + CALIBRATION_PRIOR)
         return [min(1.0, p * ratio) for p in confidence]
 
-    def _row_price(self) -> Callable[[int], float | None] | None:
-        """The chance of acceptance that pays for row n of a verify: the rate of the round's choice (where the
-        rates did not choose it, a warm-up's block, the best rate) times what row n adds to the verify; None
-        before a verify's cost per row is known."""
+    def _row_price(self) -> float | None:
+        """The chance of acceptance that pays for one more row of a verify: the rate of the round's choice
+        (where the rates did not choose it, a warm-up's block, the best rate) times what a row adds to a verify,
+        the least-squares slope of the verify's cost over the sizes measured (the difference of two neighbours
+        on the line would be their noise: measured 0.9 and -0.5 tokens' worth for two rows of the demo's); None
+        before two sizes are measured."""
         rate = self._rate if self._rate is not None else max(self.rates().values(), default=None)
         if rate is None:
             return None
         if self.injected_cost is not None:
-            cost = self.injected_cost  # a whole round's: its draft is the same at every size here
-            return lambda n: rate * (cost(n) - cost(n - 1))
+            cost, top = self.injected_cost, self.max_block
+            return rate * max(0.0, (cost(top) - cost(2)) / (top - 2)) if top > 2 else None
         verifies = self._lines()[1]
         if len(verifies) < 2:
             return None
-
-        def price(n: int) -> float | None:
-            more, less = on_line(verifies, n), on_line(verifies, n - 1)
-            return None if more is None or less is None else rate * (more - less)
-
-        return price
+        mean_n = sum(n for n, _ in verifies) / len(verifies)
+        mean_s = sum(s for _, s in verifies) / len(verifies)
+        spread = sum((n - mean_n) ** 2 for n, _ in verifies)
+        slope = sum((n - mean_n) * (s - mean_s) for n, s in verifies) / spread
+        return rate * max(0.0, slope)
 
     def _dear_full_block(self) -> bool:
         """Whether a full block was measured to cost more than WARMUP_MAX_COST plain rounds (a CPU running a
