@@ -110,6 +110,22 @@ def test_without_the_expected_counts_the_cut_would_flatter_the_drafter():
     assert controller.acceptance(2) > 0.6
 
 
+def test_a_row_is_priced_by_the_verifys_slope_not_by_two_noisy_neighbours():
+    """Rounds of 2 and 4 measured a little off the line (2 rows cheap, 4 dear): the difference of two neighbours
+    made the third row look four times what a row costs and cut drafts that pay. A row costs the least-squares
+    slope over the sizes measured."""
+    controller = BlockSizeController(B, warmup=0)
+    for n, verify in ((1, 0.0020), (2, 0.0022), (4, 0.0031), (B, 0.0041)):  # ~0.3 ms a row; 2 -> 4: 0.45 ms
+        controller.observe(n, n - 1, verify + (0.0004 if n > 1 else 0.0), 0.0004 if n > 1 else None)
+    controller.choose()
+    rate = max(controller.rates().values())
+    slope = 0.0003  # seconds a row, about: the fit through the four sizes
+    low, high = rate * slope * 0.8, rate * 0.00045 * 0.95  # below the neighbours' price, above the slope's
+    assert low < high
+    chance = (low + high) / 2
+    assert controller.drafts_worth_verifying([1.0, chance, 0.01]) == 2  # the second draft pays for its row
+
+
 def test_a_drafter_surer_than_its_drafts_hold_is_believed_less():
     """Behind a long prompt the demo drafter is surer than it should be: its verified drafts' record scales
     what it says, before a cut and in what the cut drafts count for."""
