@@ -126,6 +126,18 @@ def test_a_row_is_priced_by_the_verifys_slope_not_by_two_noisy_neighbours():
     assert controller.drafts_worth_verifying([1.0, chance, 0.01]) == 2  # the second draft pays for its row
 
 
+def test_what_a_drafted_round_pays_beyond_a_plain_one_is_not_charged_to_its_rows():
+    """A drafted round pays a fixed part a plain one does not (0.8 ms here); its rows cost 0.2 ms each. A fit
+    through the plain round would make a row look dearer and cut drafts that pay for 0.2 ms."""
+    controller = BlockSizeController(B, warmup=0)
+    for n, verify in ((1, 0.0020), (2, 0.0030), (4, 0.0034), (B, 0.0042)):
+        controller.observe(n, n - 1, verify + (0.0004 if n > 1 else 0.0), 0.0004 if n > 1 else None)
+    controller.choose()
+    rate = max(controller.rates().values())
+    chance = rate * 0.0002 * 1.2  # pays for its 0.2 ms row; not for the 0.28 ms a fit through plain gives
+    assert controller.drafts_worth_verifying([1.0, chance, 0.01]) == 2
+
+
 def test_a_drafter_surer_than_its_drafts_hold_is_believed_less():
     """Behind a long prompt the demo drafter is surer than it should be: its verified drafts' record scales
     what it says, before a cut and in what the cut drafts count for."""
