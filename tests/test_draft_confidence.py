@@ -63,6 +63,7 @@ def test_every_draft_is_verified_until_what_a_verify_row_costs_is_measured():
     assert controller.drafts_worth_verifying([0.1] * 7) == 7  # no costs yet
     controller.observe(B, 0, 0.0055, 0.0005)  # a full block: its verify 5 ms (a decode 2 ms, 0.43 ms a row)
     assert controller.choose() == 1  # then a plain round, to measure it
+    assert not controller.wants_confidence()  # one verify size measured: no cost per row yet
     controller.observe(1, 0, 0.002)
     assert controller.choose() == B  # the warm-up goes on, its blocks cut now
     assert controller.wants_confidence()

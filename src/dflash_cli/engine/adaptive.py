@@ -179,6 +179,7 @@ class BlockSizeController:
         self._since_plain = 0  # drafted rounds since the last plain one
         self.choice = max_block
         self._rate: float | None = None  # tokens per second expected of this round's choice, where the rates chose it
+        self._priced: tuple[tuple, float | None] | None = None  # _row_price's last (inputs, answer)
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
         self._drawn: tuple[tuple[int, int], tuple[list[tuple[int, float]], list[tuple[int, float]]]] | None = None
 
@@ -354,7 +355,13 @@ class BlockSizeController:
         (where the rates did not choose it, a warm-up's block, the best rate) times what a row adds to a verify,
         the least-squares slope of the verify's cost over the sizes measured (the difference of two neighbours
         on the line would be their noise: measured 0.9 and -0.5 tokens' worth for two rows of the demo's); None
-        before two sizes are measured."""
+        before two sizes are measured. Worked out once a round (wants_confidence, then drafts_worth_verifying)."""
+        key = (self.rounds, self.shared.version, self.bucket, self._rate)
+        if self._priced is None or self._priced[0] != key:
+            self._priced = (key, self._price_now())
+        return self._priced[1]
+
+    def _price_now(self) -> float | None:
         rate = self._rate if self._rate is not None else max(self.rates().values(), default=None)
         if rate is None:
             return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import secrets
 
 import torch
@@ -24,12 +25,16 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     bf16 is several times slower): CPU rows through the C kernels when this process loaded them (torch's CPU
     argmax took 80 us for one row of a 49k vocabulary, of a 4-5 ms decode)."""
     logits = logits.float()
+    lib = _native_for(logits)
+    picked = native.argmax_rows(lib, logits) if lib is not None else None
+    return picked if picked is not None else logits.argmax(dim=-1)
+
+
+def _native_for(logits: torch.Tensor) -> ctypes.CDLL | None:
+    """The loaded C kernels where they take these fp32 logits (CPU rows of unit stride), else None."""
     built = native.loaded() if logits.device.type == "cpu" and logits.dim() == 2 else None
-    if built is not None and logits.stride(-1) == 1 and logits.shape[-1] > 0:
-        picked = native.argmax_rows(built.lib, logits)
-        if picked is not None:
-            return picked
-    return logits.argmax(dim=-1)
+    ok = built is not None and logits.stride(-1) == 1 and logits.shape[-1] > 0
+    return built.lib if ok and built is not None else None
 
 
 def greedy_ids_with_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,10 +42,8 @@ def greedy_ids_with_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torc
     its draft, which for a trained drafter is close to how often the target accepts it (0 for a row of NaN or
     infinite logits, where it cannot tell)."""
     logits = logits.float()
-    built = native.loaded() if logits.device.type == "cpu" and logits.dim() == 2 else None
-    picked = None
-    if built is not None and logits.stride(-1) == 1 and logits.shape[-1] > 0:
-        picked = native.argmax_confidence_rows(built.lib, logits)
+    lib = _native_for(logits)
+    picked = native.argmax_confidence_rows(lib, logits) if lib is not None else None
     if picked is None:
         picked = logits.argmax(dim=-1), (logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)).exp()
     ids, top = picked
