@@ -48,5 +48,34 @@ def test_the_option_reaches_the_drafter_and_the_statistics(tiny_target_dir, tmp_
     assert json.loads(windowed.stdout)["text"] == json.loads(plain.stdout)["text"]
     verbose = CliRunner().invoke(cli, args[:-2] + ["-v", "hello"], env={"DFLASH_DRAFT_WINDOW": "5"})
     assert verbose.exit_code == 0 and "draft window" in verbose.stderr and "last 5 tokens" in verbose.stderr
-    bad = CliRunner().invoke(cli, [*args, "--draft-window", "0"])
+    bad = CliRunner().invoke(cli, [*args, "--draft-window", "-1"])
     assert bad.exit_code == 2 and "--draft-window" in bad.stderr
+
+
+def test_the_drafters_config_names_its_window_and_the_option_overrides_it(tiny_target_dir, tmp_path):
+    target = str(tiny_target_dir)
+    config = drafter_config(target_config("qwen3"))
+    config["dflash_config"]["draft_window"] = 5
+    drafter = str(save_random_drafter(tmp_path / "drafter", config, seed=2))
+    for asked, used in ((None, 5), (7, 7), (0, None)):
+        runtime = dflash_cli.load(target, draft=drafter, draft_window=asked)
+        assert getattr(runtime.drafter, "context_window") == used, asked
+    args = ["generate", "-m", target, "--draft", drafter, "-n", "12", "--no-chat-template", "--json", "hello"]
+    runs = {name: CliRunner().invoke(cli, [*args, *extra]) for name, extra in
+            (("config", []), ("whole", ["--draft-window", "0"]), ("plain", ["--no-draft"]))}
+    assert all(r.exit_code == 0 for r in runs.values()), [r.stderr for r in runs.values()]
+    out = {name: json.loads(r.stdout) for name, r in runs.items()}
+    assert out["config"]["draft_window"] == 5 and out["whole"]["draft_window"] is None
+    assert out["config"]["text"] == out["whole"]["text"] == out["plain"]["text"]
+
+
+@pytest.mark.parametrize("value", [0, -3, "128", True, 1.5])
+def test_a_bad_window_in_the_config_is_one_line_naming_it(tiny_target_dir, tmp_path, value):
+    config = drafter_config(target_config("qwen3"))
+    drafter = save_random_drafter(tmp_path / "drafter", config, seed=2)
+    raw = json.loads((drafter / "config.json").read_text())
+    raw["dflash_config"]["draft_window"] = value
+    (drafter / "config.json").write_text(json.dumps(raw))
+    got = CliRunner().invoke(cli, ["generate", "-m", str(tiny_target_dir), "--draft", str(drafter), "-n", "4",
+                                   "--no-chat-template", "hello"])
+    assert got.exit_code != 0 and "dflash_config.draft_window" in got.stderr and "Traceback" not in got.stderr

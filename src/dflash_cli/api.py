@@ -33,7 +33,8 @@ def load(model: str, draft: str | None = None, *, no_draft: bool = False, quant:
     device_map: None (one device), "auto", "balanced" or "sequential" splits the target's layers over the
     GPUs (cpu/disk offload last); max_memory: "0=14GiB,1=14GiB,cpu=30GiB" or {"cuda:0": bytes, ...};
     threads: CPU threads (default: one per core other processes leave free, re-checked while generating).
-    draft_window: the drafter attends to the last N context positions only (default: all; output unchanged).
+    draft_window: the drafter attends to the last N context positions only (0: all; default: the window its
+        config names, else all; output unchanged).
     """
     return open_local(ModelOptions(model=model, draft=draft, no_draft=no_draft, quant=quant,
                                    dtype=dtype or S.DEFAULT_DTYPE, device=device or S.DEFAULT_DEVICE,

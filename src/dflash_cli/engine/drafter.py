@@ -271,9 +271,10 @@ class DFlashDrafter(nn.Module):
         self.native_layers: tuple[Any, list[Any]] | None = None
         # engine/draft_graph.StaticDraft once the loop drafts at fixed shapes (compiled targets), else None
         self.static_draft: Any = None
-        # attend to the last N context positions only (--draft-window; None = all): the drafter was trained
-        # on short contexts, and at thousands of tokens its attention spreads thin
-        self.context_window: int | None = None
+        # attend to the last N context positions only (None = all): a drafter trained on short contexts drafts
+        # worse at thousands of tokens (the demo's: tau 1.14 at 8k, 1.93 with 128); the config's
+        # dflash_config.draft_window, else --draft-window
+        self.context_window: int | None = cfg.draft_window
         # the target's embedding scale (Gemma: sqrt(hidden), in the embedding's dtype), set when the pair is
         # attached (load.attach_drafter): the block's embeddings are what the target's embedding module gives
         self.embed_scale: torch.Tensor | None = None
@@ -470,7 +471,8 @@ class DFlashDrafter(nn.Module):
         # slot 0 (the anchor) predicts nothing; a 2-D input keeps the LM head on the plain matmul path
         # (a 3-D slice makes CPU bf16 kernels copy the whole vocabulary matrix on every call)
         static = self.static_draft
-        if static is not None and self.context_window is None and static.fits(context, block_len, start, cache):
+        window = self.context_window
+        if static is not None and (window is None or start <= window) and static.fits(context, block_len, start, cache):
             return static(context, block, start, cache)[0, 1 : keep + 1]  # fixed shapes (draft_graph.py)
         return self(context, block, start, cache)[0, 1 : keep + 1]  # (keep, H)
 

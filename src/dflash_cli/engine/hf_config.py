@@ -161,6 +161,7 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    draft_window: int | None = None  # dflash_config.draft_window: the context window the drafter drafts best with
     architecture: str = "DFlashDraftModel"
     # DFlash 2 only (docs/format.md section 7): conv kernel K, conv group G, selector rank R and top-k
     conv_kernel_size: int | None = None
@@ -219,6 +220,11 @@ class DrafterConfig:
             raise CheckpointError(f"{source}: block_size must be an integer of at least 2 (an anchor and a draft), "
                                   f"not {block!r}")
         softcap = dflash.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
+        draft_window = dflash.get("draft_window")
+        if draft_window is not None and (isinstance(draft_window, bool) or not isinstance(draft_window, int)
+                                         or draft_window < 1):
+            raise CheckpointError(f"{source}: dflash_config.draft_window must be a positive integer, "
+                                  f"not {draft_window!r}")
         return cls(
             hidden_size=hidden,
             num_hidden_layers=n_layers,
@@ -239,6 +245,7 @@ class DrafterConfig:
             input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
             output_multiplier=float(dflash.get("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
+            draft_window=draft_window,
             architecture=architectures[0],
             source_format=source_format,
             raw=dict(raw),

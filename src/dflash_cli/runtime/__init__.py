@@ -51,7 +51,7 @@ class ModelOptions:
     engine: str | None = None
     timeout: float | None = None
     threads: int | None = None  # CPU threads; None: chosen from the free cores while generating
-    draft_window: int | None = None  # the drafter's context window in tokens; None: the whole context
+    draft_window: int | None = None  # the drafter's context window in tokens; 0: all; None: its config's, else all
 
 
 @runtime_checkable

@@ -163,7 +163,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     `quant_auto`: `quant` was --quant auto's choice, so a weight-only one (q4/q8) that cannot run here
     (compile off, a target off the fast path) falls back to unquantized with a notice instead of an error.
     `threads`: the CPU thread count of a target on the CPU (None: chosen while generating, engine/cpu/threads.py).
-    `draft_window`: the drafter attends to that many of the latest context positions only (None: all).
+    `draft_window`: the drafter attends to that many of the latest context positions only (0: all; None: the
+    window its config names, else all).
     """
     from dflash_cli.engine.cpu.threads import ThreadGovernor
     from dflash_cli.engine.device import pick_dtype
@@ -205,8 +206,8 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
                                on_status=on_status, on_notice=on_notice, quant_auto=quant_auto)
     forward += built_note
     pair.target.threads = governor
-    if pair.drafter is not None and draft_window is not None:
-        cast(Any, pair.drafter).context_window = draft_window
+    if pair.drafter is not None and draft_window is not None:  # else the window its config names, if any
+        cast(Any, pair.drafter).context_window = draft_window or None
     if quant in ("q4", "q8", "q4a8", "q8a8") and pair.target.weight_quant is None:  # --quant auto fell back
         quant = None
     if dev.type == "cuda" and not pair.target.fast_compiled:  # the first generation on a GPU runs at half speed

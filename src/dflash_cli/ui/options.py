@@ -97,10 +97,11 @@ model_options = apply_all([
     click.option("--threads", type=click.IntRange(min=1), default=None, envvar=S.ENV["threads"], show_envvar=True,
                  help="CPU threads to run on [default: one per core that other processes leave free, re-checked "
                       "every half second while generating; -v shows the count]."),
-    click.option("--draft-window", type=click.IntRange(min=1), default=None, envvar=S.ENV["draft_window"],
+    click.option("--draft-window", type=click.IntRange(min=0), default=None, envvar=S.ENV["draft_window"],
                  show_envvar=True,
-                 help="The drafter attends to the last N tokens of the context only [default: all]. A drafter "
-                      "trained on short prompts drafts better so at thousands of tokens; output is unchanged."),
+                 help="The drafter attends to the last N tokens of the context only; 0: all of it [default: the "
+                      "window the drafter's config names (the demo's: 128), else all]. A drafter trained on short "
+                      "prompts drafts better so at thousands of tokens; output is unchanged."),
     click.option("--compile", "compile", type=click.Choice(["auto", "on", "off"]), default=S.DEFAULT_COMPILE,
                  envvar=S.ENV["compile"], show_envvar=True, show_default=True,
                  help="Compile the decode and verify forwards (auto: CUDA graphs on GPUs; not on CPUs, where it "
