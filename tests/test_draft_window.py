@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -10,6 +11,7 @@ from conftest import drafter_config, save_random_drafter, target_config
 from support.speculation import oracle_for, tiny_pair
 
 import dflash_cli
+from dflash_cli import settings as S
 from dflash_cli.engine.generate import generate
 from dflash_cli.ui.cli import cli
 
@@ -67,6 +69,10 @@ def test_the_drafters_config_names_its_window_and_the_option_overrides_it(tiny_t
     out = {name: json.loads(r.stdout) for name, r in runs.items()}
     assert out["config"]["draft_window"] == 5 and out["whole"]["draft_window"] is None
     assert out["config"]["text"] == out["whole"]["text"] == out["plain"]["text"]
+    # the round costs are kept under the window drafted with: a whole context's do not hold for a window
+    kept = [json.loads(f.read_text())["key"] for f in (S.cache_dir() / "round-costs").glob("*.json")]
+    assert sorted(str(k["draft_window"]) for k in kept if k["drafter"] == str(Path(drafter).resolve())) == [
+        "5", "None"]
 
 
 @pytest.mark.parametrize("value", [0, -3, "128", True, 1.5])

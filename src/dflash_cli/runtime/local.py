@@ -216,8 +216,10 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         warm_up(pair.target, pair.drafter)
     costs_key = None
     if pair.drafter is not None and drafter_dir is not None:
+        # the window the drafter drafts with (its config's, unless --draft-window), not the option: costs and
+        # acceptance learned seeing the whole context do not hold for a window
         costs_key = _round_costs(pair, target_dir, drafter_dir, quant=quant, dtype=dt, device=dev, threads=threads,
-                                 draft_window=draft_window)
+                                 draft_window=getattr(pair.drafter, "context_window", None))
     return LocalRuntime(pair.target, pair.drafter, tokenizer, target_dir, drafter_dir,
                         time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev), forward,
                         costs_key=costs_key)
