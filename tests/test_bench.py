@@ -246,11 +246,13 @@ def test_bench_context_fills_each_prompt_to_the_length_asked(folders, tmp_path):
     mine = tmp_path / "mine.jsonl"
     mine.write_text('{"id": "q1", "prompt": "Say hi"}\n{"id": "q2", "prompt": "Count to three"}\n')
     result = bench(folders, "--prompts", str(mine), "-n", "4", "--json", "--warmup", "0", "--context", "300",
-                   "--adaptive")
+                   "--adaptive", "--draft-window", "64")
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["settings"]["context"] == 300
+    assert data["settings"]["context"] == 300 and data["settings"]["draft_window"] == 64
     assert all(290 <= r["prompt_tokens"] <= 310 for r in data["records"]), [r["prompt_tokens"] for r in data["records"]]
     assert data["overall"]["identical"] == 2  # still lossless at length
     short = json.loads(bench(folders, "--prompts", str(mine), "-n", "4", "--json", "--warmup", "0").stdout)
-    assert all(r["prompt_tokens"] < 60 for r in short["records"])
+    assert all(r["prompt_tokens"] < 60 for r in short["records"]) and short["settings"]["draft_window"] is None
+    table = bench(folders, "--prompts", str(mine), "-n", "4", "--warmup", "0", "--draft-window", "64")
+    assert table.exit_code == 0 and "the drafter sees the last 64 tokens" in table.stderr, table.stderr

@@ -297,6 +297,7 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
                 "adaptive": adaptive,
                 "temperature": 0.0, "chat_template": bool(chat_template_of(tokenizer)),
                 "enable_thinking": enable_thinking, "warmup": warmup, "per_set": per_set, "context": context,
+                "draft_window": getattr(drafter, "context_window", None),
                 "interleaved": "per prompt: plain, then dflash" + (", then hf-assisted" if assistant else ""),
                 "stop_ids": stops}
     return BenchReport(settings, sets, summarize("all", records, block), records, hf_info)
@@ -387,6 +388,7 @@ def format_table(report: BenchReport) -> list[str]:
              f"up to {st['max_new_tokens']} new tokens", "greedy",
              "chat template" if st["chat_template"] else "no chat template", f"warm-up {st['warmup']}",
              *([f"prompts filled to ~{st['context']} tokens with notes"] if st.get("context") else []),
+             *([f"the drafter sees the last {st['draft_window']} tokens"] if st.get("draft_window") else []),
              "tau = tokens per verify step, bonus included (macro over responses)",
              "tok/s = decode only, prefill excluded"]
     lines.append("")
