@@ -133,6 +133,7 @@ def speed_table(rt, args, prompts_at) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-m", "--model", default="demo")
+    p.add_argument("--draft", default=None, help="drafter folder (default: the model's own)")
     p.add_argument("--task", choices=("notes", "copy"), default="notes")
     p.add_argument("--speed", action="store_true",
                    help="decode tok/s against plain decoding (adaptive blocks) instead of tau at fixed blocks")
@@ -147,7 +148,8 @@ def main(argv=None) -> None:
 
     import dflash_cli
 
-    rt = dflash_cli.load(args.model, max_context=max(8192, max(args.contexts) + args.new_tokens + 64))
+    rt = dflash_cli.load(args.model, draft=args.draft,
+                         max_context=max(8192, max(args.contexts) + args.new_tokens + 64))
     assert rt.drafter is not None, "the model needs a drafter"
     if args.windows is None:
         args.windows = [rt.drafter.context_window or 0, 0] if args.speed else [0, 32, 64, 128, 256, 512, 1024]

@@ -94,7 +94,10 @@ def test_train_lowers_loss_and_writes_a_loadable_lossless_drafter(tmp_path, tiny
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     config = json.loads((out / "config.json").read_text())
     assert config["training"]["steps"] == 40 and config["dflash_config"]["mask_token_id"] >= 0
+    window = config["dflash_config"]["draft_window"]  # the median training sequence, up to a power of two
+    assert window >= 64 and window & (window - 1) == 0
     pair = load_pair(tiny_target_dir, out, device=DEVICE, dtype="float32")  # load_drafter + attach_drafter
+    assert getattr(pair.drafter, "context_window") == window
     target_only = load_target(tiny_target_dir, device=DEVICE, dtype="float32")
     for prompt in ([5, 9, 30, 41], [70, 71, 72, 3, 8, 100]):
         plain = generate(target_only, None, prompt, max_new_tokens=30, stop_ids=[])
@@ -412,3 +415,11 @@ def test_training_features_are_the_taps_decoding_reads(tiny_target_dir, fast):
         assert ex.features.shape == hidden[0].shape
         torch.testing.assert_close(ex.features.float(), hidden[0].to(torch.bfloat16).float().cpu(), atol=2e-2,
                                    rtol=2e-2)
+
+
+def test_a_new_drafters_window_is_its_median_training_sequence_up_to_a_power_of_two():
+    from dflash_cli.train.shape import draft_window_for
+
+    assert draft_window_for([]) == draft_window_for([3, 9]) == 64  # at least 64
+    assert draft_window_for([10, 70, 300]) == 128 and draft_window_for([64, 64, 5000]) == 64
+    assert draft_window_for([65, 65, 65]) == 128 and draft_window_for([250, 5000, 6000, 7000]) == 8192

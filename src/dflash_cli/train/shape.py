@@ -104,8 +104,20 @@ def drafter_raw(shape: Shape, target: Any, tokenizer: Any, examples: list) -> tu
                                                                 init_training=shape.init.config.raw.get("training"))
     seen = set(torch.cat([e.ids for e in examples]).tolist())
     mask_id, why = pick_mask_token(tokenizer, target.embed_weight, seen)
-    return drafter_config(target.config, layers=shape.layers, block_size=shape.block_size, taps=shape.taps,
-                          mask_id=mask_id, vocab_rows=target.vocab_rows), dict(mask_token=why)
+    raw = drafter_config(target.config, layers=shape.layers, block_size=shape.block_size, taps=shape.taps,
+                         mask_id=mask_id, vocab_rows=target.vocab_rows)
+    raw["dflash_config"]["draft_window"] = draft_window_for([len(e.ids) for e in examples])
+    return raw, dict(mask_token=why)
+
+
+def draft_window_for(lengths: Sequence[int]) -> int:
+    """The context window a new drafter drafts with (dflash_config.draft_window): the median length of the
+    sequences it trained on, up to a power of two, at least 64. A drafter trained on short sequences drafts
+    worse behind thousands of tokens of context than with a window; the demo's (prompts and replies of a few
+    hundred tokens) drafted best with 128-256 (benchmarks/README.md, "The drafter context window, measured")."""
+    ordered = sorted(lengths)
+    median = ordered[len(ordered) // 2] if ordered else 0
+    return max(64, 1 << max(0, median - 1).bit_length())
 
 
 def _init_config(start_from: DFlashDrafter, block_size: int) -> dict:
