@@ -388,3 +388,19 @@ def test_the_draft_is_not_drawn_on_past_the_sizes_timed():
     assert controller.draft_cost(2) == pytest.approx(0.0006)
     assert controller.draft_cost(7) == pytest.approx(0.00075)
     assert controller.cost(2) == pytest.approx(0.0006 + 0.004 + (0.0094 - 0.004) / 5)
+
+
+def test_a_block_measured_cheaper_than_a_smaller_one_is_priced_as_the_smaller():
+    """The demo behind 8k tokens of notes seeing them all: rounds of 2 slots cost 35 ms, a plain one 22.5; one
+    round of 4 read 30 ms (a lucky one, kept as the least of its first rounds). A verify of more rows is never
+    cheaper, so rounds of 3 and 4 are priced at 35 ms at least, and a drafter whose first draft holds 30% of the
+    time pauses (on the lucky figure it drafted blocks of 4, at 0.8x plain decoding in that run)."""
+    controller = BlockSizeController(4)
+    controller.observe(4, 0, 0.030, draft_seconds=0.005)
+    controller.observe(1, 0, 0.0225)
+    controller.observe(2, 0, 0.035, draft_seconds=0.005)
+    assert controller.cost(4) == pytest.approx(0.035) and controller.cost(3) == pytest.approx(0.035)
+    assert controller.cost(2) == pytest.approx(0.035) and controller.cost(1) == pytest.approx(0.0225)
+    controller.reached, controller.accepted = [0.0, 100.0, 100.0, 100.0], [0.0, 30.0, 50.0, 50.0]
+    assert controller.expected_tokens(4) / 0.030 > 1 / 0.0225 > controller.expected_tokens(4) / 0.035
+    assert controller.choose() == 1
