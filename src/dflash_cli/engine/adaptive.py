@@ -85,6 +85,21 @@ CALIBRATION_PRIOR = 4.0  # drafts' worth of trust in a drafter's confidence befo
 RESTORED_PRIOR_ROUNDS = 1.0  # the weight, in rounds, of the acceptance an earlier process kept
 
 
+def rising_fit(points: list[tuple[int, float, int]]) -> Points:
+    """(size, seconds) that never fall as the size grows, nearest to the measured (size, seconds, rounds) in
+    least squares weighted by rounds (pool adjacent violators): a verify of more rows is never cheaper, so where
+    a bigger block was measured cheaper than a smaller one, both take their rounds' mean, and one lucky round
+    of a big block does not outweigh many of a small one, nor one unlucky round many of a bigger one."""
+    pools: list[list[float]] = []  # [rounds, seconds x rounds, how many sizes]
+    for _, seconds, rounds in points:
+        pools.append([float(rounds), seconds * rounds, 1])
+        while len(pools) > 1 and pools[-2][1] / pools[-2][0] > pools[-1][1] / pools[-1][0]:
+            last = pools.pop()
+            pools[-1] = [a + b for a, b in zip(pools[-1], last)]
+    fitted = [value for w, total, sizes in pools for value in [total / w] * int(sizes)]
+    return [(size, value) for (size, _, _), value in zip(points, fitted)]
+
+
 class RoundCosts:
     """Seconds per round by context-length bucket and block length, and the latest acceptance counts: what
     the controllers of one drafter learn that outlives a request."""
@@ -228,7 +243,9 @@ class BlockSizeController:
         """Seconds per round of n slots: measured, or estimated as a draft plus a verify, from the sizes measured
         (a plain round is a verify of one row); never less than a drafted round of fewer slots was measured to
         cost (a verify of more rows is never cheaper: a big block's lucky rounds, kept as the least of its first
-        ones, made it look cheaper than a block of 2 at 8k tokens, and drafting went on at 0.8x plain)."""
+        ones, made it look cheaper than a block of 2 at 8k tokens, and drafting went on at 0.8x plain): the
+        drafted sizes measured are fitted by `rising_fit`, and a size between them costs no less than the fit
+        below it."""
         return self._estimate(n, self._lines())
 
     def draft_cost(self, n: int) -> float | None:
@@ -238,10 +255,10 @@ class BlockSizeController:
         return within(self._lines()[0], n)
 
     def _lines(self) -> Lines:
-        """The draft's measured (size, seconds), the verify's (a round's less its draft) and the dearest drafted
-        round measured up to each size, by size; drawn again only when a cost was recorded or the length moved
-        to another table (each round prices every block size: a paused drafter's round should cost what a plain
-        step does)."""
+        """The draft's measured (size, seconds), the verify's (a round's less its draft) and the drafted rounds'
+        seconds fitted never to fall with the size (`rising_fit`), by size; drawn again only when a cost was
+        recorded or the length moved to another table (each round prices every block size: a paused drafter's
+        round should cost what a plain step does)."""
         table = self._cost
         key = (id(table), self.shared.version)
         if self._drawn is not None and self._drawn[0] == key:
@@ -249,9 +266,8 @@ class BlockSizeController:
         drafts = sorted((-k, s) for k, s in table.items() if k < 0)
         verifies = [(1, table[1])] if 1 in table else []
         verifies += [(m, table[m] - (within(drafts, m) or 0.0)) for m in sorted(table) if m > 1]
-        rising: list[tuple[int, float]] = []
-        for m in sorted(m for m in table if m > 1):
-            rising.append((m, max(table[m], rising[-1][1] if rising else 0.0)))
+        counts = next((self.shared.samples.get(b, {}) for b, t in self._costs.items() if t is table), {})
+        rising = rising_fit([(m, table[m], counts.get(m, 1)) for m in sorted(table) if m > 1])
         self._drawn = (key, (drafts, verifies, rising))
         return drafts, verifies, rising
 
@@ -261,9 +277,9 @@ class BlockSizeController:
         table = self._cost
         drafts, verifies, rising = lines
         below = bisect.bisect_left(rising, (n, -math.inf))  # the drafted sizes measured below n
-        floor = rising[below - 1][1] if n > 1 and below else 0.0
         if n in table:
-            return max(table[n], floor)
+            return rising[below][1] if n > 1 else table[n]
+        floor = rising[below - 1][1] if n > 1 and below else 0.0
         if len(verifies) < 2 or n == 1:  # nothing drafted yet, or one block and no plain round
             # one measurement: assume the block size barely matters
             return table[verifies[0][0]] if verifies and n > 1 and 1 not in table else None
