@@ -388,33 +388,3 @@ def test_the_draft_is_not_drawn_on_past_the_sizes_timed():
     assert controller.draft_cost(2) == pytest.approx(0.0006)
     assert controller.draft_cost(7) == pytest.approx(0.00075)
     assert controller.cost(2) == pytest.approx(0.0006 + 0.004 + (0.0094 - 0.004) / 5)
-
-
-def test_a_block_measured_cheaper_than_a_smaller_one_is_priced_as_the_smaller():
-    """The demo behind 8k tokens of notes seeing them all: rounds of 2 slots cost 35 ms, a plain one 22.5; one
-    round of 4 read 30 ms (a lucky one, kept as the least of its first rounds). A verify of more rows is never
-    cheaper, so the two sizes are priced at their rounds' mean (34.2 ms), a round of 3 no lower, and a drafter
-    whose first draft holds a quarter of the time pauses (on the lucky figure it drafted blocks of 4, at 0.8x
-    plain decoding in that run)."""
-    controller = BlockSizeController(4)
-    controller.observe(4, 0, 0.030, draft_seconds=0.005)
-    controller.observe(1, 0, 0.0225)
-    for _ in range(5):
-        controller.observe(2, 0, 0.035, draft_seconds=0.005)
-    pooled = (5 * 0.035 + 0.030) / 6
-    assert controller.cost(4) == controller.cost(2) == pytest.approx(pooled) and controller.cost(3) >= pooled
-    assert controller.cost(1) == pytest.approx(0.0225)
-    controller.reached, controller.accepted = [0.0, 100.0, 100.0, 100.0], [0.0, 25.0, 50.0, 50.0]
-    assert controller.expected_tokens(4) / 0.030 > 1 / 0.0225 > controller.expected_tokens(4) / pooled
-    assert controller.choose() == 1
-
-
-def test_round_costs_are_fitted_never_to_fall_with_the_block_weighted_by_rounds():
-    from dflash_cli.engine.adaptive import rising_fit
-
-    lucky = rising_fit([(2, 0.035, 22), (4, 0.030, 1)])
-    assert [n for n, _ in lucky] == [2, 4] and all(s == pytest.approx((22 * 0.035 + 0.030) / 23) for _, s in lucky)
-    measured = [(2, 7.0, 10), (3, 7.07, 5), (4, 15.8, 1), (8, 17.36, 3)]  # already rising: kept as measured
-    assert rising_fit(measured) == [(n, s) for n, s, _ in measured]
-    assert [s for _, s in rising_fit([(2, 10.0, 1), (3, 8.0, 1), (4, 9.0, 1)])] == [9.0, 9.0, 9.0]
-    assert [s for _, s in rising_fit([(2, 10.0, 3), (3, 8.0, 1), (4, 12.0, 1)])] == [9.5, 9.5, 12.0]

@@ -42,10 +42,6 @@ from typing import Any
 FIRST_BUCKET = 512  # context lengths below this share one set of costs; each bucket above doubles it
 
 
-Points = list[tuple[int, float]]  # (block size, seconds), sorted by size
-Lines = tuple[Points, Points, Points]  # BlockSizeController._lines: drafts, verifies, the rising round costs
-
-
 def length_bucket(length: int) -> int:
     """0 below FIRST_BUCKET tokens, then 1 up to twice that, 2 up to four times, ..."""
     return max(0, int(length) // FIRST_BUCKET).bit_length()
@@ -83,21 +79,6 @@ FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the late
 MIN_ROW_PRICE = 0.05
 CALIBRATION_PRIOR = 4.0  # drafts' worth of trust in a drafter's confidence before its verified drafts are counted
 RESTORED_PRIOR_ROUNDS = 1.0  # the weight, in rounds, of the acceptance an earlier process kept
-
-
-def rising_fit(points: list[tuple[int, float, int]]) -> Points:
-    """(size, seconds) that never fall as the size grows, nearest to the measured (size, seconds, rounds) in
-    least squares weighted by rounds (pool adjacent violators): a verify of more rows is never cheaper, so where
-    a bigger block was measured cheaper than a smaller one, both take their rounds' mean, and one lucky round
-    of a big block does not outweigh many of a small one, nor one unlucky round many of a bigger one."""
-    pools: list[list[float]] = []  # [rounds, seconds x rounds, how many sizes]
-    for _, seconds, rounds in points:
-        pools.append([float(rounds), seconds * rounds, 1])
-        while len(pools) > 1 and pools[-2][1] / pools[-2][0] > pools[-1][1] / pools[-1][0]:
-            last = pools.pop()
-            pools[-1] = [a + b for a, b in zip(pools[-1], last)]
-    fitted = [value for w, total, sizes in pools for value in [total / w] * int(sizes)]
-    return [(size, value) for (size, _, _), value in zip(points, fitted)]
 
 
 class RoundCosts:
@@ -200,7 +181,7 @@ class BlockSizeController:
         self._rate: float | None = None  # tokens per second expected of this round's choice, where the rates chose it
         self._priced: tuple[tuple, float | None] | None = None  # _row_price's last (inputs, answer)
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
-        self._drawn: tuple[tuple[int, int], Lines] | None = None
+        self._drawn: tuple[tuple[int, int], tuple[list[tuple[int, float]], list[tuple[int, float]]]] | None = None
 
     def _start_from(self, shared: RoundCosts) -> None:
         """Takes the earlier requests' acceptance as a prior worth PRIOR_ROUNDS rounds."""
@@ -241,11 +222,7 @@ class BlockSizeController:
 
     def cost(self, n: int) -> float | None:
         """Seconds per round of n slots: measured, or estimated as a draft plus a verify, from the sizes measured
-        (a plain round is a verify of one row); never less than a drafted round of fewer slots was measured to
-        cost (a verify of more rows is never cheaper: a big block's lucky rounds, kept as the least of its first
-        ones, made it look cheaper than a block of 2 at 8k tokens, and drafting went on at 0.8x plain): the
-        drafted sizes measured are fitted by `rising_fit`, and a size between them costs no less than the fit
-        below it."""
+        (a plain round is a verify of one row)."""
         return self._estimate(n, self._lines())
 
     def draft_cost(self, n: int) -> float | None:
@@ -254,11 +231,10 @@ class BlockSizeController:
         look free)."""
         return within(self._lines()[0], n)
 
-    def _lines(self) -> Lines:
-        """The draft's measured (size, seconds), the verify's (a round's less its draft) and the drafted rounds'
-        seconds fitted never to fall with the size (`rising_fit`), by size; drawn again only when a cost was
-        recorded or the length moved to another table (each round prices every block size: a paused drafter's
-        round should cost what a plain step does)."""
+    def _lines(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+        """The draft's measured (size, seconds) and the verify's (a round's less its draft), by size; drawn
+        again only when a cost was recorded or the length moved to another table (each round prices every
+        block size: a paused drafter's round should cost what a plain step does)."""
         table = self._cost
         key = (id(table), self.shared.version)
         if self._drawn is not None and self._drawn[0] == key:
@@ -266,26 +242,22 @@ class BlockSizeController:
         drafts = sorted((-k, s) for k, s in table.items() if k < 0)
         verifies = [(1, table[1])] if 1 in table else []
         verifies += [(m, table[m] - (within(drafts, m) or 0.0)) for m in sorted(table) if m > 1]
-        counts = next((self.shared.samples.get(b, {}) for b, t in self._costs.items() if t is table), {})
-        rising = rising_fit([(m, table[m], counts.get(m, 1)) for m in sorted(table) if m > 1])
-        self._drawn = (key, (drafts, verifies, rising))
-        return drafts, verifies, rising
+        self._drawn = (key, (drafts, verifies))
+        return drafts, verifies
 
-    def _estimate(self, n: int, lines: Lines) -> float | None:
+    def _estimate(self, n: int, lines: tuple[list[tuple[int, float]], list[tuple[int, float]]]) -> float | None:
         if self.injected_cost is not None:
             return self.injected_cost(n)
         table = self._cost
-        drafts, verifies, rising = lines
-        below = bisect.bisect_left(rising, (n, -math.inf))  # the drafted sizes measured below n
         if n in table:
-            return rising[below][1] if n > 1 else table[n]
-        floor = rising[below - 1][1] if n > 1 and below else 0.0
+            return table[n]
+        drafts, verifies = lines
         if len(verifies) < 2 or n == 1:  # nothing drafted yet, or one block and no plain round
             # one measurement: assume the block size barely matters
             return table[verifies[0][0]] if verifies and n > 1 and 1 not in table else None
         # the verify grows with its rows where compute, not weight reads, dominates (CPUs), so smaller blocks
         # get tried at what they will cost; the draft is the one size timed until a second one is
-        return max((within(drafts, n) or 0.0) + (on_line(verifies, n) or 0.0), floor, 1e-9)
+        return max((within(drafts, n) or 0.0) + (on_line(verifies, n) or 0.0), 1e-9)
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per second at each block size whose cost is known or can be estimated."""
