@@ -247,7 +247,6 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
         context: each prompt behind notes that fill it to about this many tokens (long_context_ids).
     """
     from dflash_cli.engine.generate import default_stop_ids, generate, resolve_block_size
-    from dflash_cli.engine.text import chat_template_of
 
     if drafter is None:
         raise DFlashError("a benchmark needs a drafter: it compares plain decoding with DFlash")
@@ -294,13 +293,19 @@ def run_bench(target: Target, drafter: Drafter | None, tokenizer: Any,
         by_set.setdefault(r.set, []).append(r)
     sets = {name: summarize(name, rs, block) for name, rs in by_set.items()}  # in the order they ran
     settings = {"max_new_tokens": max_new_tokens, "block_size": block, "trained_block_size": drafter.block_size,
-                "adaptive": adaptive,
-                "temperature": 0.0, "chat_template": bool(chat_template_of(tokenizer)),
+                "adaptive": adaptive, **_run_settings(drafter, tokenizer, assistant is not None),
                 "enable_thinking": enable_thinking, "warmup": warmup, "per_set": per_set, "context": context,
-                "draft_window": getattr(drafter, "context_window", None),
-                "interleaved": "per prompt: plain, then dflash" + (", then hf-assisted" if assistant else ""),
                 "stop_ids": stops}
     return BenchReport(settings, sets, summarize("all", records, block), records, hf_info)
+
+
+def _run_settings(drafter: Drafter, tokenizer: Any, hf_assisted: bool) -> dict[str, Any]:
+    """What a bench run's settings say of the sampling, the template, the drafter's window and the order."""
+    from dflash_cli.engine.text import chat_template_of
+
+    return {"temperature": 0.0, "chat_template": bool(chat_template_of(tokenizer)),
+            "draft_window": getattr(drafter, "context_window", None),
+            "interleaved": "per prompt: plain, then dflash" + (", then hf-assisted" if hf_assisted else "")}
 
 
 def summarize(name: str, records: Sequence[PromptRecord], block_size: int) -> SetSummary:

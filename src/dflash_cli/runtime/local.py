@@ -173,12 +173,7 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
     from dflash_cli.engine.placement import resolve_placement
 
     target_dir, drafter_dir = Path(model).expanduser(), Path(draft).expanduser() if draft else None
-    for what, folder in (("model", target_dir), ("drafter", drafter_dir)):
-        if folder is not None and not folder.is_dir():
-            raise CheckpointError(f"{what} folder {folder} does not exist")
-    if not any((target_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise CheckpointError(f"{target_dir} has no tokenizer files (tokenizer.json or tokenizer_config.json)",
-                              hint="the model folder must include its tokenizer; 'dflash-cli pull' fetches it")
+    _check_folders(target_dir, drafter_dir)
     started = time.perf_counter()
     if placement is None:  # bad settings fail before anything loads
         placement = resolve_placement(device, device_map, max_memory)
@@ -216,24 +211,34 @@ def load_runtime(model: str | Path, draft: str | Path | None, *, quant: str | No
         warm_up(pair.target, pair.drafter)
     costs_key = None
     if pair.drafter is not None and drafter_dir is not None:
-        # the window the drafter drafts with (its config's, unless --draft-window), not the option: costs and
-        # acceptance learned seeing the whole context do not hold for a window
-        costs_key = _round_costs(pair, target_dir, drafter_dir, quant=quant, dtype=dt, device=dev, threads=threads,
-                                 draft_window=getattr(pair.drafter, "context_window", None))
+        costs_key = _round_costs(pair, target_dir, drafter_dir, quant=quant, dtype=dt, device=dev, threads=threads)
     return LocalRuntime(pair.target, pair.drafter, tokenizer, target_dir, drafter_dir,
                         time.perf_counter() - started, quant, str(dt).replace("torch.", ""), str(dev), forward,
                         costs_key=costs_key)
 
 
+def _check_folders(target_dir: Path, drafter_dir: Path | None) -> None:
+    """The folders exist and the target's holds its tokenizer (before anything loads)."""
+    for what, folder in (("model", target_dir), ("drafter", drafter_dir)):
+        if folder is not None and not folder.is_dir():
+            raise CheckpointError(f"{what} folder {folder} does not exist")
+    if not any((target_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise CheckpointError(f"{target_dir} has no tokenizer files (tokenizer.json or tokenizer_config.json)",
+                              hint="the model folder must include its tokenizer; 'dflash-cli pull' fetches it")
+
+
 def _round_costs(pair: Any, target_dir: Path, drafter_dir: Path, **settings: Any) -> dict[str, Any]:
-    """The key of the pair's round costs, with an earlier process's costs restored under it."""
+    """The key of the pair's round costs, with an earlier process's costs restored under it. The key holds the
+    window the drafter drafts with (its config's unless --draft-window), not the option: costs and acceptance
+    learned seeing the whole context do not hold for a window."""
     from dflash_cli.engine.cpu import native
     from dflash_cli.runtime.round_costs import costs_key, restore
 
     built = native.library_if_built() if settings.get("quant") in ("q4a8", "q8a8") else None
     key = costs_key(target_dir, drafter_dir, kernels=built.variant.name if built is not None else None,
                     compiled=pair.target.fast_compiled, split=bool(pair.target.split),
-                    draft_quant=getattr(pair.drafter, "head_quant", None), **settings)
+                    draft_quant=getattr(pair.drafter, "head_quant", None),
+                    draft_window=getattr(pair.drafter, "context_window", None), **settings)
     restore(pair.drafter, key)
     return key
 
