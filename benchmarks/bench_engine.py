@@ -303,20 +303,57 @@ def engine_row(name: str, results: list, plain: list | None, block: int) -> dict
     return row
 
 
+class KeptCosts:
+    """--kept-costs FILE: each adaptive row's round costs and acceptance read from FILE before it runs and written
+    back after, through the same `to_dict`/`from_dict` that runtime/round_costs.py keeps them with for `generate`.
+    A second run of the same command then measures what a later process of the pair meets, not a first
+    contact. Entries are keyed by the row and the settings that change a round's cost."""
+
+    def __init__(self, path: str | None, settings: dict):
+        self.path = Path(path) if path else None
+        self.settings = json.dumps(settings, sort_keys=True)
+        self.data: dict = {}
+        if self.path is not None and self.path.exists():
+            self.data = json.loads(self.path.read_text())
+
+    def restore(self, name: str, drafter) -> None:
+        from dflash_cli.engine.adaptive import RoundCosts, adopt_costs
+
+        kept = self.data.get(f"{self.settings} {name}")
+        if self.path is not None and drafter is not None and kept is not None:
+            adopt_costs(drafter, RoundCosts.from_dict(kept))
+
+    def keep(self, name: str, drafter) -> None:
+        from dflash_cli.engine.adaptive import shared_costs
+
+        if self.path is not None and drafter is not None:
+            self.data[f"{self.settings} {name}"] = shared_costs(drafter).to_dict()
+            self.path.write_text(json.dumps(self.data))
+
+
+NO_KEPT_COSTS = KeptCosts(None, {})
+
+
 def run_engine(name: str, target: Target, make_drafter, prompts: list[list[int]], new_tokens: int,
-               adaptive: bool = False) -> list:
+               adaptive: bool = False, kept: KeptCosts = NO_KEPT_COSTS) -> list:
+    """Each prompt with its own `make_drafter(i)`; with `kept` (adaptive rows) each prompt is a process of its own
+    that starts from the costs the last one kept."""
     results = []
     for i, prompt in enumerate(prompts):
         drafter = make_drafter(i)
+        if adaptive:
+            kept.restore(name, drafter)
         # full blocks by default: the oracle rows measure the engine at a chosen tau, not the adaptive controller
         results.append(generate(target, drafter, prompt, max_new_tokens=new_tokens, stop_ids=[], adaptive=adaptive))
+        if adaptive:
+            kept.keep(name, drafter)
         log(f"  {name} prompt {i + 1}/{len(prompts)}: {results[-1].stats.decode_tokens_per_second:.1f} tok/s, "
             f"tau {results[-1].stats.acceptance_length:.2f}")
     return results
 
 
 def session_rows(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], new_tokens: int, block: int,
-                 args) -> list[dict]:
+                 args, kept: KeptCosts = NO_KEPT_COSTS) -> list[dict]:
     """--interleave: each prompt runs plain, then with the random drafter, then with each oracle, before the next
     prompt (a VM's speed drifts by more than a paused drafter costs), and every prompt of a row shares its round
     costs and acceptance, as the requests of one loaded pair do (serve, chat, bench's prompts)."""
@@ -325,6 +362,8 @@ def session_rows(target: Target, drafter: DFlashDrafter, prompts: list[list[int]
     qs = {tau: acceptance_for_tau(tau, block) for tau in args.taus}
     first_oracles: dict[float, OracleDrafter] = {}
     results: dict[str, list] = {name: [] for name in ["plain", "random", *qs]}
+    adaptive_kept = kept if args.adaptive else NO_KEPT_COSTS  # a server process started after an earlier one
+    adaptive_kept.restore("random drafter", drafter)
     for i, prompt in enumerate(prompts):
         plain = generate(target, None, prompt, max_new_tokens=new_tokens, stop_ids=[])
         results["plain"].append(plain)
@@ -333,11 +372,16 @@ def session_rows(target: Target, drafter: DFlashDrafter, prompts: list[list[int]
         for tau, q in qs.items():
             oracle = OracleDrafter(drafter, prompt + plain.tokens, acceptance=q, seed=args.seed + i,
                                    vocab_size=target.vocab_rows)
+            if tau not in first_oracles:
+                adaptive_kept.restore(f"oracle {tau:g}", oracle)
             adopt_costs(oracle, shared_costs(first_oracles.setdefault(tau, oracle)))
             results[tau].append(generate(target, oracle, prompt, max_new_tokens=new_tokens, stop_ids=[],
                                          adaptive=args.adaptive))
         log(f"  prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{name} {r[-1].stats.decode_tokens_per_second:.1f} tok/s" for name, r in results.items()))
+    adaptive_kept.keep("random drafter", drafter)
+    for tau, oracle in first_oracles.items():
+        adaptive_kept.keep(f"oracle {tau:g}", oracle)
     plains = results["plain"]
     rows = [engine_row("plain", plains, None, 1),
             engine_row("dflash random drafter", results["random"], plains, block)]
@@ -506,6 +550,9 @@ def parse_args(argv=None):
                    help="run the rows prompt by prompt (plain, random drafter, oracles, then the next prompt), "
                         "each row's prompts sharing round costs as one session's requests do; speedup is then "
                         "each prompt against its own plain run (median)")
+    p.add_argument("--kept-costs", metavar="FILE",
+                   help="adaptive rows start from the round costs FILE kept (a later process of the pair) and "
+                        "leave theirs there: run the same command twice to measure the second")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
     p.add_argument("--json", metavar="FILE", help="also write all numbers to FILE")
@@ -626,14 +673,16 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
     units = out["unit_costs"] = unit_costs(target, drafter, args.prompt_len + new_tokens // 2, blocks, repeats)
     print_units(units)
 
+    kept = KeptCosts(args.kept_costs, dict(path=path, quant=args.quant, preset=args.preset, layers=args.layers,
+                                           prompt_len=args.prompt_len, block=block, threads=torch.get_num_threads()))
     if args.interleave:
-        rows = out["rows"] = session_rows(target, drafter, prompts, new_tokens, block, args)
+        rows = out["rows"] = session_rows(target, drafter, prompts, new_tokens, block, args, kept)
     else:
         log(f"[{path}] plain decoding")
         plain = run_engine("plain", target, lambda i: None, prompts, new_tokens)
         rows = out["rows"] = [engine_row("plain", plain, None, 1)]
         log(f"[{path}] speculative, random drafter")
-        spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens, args.adaptive)
+        spec = run_engine("random drafter", target, lambda i: drafter, prompts, new_tokens, args.adaptive, kept)
         rows.append(engine_row("dflash random drafter", spec, plain, block))
         refs = [p + r.tokens for p, r in zip(prompts, plain)]
         for tau in args.taus:
@@ -641,7 +690,8 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
             log(f"[{path}] speculative, oracle tau {tau} (q={q:.3f})")
             res = run_engine(f"oracle {tau}", target,
                              lambda i: OracleDrafter(drafter, refs[i], acceptance=q, seed=args.seed + i,
-                                                     vocab_size=target.vocab_rows), prompts, new_tokens, args.adaptive)
+                                                     vocab_size=target.vocab_rows), prompts, new_tokens, args.adaptive,
+                             kept)
             rows.append(dict(engine_row(f"dflash oracle tau {tau:g}", res, plain, block), tau_goal=tau, acceptance_q=q))
     for r in rows[1:]:
         r["ideal_speedup"] = r["tau"] * units["decode_1"] / (units[f"verify_{block}"] + units[f"draft_{block}"])

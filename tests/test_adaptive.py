@@ -388,3 +388,25 @@ def test_the_draft_is_not_drawn_on_past_the_sizes_timed():
     assert controller.draft_cost(2) == pytest.approx(0.0006)
     assert controller.draft_cost(7) == pytest.approx(0.00075)
     assert controller.cost(2) == pytest.approx(0.0006 + 0.004 + (0.0094 - 0.004) / 5)
+
+
+def test_the_oracle_says_how_sure_it_is_so_unlikely_drafts_are_cut_as_a_trained_drafters_are(pair):
+    """The oracle reports its acceptance as its confidence in each draft (a calibrated drafter that cannot tell
+    which of its drafts hold), so where verify rows cost, a round verifies the drafts worth their rows only, as
+    for any drafter the CLI loads; the output stays that of plain decoding."""
+    prompt = [5, 9, 14, 20, 33]
+    plain = generate(pair.target, None, prompt, max_new_tokens=60, stop_ids=[])
+    oracle = OracleDrafter(pair.drafter, prompt + plain.tokens + [0] * 32, acceptance=0.6)
+    rounds = []
+
+    class Recording(BlockSizeController):
+        def observe(self, n, accepted, seconds, draft_seconds=None, confidence=(), drafted=None):
+            rounds.append((n, n if drafted is None else drafted, list(confidence)))
+            super().observe(n, accepted, seconds, draft_seconds, confidence, drafted)
+
+    controller = Recording(pair.drafter.block_size, cost=round_cost(draft=0.05, verify_slope=0.15))
+    got = generate(pair.target, oracle, prompt, max_new_tokens=60, stop_ids=[], controller=controller)
+    assert got.tokens == plain.tokens
+    cut = [(n, drafted) for n, drafted, _ in rounds if drafted > n]
+    assert cut, rounds
+    assert all(c == pytest.approx(0.6) for _, _, confidence in rounds for c in confidence)

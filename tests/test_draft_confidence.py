@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from dflash_cli.engine.adaptive import BlockSizeController
+from dflash_cli.engine.adaptive import CPU_FIRST_ROW_PRICE, BlockSizeController
 from dflash_cli.engine.cpu import native
 from dflash_cli.engine.generate import generate
 from dflash_cli.engine.load import load_pair
@@ -68,6 +68,32 @@ def test_every_draft_is_verified_until_what_a_verify_row_costs_is_measured():
     assert controller.choose() == B  # the warm-up goes on, its blocks cut now
     assert controller.wants_confidence()
     assert controller.drafts_worth_verifying([0.1] * 7) == 1  # a draft at 0.01 does not pay 0.43 ms
+
+
+def test_on_a_cpu_the_first_blocks_are_cut_at_a_rows_usual_price_until_it_is_measured():
+    controller = BlockSizeController(B, first_row_price=CPU_FIRST_ROW_PRICE)
+    assert controller.choose() == B and controller.wants_confidence()
+    # 0.5, 0.25, 0.125 of drafts 1..3 all holding pay a tenth of a decode; 0.0625 does not
+    assert controller.drafts_worth_verifying([0.5] * 7) == 3
+    assert controller.drafts_worth_verifying([0.99] * 7) == 7
+
+
+def test_a_fresh_process_on_a_cpu_verifies_only_the_likely_drafts_of_its_first_block(pair, monkeypatch):
+    rounds = []
+    observe = BlockSizeController.observe
+
+    def recording(self, n, accepted, seconds, draft_seconds=None, confidence=(), drafted=None):
+        rounds.append((n, drafted))
+        observe(self, n, accepted, seconds, draft_seconds, confidence, drafted)
+
+    monkeypatch.setattr(BlockSizeController, "observe", recording)
+    prompt = [5, 9, 14, 20, 33]
+    plain = generate(pair.target, None, prompt, max_new_tokens=30, stop_ids=[])
+    oracle = OracleDrafter(pair.drafter, prompt + plain.tokens + [0] * 32, acceptance=0.5)  # new: no costs kept
+    got = generate(pair.target, oracle, prompt, max_new_tokens=30, stop_ids=[], adaptive=True)
+    assert got.tokens == plain.tokens
+    block = pair.drafter.block_size
+    assert rounds[0] == ((4, block) if torch.device(DEVICE).type == "cpu" else (block, block)), rounds
 
 
 def calibrated_rounds(cut: bool, rounds: int = 3000) -> BlockSizeController:
@@ -279,3 +305,51 @@ def test_the_kernel_gives_torch_argmax_and_the_top_probability():
     logits[2, 1] = float("nan")  # torch's choice then: the C kernel gives way, and the row tells nothing
     ids, top = greedy_ids_with_confidence(logits)
     assert torch.equal(ids, logits.argmax(dim=-1)) and top[2] == 0.0 and top[3] > 0.0
+
+
+def after_a_rejected_first_block(sure: float, decode: float, row: float, draft: float) -> list[int]:
+    """The blocks a fresh CPU controller chooses when its first block's first draft is rejected, the drafter
+    `sure` of each of its drafts: the first (cut), a plain round to time, then what comes next. A round of n
+    verified rows costs a decode plus `row` a row after the first, plus the draft."""
+    controller = BlockSizeController(B, first_row_price=CPU_FIRST_ROW_PRICE)
+    chosen = [controller.choose()]
+    confidence = [sure] * (B - 1)
+    n = 1 + controller.drafts_worth_verifying(confidence)
+    controller.observe(n, 0, decode + row * (n - 1) + draft, draft, confidence, drafted=B)
+    chosen.append(controller.choose())
+    controller.observe(1, 0, decode)
+    return [*chosen, controller.choose()]
+
+
+def test_a_weak_drafters_warm_up_ends_after_one_block_and_an_unlucky_sure_ones_goes_on():
+    """Where a full block costs about two decodes (the demo on a CPU), a drafter unsure of the drafts the target
+    rejected is weak and its warm-up ends (the rates choose: a paused drafter is re-probed as usual), one sure of
+    them was unlucky and drafts the rest of its warm-up; where a full block would cost more than four decodes
+    (a Qwen3-1.7B-shaped pair, estimated from the cut block) the warm-up ends either way."""
+    demo = dict(decode=4.4e-3, row=0.5e-3, draft=1.3e-3)
+    weak = after_a_rejected_first_block(0.02, **demo)
+    assert weak[:2] == [B, 1] and weak[2] < B, weak
+    assert after_a_rejected_first_block(0.9, **demo) == [B, 1, B]
+    big = dict(decode=34.6e-3, row=8e-3, draft=54.7e-3)
+    assert after_a_rejected_first_block(0.9, **big)[2] < B
+
+
+def test_a_later_process_of_a_big_pair_skips_its_warm_up_block_though_no_full_block_was_ever_timed():
+    """Cut blocks never time a full one; the next process estimates a full block's cost from the sizes timed
+    (draft of the trained block, verifies of the rows kept) and, at more than four decodes, lets the rates
+    choose from its first round instead of drafting one (a paused drafter is re-probed as usual)."""
+    import json
+
+    from dflash_cli.engine.adaptive import RoundCosts
+
+    shared = RoundCosts()
+    controller = BlockSizeController(B, shared=shared, first_row_price=CPU_FIRST_ROW_PRICE)
+    for _ in range(30):
+        n = controller.choose()
+        confidence = [0.02] * (B - 1) if n > 1 else []
+        kept = 1 + controller.drafts_worth_verifying(confidence) if confidence else n
+        draft = 54.7e-3 if n > 1 else None
+        controller.observe(kept, 0, 34.6e-3 + 8e-3 * (kept - 1) + (draft or 0.0), draft, confidence, drafted=n)
+    assert B not in shared.seconds[0]  # every drafted block was cut
+    again = RoundCosts.from_dict(json.loads(json.dumps(shared.to_dict())))
+    assert BlockSizeController(B, shared=again, first_row_price=CPU_FIRST_ROW_PRICE).choose() < B

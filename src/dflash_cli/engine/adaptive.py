@@ -12,6 +12,13 @@ decoding, drafting pauses and is re-probed now and then with one draft (each pro
 wait, up to 8 times), so a drafter that starts to pay again (code after prose, say) is noticed. Output stays
 lossless whatever is chosen: the block size only changes how many tokens each verify step can commit.
 
+A fresh controller warms up with up to three full blocks, a plain round timed after the first. On a CPU
+(`first_row_price`) even the first verifies only the drafts its drafter is sure enough of, at a verify row's
+usual price there, until that price is measured. The warm-up ends after one block where a full block costs
+more than four plain rounds (measured, or estimated from a cut block), or where neither the acceptance seen
+nor the drafter's own confidence in its drafts says any block beats plain decoding: a weak drafter stops
+costing warm-up blocks, and one sure of drafts the target happened to reject goes on.
+
 Costs are kept per context length (buckets that double from 512 tokens): a verify of n rows attends over
 every cached position, and a draft over the drafter's context, so the costs learned at 200 tokens are not
 the ones at 7,000. A bucket the controller has not measured yet is measured first (a full block, then a
@@ -28,7 +35,8 @@ the schedule they had backed off to. A cost's first rounds keep the least time s
 first call or a page fault, only ever adds time), and plain decoding measured once is measured again
 while drafting, so one unlucky round does not keep a drafter on that is slower than plain decoding.
 A later process of the same pair starts from the costs too (`to_dict`/`from_dict`, kept in the cache folder
-by runtime/round_costs.py), after one full block of its own.
+by runtime/round_costs.py), after one block of its own (none where a full block costs more than four plain
+rounds: the rates choose from the first round, a paused drafter re-probed as usual).
 """
 
 from __future__ import annotations
@@ -79,6 +87,10 @@ FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the late
 MIN_ROW_PRICE = 0.05
 CALIBRATION_PRIOR = 4.0  # drafts' worth of trust in a drafter's confidence before its verified drafts are counted
 RESTORED_PRIOR_ROUNDS = 1.0  # the weight, in rounds, of the acceptance an earlier process kept
+# the chance of acceptance a verify row costs on a CPU before two sizes are measured: a row costs a tenth to a
+# quarter of a decode there (the demo 0.09, a Qwen3-1.7B shape 0.2 at 1k tokens on 2 Zen 4 cores), so a fresh
+# process's first full block verifies what its drafter is sure enough of, not every draft
+CPU_FIRST_ROW_PRICE = 0.1
 
 
 class RoundCosts:
@@ -113,9 +125,10 @@ class RoundCosts:
         """The costs `to_dict` kept, each counted as one round: a cost measured in another process is a first
         sample (a later round's smaller time replaces it, plain decoding is timed again while drafting), so a
         machine that was busier or idler then misleads for a few rounds at most. The acceptance is a prior
-        worth one round, and the first controller drafts one full block before it decides: the last process's
-        last request may have been of another kind (prose after code), and a request that inherited its pause
-        with no probe due would never measure its own. Raises ValueError (or TypeError, KeyError) on anything
+        worth one round, and the first controller drafts one block before it decides (none where a full block
+        costs more than WARMUP_MAX_COST plain rounds; on a CPU the block is cut to its sure drafts): the last
+        process's last request may have been of another kind (prose after code), and a request that inherited
+        its pause with no probe due would never measure its own. Raises ValueError (or TypeError, KeyError) on anything
         else."""
         costs = cls()
         for bucket, table in data["seconds"].items():
@@ -156,10 +169,14 @@ class BlockSizeController:
     """Chooses the block length (anchor included) of the next round, from 1 to `max_block`."""
 
     def __init__(self, max_block: int, *, decay: float = 0.97, probe_every: int = 24, warmup: int = 3,
-                 cost: Callable[[int], float] | None = None, shared: RoundCosts | None = None):
+                 cost: Callable[[int], float] | None = None, shared: RoundCosts | None = None,
+                 first_row_price: float | None = None):
         """`cost(n)`, when given, replaces measured round costs (tests and simulations); `shared`: the costs
-        and acceptance earlier requests of the same drafter measured (`shared_costs`)."""
+        and acceptance earlier requests of the same drafter measured (`shared_costs`); `first_row_price`: the
+        chance of acceptance a verify row is taken to cost until two sizes are measured (CPU_FIRST_ROW_PRICE on
+        a CPU; None: every draft of those rounds is verified)."""
         self.max_block = max_block
+        self.first_row_price = first_row_price
         self.decay, self.probe_every = decay, probe_every
         self.injected_cost = cost
         self.shared = shared if shared is not None else RoundCosts()
@@ -180,6 +197,9 @@ class BlockSizeController:
         self.choice = max_block
         self._rate: float | None = None  # tokens per second expected of this round's choice, where the rates chose it
         self._priced: tuple[tuple, float | None] | None = None  # _row_price's last (inputs, answer)
+        # the drafter's calibrated confidence in each draft of each warm-up block: a drafter sure of drafts the
+        # target rejected was unlucky, one unsure of them is weak (a weak one's warm-up ends after one block)
+        self._forecast: list[list[float]] = []
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
         self._drawn: tuple[tuple[int, int], tuple[list[tuple[int, float]], list[tuple[int, float]]]] | None = None
 
@@ -259,14 +279,16 @@ class BlockSizeController:
         # get tried at what they will cost; the draft is the one size timed until a second one is
         return max((within(drafts, n) or 0.0) + (on_line(verifies, n) or 0.0), 1e-9)
 
-    def rates(self) -> dict[int, float]:
-        """Expected tokens per second at each block size whose cost is known or can be estimated."""
+    def rates(self, acceptance: Callable[[int], float] | None = None) -> dict[int, float]:
+        """Expected tokens per second at each block size whose cost is known or can be estimated (at
+        `acceptance(k)` where given, else the measured acceptance)."""
+        acceptance = acceptance or self.acceptance
         out = {}
         lines = self._lines()
         tokens, run = 1.0, 1.0  # expected_tokens(n), built up one position at a time (this runs every round)
         for n in range(1, self.max_block + 1):
             if n > 1:
-                run *= self.acceptance(n - 1)
+                run *= acceptance(n - 1)
                 tokens += run
             c = self._estimate(n, lines)
             if c:
@@ -280,11 +302,11 @@ class BlockSizeController:
             self.at(length)
         self._rate = None
         drafted_here = any(n > 1 and self.measured_here(n) for n in range(2, self.max_block + 1))
-        if self.rounds < self.warmup and self._dear_full_block():
-            self.warmup = self.rounds  # one full block told enough: more would cost several decodes each
+        if self.rounds < self.warmup and self._warmup_settled():
+            self.warmup = self.rounds  # one block told enough: more would cost several decodes each
         if self.rounds < self.warmup:
             # measure acceptance with full blocks first, and after the first what a plain round costs
-            if self.injected_cost is None and self.measured_here(self.max_block) and not self.measured_here(1):
+            if self.injected_cost is None and drafted_here and not self.measured_here(1):
                 self.choice, self.warmup = 1, self.warmup + 1
             else:
                 self.choice = self.max_block
@@ -354,11 +376,13 @@ class BlockSizeController:
         """The chance of acceptance that pays for one more row of a verify: the rate of the round's choice
         (where the rates did not choose it, a warm-up's block, the best rate) times what a row adds to a verify,
         the least-squares slope of the verify's cost over the sizes measured (the difference of two neighbours
-        on the line would be their noise: measured 0.9 and -0.5 tokens' worth for two rows of the demo's); None
-        before two sizes are measured. Worked out once a round (wants_confidence, then drafts_worth_verifying)."""
+        on the line would be their noise: measured 0.9 and -0.5 tokens' worth for two rows of the demo's);
+        `first_row_price` before two sizes are measured. Worked out once a round (wants_confidence, then
+        drafts_worth_verifying)."""
         key = (self.rounds, self.shared.version, self.bucket, self._rate)
         if self._priced is None or self._priced[0] != key:
-            self._priced = (key, self._price_now())
+            price = self._price_now()
+            self._priced = (key, price if price is not None else self.first_row_price)
         return self._priced[1]
 
     def _price_now(self) -> float | None:
@@ -382,12 +406,32 @@ class BlockSizeController:
         slope = sum((n - mean_n) * (s - mean_s) for n, s in verifies) / spread
         return rate * max(0.0, slope)
 
-    def _dear_full_block(self) -> bool:
-        """Whether a full block was measured to cost more than WARMUP_MAX_COST plain rounds (a CPU running a
-        big drafter: a block of 16 of a Qwen3-1.7B-shaped pair costs 14 decodes on 2 Zen 1 cores)."""
+    def _warmup_settled(self) -> bool:
+        """Whether the warm-up told enough once a drafted round and a plain round are measured here: a full block
+        costs more than WARMUP_MAX_COST plain rounds, measured or estimated from a cut block's draft and verify
+        (a CPU running a big drafter: a block of 16 of a Qwen3-1.7B-shaped pair costs 14 decodes on 2 Zen 1
+        cores, 6 on 2 Zen 4 cores), or no block is expected to beat plain decoding either at the acceptance
+        seen or at the drafter's own confidence in its warm-up drafts (a drafter sure of drafts the target
+        rejected was unlucky; with no confidence reported, a GPU's rounds, the warm-up goes on). A paused
+        drafter is re-probed as usual."""
         here = self._costs.get(self.bucket, {})
-        full, plain = here.get(self.max_block), here.get(1)
-        return self.injected_cost is None and full is not None and plain is not None and full > WARMUP_MAX_COST * plain
+        if self.injected_cost is not None or 1 not in here or not any(n > 1 for n in here):
+            return False
+        full = self.cost(self.max_block)  # measured, or estimated from a cut block's
+        if full is not None and full > WARMUP_MAX_COST * here[1]:
+            return True
+        return bool(self._forecast) and not self._drafting_paid(self.acceptance) and not self._drafting_paid(
+            self._forecast_acceptance)
+
+    def _drafting_paid(self, acceptance: Callable[[int], float]) -> bool:
+        """Whether some drafted round is expected to beat plain decoding at this length, at `acceptance`."""
+        rates = self.rates(acceptance)
+        return max((r for n, r in rates.items() if n > 1), default=0.0) > rates.get(1, 0.0)
+
+    def _forecast_acceptance(self, k: int) -> float:
+        """What the drafter expected of its draft k in the warm-up's blocks (calibrated, mean over them)."""
+        said = [row[k - 1] for row in self._forecast if len(row) >= k]
+        return sum(said) / len(said) if said else 0.5
 
     def _one_draft_size_timed(self) -> bool:
         """Whether the draft was timed at one block size only here, and a block of 2 not yet."""
@@ -417,6 +461,8 @@ class BlockSizeController:
         the cut ones count at what the (calibrated) drafter expected of them, so that cutting the unlikely
         ones does not make the later positions look better than they are."""
         drafted = n if drafted is None else drafted
+        if confidence and self.rounds < self.warmup:
+            self._forecast.append(self.calibrated(confidence))
         self.rounds += 1
         self._plain_streak = self._plain_streak + 1 if n == 1 else 0
         self._since_plain = 0 if n == 1 else self._since_plain + 1

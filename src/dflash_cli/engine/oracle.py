@@ -23,7 +23,11 @@ def acceptance_for_tau(tau: float, block_size: int) -> float:
 
 class OracleDrafter:
     """A `Drafter` proposing `reference[start+1 : start+B]`, each token replaced by a wrong one with probability
-    `1 - q`."""
+    `1 - q`. It says it is q sure of each draft: what a calibrated drafter whose confidence tells nothing about
+    which of its drafts hold would say (a trained drafter's tells more), so the adaptive controller's cut of
+    unlikely drafts (engine/adaptive.py) applies to it as it does to every drafter the CLI loads."""
+
+    reports_confidence = True
 
     def __init__(self, drafter: DFlashDrafter, reference: list[int], acceptance: float = 1.0, seed: int = 0,
                  vocab_size: int | None = None):
@@ -36,6 +40,7 @@ class OracleDrafter:
         vocab = vocab_size or int(ref.max()) + 2
         ref = torch.where(wrong, (ref + 1) % vocab, ref)
         self.reference = ref.to(device)  # on the device once: drafting stays free of host syncs
+        self.acceptance = acceptance
 
     @property
     def block_size(self) -> int:
@@ -50,11 +55,14 @@ class OracleDrafter:
 
     def draft(self, context, anchor, start, block_len, cache, embed_weight, lm_head, *, keep=None,
               sampler=None, confidence=None) -> torch.Tensor:
-        """The real drafter's forward, then the reference's tokens; no confidence (its drafts are not the
-        drafter's)."""
+        """The real drafter's forward (its confidence asked for where ours is: it costs what it costs), then the
+        reference's tokens, each q sure."""
+        asked: dict[str, list[float]] = {"confidence": []} if confidence is not None else {}
         real = self.drafter.draft(context, anchor, start, block_len, cache, embed_weight, lm_head, keep=keep,
-                                  sampler=sampler)
+                                  sampler=sampler, **asked)
         known = self.reference[start + 1 : start + 1 + real.shape[0]]
         if known.shape[0] < real.shape[0]:  # past the end of the reference: keep the real drafts
             known = torch.cat([known, real[known.shape[0]:]])
+        if confidence is not None:
+            confidence.extend([self.acceptance] * known.shape[0])
         return known
