@@ -357,7 +357,7 @@ def session_rows(target: Target, drafter: DFlashDrafter, prompts: list[list[int]
     """--interleave: each prompt runs plain, then with the random drafter, then with each oracle, before the next
     prompt (a VM's speed drifts by more than a paused drafter costs), and every prompt of a row shares its round
     costs and acceptance, as the requests of one loaded pair do (serve, chat, bench's prompts)."""
-    from dflash_cli.engine.adaptive import adopt_costs, shared_costs
+    from dflash_cli.engine.adaptive import RoundCosts, adopt_costs, shared_costs
 
     qs = {tau: acceptance_for_tau(tau, block) for tau in args.taus}
     first_oracles: dict[float, OracleDrafter] = {}
@@ -367,6 +367,8 @@ def session_rows(target: Target, drafter: DFlashDrafter, prompts: list[list[int]
     for i, prompt in enumerate(prompts):
         plain = generate(target, None, prompt, max_new_tokens=new_tokens, stop_ids=[])
         results["plain"].append(plain)
+        if args.fresh_costs:  # each prompt a first reply: nothing measured before it
+            adopt_costs(drafter, RoundCosts())
         results["random"].append(generate(target, drafter, prompt, max_new_tokens=new_tokens, stop_ids=[],
                                           adaptive=args.adaptive))
         for tau, q in qs.items():
@@ -374,7 +376,8 @@ def session_rows(target: Target, drafter: DFlashDrafter, prompts: list[list[int]
                                    vocab_size=target.vocab_rows)
             if tau not in first_oracles:
                 adaptive_kept.restore(f"oracle {tau:g}", oracle)
-            adopt_costs(oracle, shared_costs(first_oracles.setdefault(tau, oracle)))
+            if not args.fresh_costs:
+                adopt_costs(oracle, shared_costs(first_oracles.setdefault(tau, oracle)))
             results[tau].append(generate(target, oracle, prompt, max_new_tokens=new_tokens, stop_ids=[],
                                          adaptive=args.adaptive))
         log(f"  prompt {i + 1}/{len(prompts)}: " + ", ".join(
@@ -553,6 +556,9 @@ def parse_args(argv=None):
     p.add_argument("--kept-costs", metavar="FILE",
                    help="adaptive rows start from the round costs FILE kept (a later process of the pair) and "
                         "leave theirs there: run the same command twice to measure the second")
+    p.add_argument("--fresh-costs", action="store_true",
+                   help="with --interleave: every prompt's rows start from nothing measured (each a process's "
+                        "first reply) instead of sharing costs across prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt of 32 tokens, 24 new tokens, 3 repeats")
     p.add_argument("--json", metavar="FILE", help="also write all numbers to FILE")

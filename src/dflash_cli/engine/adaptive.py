@@ -12,12 +12,13 @@ decoding, drafting pauses and is re-probed now and then with one draft (each pro
 wait, up to 8 times), so a drafter that starts to pay again (code after prose, say) is noticed. Output stays
 lossless whatever is chosen: the block size only changes how many tokens each verify step can commit.
 
-A fresh controller warms up with up to three full blocks, a plain round timed after the first. On a CPU
-(`first_row_price`) even the first verifies only the drafts its drafter is sure enough of, at a verify row's
-usual price there, until that price is measured. The warm-up ends after one block where a full block costs
-more than four plain rounds (measured, or estimated from a cut block), or where neither the acceptance seen
-nor the drafter's own confidence in its drafts says any block beats plain decoding: a weak drafter stops
-costing warm-up blocks, and one sure of drafts the target happened to reject goes on.
+A fresh controller warms up with up to three full blocks, a plain round timed after the first. On a CPU, a
+drafter of blocks of 16 or more (`first_row_price`) has even its first block verified only as far as its drafts
+are sure enough, at a verify row's usual price there, until that price is measured. The warm-up ends after
+one block where a full block costs more than four plain rounds (measured, or estimated from a cut block), or
+where neither the acceptance seen nor the drafter's own confidence in its drafts says any block beats plain
+decoding: a weak drafter stops costing warm-up blocks, and one sure of drafts the target happened to reject
+goes on.
 
 Costs are kept per context length (buckets that double from 512 tokens): a verify of n rows attends over
 every cached position, and a draft over the drafter's context, so the costs learned at 200 tokens are not
@@ -91,6 +92,16 @@ RESTORED_PRIOR_ROUNDS = 1.0  # the weight, in rounds, of the acceptance an earli
 # quarter of a decode there (the demo 0.09, a Qwen3-1.7B shape 0.2 at 1k tokens on 2 Zen 4 cores), so a fresh
 # process's first full block verifies what its drafter is sure enough of, not every draft
 CPU_FIRST_ROW_PRICE = 0.1
+# ... for blocks of at least this many slots: cutting a first block of 8 saves at most 0.6 of the demo's decodes
+# and hides from the warm-up how its last drafts fare (live on 2 Zen 4 cores, fresh replies to math prompts: tau
+# 2.22-2.23 against 2.29-2.33 verifying the whole block), where a Qwen3-1.7B-shaped pair's block of 16 cut to its
+# sure drafts costs 97 ms instead of 201 (benchmarks/README.md, "The warm-up on a CPU")
+FIRST_CUT_MIN_BLOCK = 16
+
+
+def first_row_price(device_type: str, block: int) -> float | None:
+    """The `first_row_price` of a controller of blocks of up to `block` slots on a device of this type."""
+    return CPU_FIRST_ROW_PRICE if device_type == "cpu" and block >= FIRST_CUT_MIN_BLOCK else None
 
 
 class RoundCosts:
@@ -173,8 +184,8 @@ class BlockSizeController:
                  first_row_price: float | None = None):
         """`cost(n)`, when given, replaces measured round costs (tests and simulations); `shared`: the costs
         and acceptance earlier requests of the same drafter measured (`shared_costs`); `first_row_price`: the
-        chance of acceptance a verify row is taken to cost until two sizes are measured (CPU_FIRST_ROW_PRICE on
-        a CPU; None: every draft of those rounds is verified)."""
+        chance of acceptance a verify row is taken to cost until two sizes are measured (`first_row_price`: on a
+        CPU, blocks of 16 or more; None: every draft of those rounds is verified)."""
         self.max_block = max_block
         self.first_row_price = first_row_price
         self.decay, self.probe_every = decay, probe_every

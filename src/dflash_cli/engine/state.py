@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from dflash_cli.engine.adaptive import CPU_FIRST_ROW_PRICE, BlockSizeController, shared_costs
+from dflash_cli.engine.adaptive import BlockSizeController, first_row_price, shared_costs
 from dflash_cli.engine.drafter import DraftCache, Drafter
 from dflash_cli.engine.errors import CacheTakenError
 from dflash_cli.engine.hf_config import PREFILL_CHUNK
@@ -183,9 +183,8 @@ class DecodeState:
         """The adaptive block-size choice of this sequence for blocks of up to `block` (a new one when that
         changes)."""
         if self._controller is None or self._controller.max_block != block:
-            first_price = CPU_FIRST_ROW_PRICE if self.target.device.type == "cpu" else None
             self._controller = BlockSizeController(block, shared=shared_costs(self.drafter),
-                                                   first_row_price=first_price)
+                                                   first_row_price=first_row_price(self.target.device.type, block))
         return self._controller
 
     def reset(self) -> None:
