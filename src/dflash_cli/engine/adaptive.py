@@ -94,8 +94,8 @@ RESTORED_PRIOR_ROUNDS = 1.0  # the weight, in rounds, of the acceptance an earli
 CPU_FIRST_ROW_PRICE = 0.1
 # ... for blocks of at least this many slots: cutting a first block of 8 saves at most 0.6 of the demo's decodes
 # and hides from the warm-up how its last drafts fare (live on 2 Zen 4 cores, fresh replies to math prompts: tau
-# 2.22-2.23 against 2.29-2.33 verifying the whole block), where a Qwen3-1.7B-shaped pair's block of 16 cut to its
-# sure drafts costs 97 ms instead of 201 (benchmarks/README.md, "The warm-up on a CPU")
+# 2.13-2.24 against 2.23-2.33 verifying the whole block, five runs), where a Qwen3-1.7B-shaped pair's block of 16
+# cut to its sure drafts costs 97 ms instead of 201 (benchmarks/README.md, "The warm-up on a CPU")
 FIRST_CUT_MIN_BLOCK = 16
 
 
@@ -184,8 +184,9 @@ class BlockSizeController:
                  first_row_price: float | None = None):
         """`cost(n)`, when given, replaces measured round costs (tests and simulations); `shared`: the costs
         and acceptance earlier requests of the same drafter measured (`shared_costs`); `first_row_price`: the
-        chance of acceptance a verify row is taken to cost until two sizes are measured (`first_row_price`: on a
-        CPU, blocks of 16 or more; None: every draft of those rounds is verified)."""
+        chance of acceptance a verify row is taken to cost until two sizes are measured (the module's
+        `first_row_price()` gives a CPU's for blocks of 16 or more; None: every draft of those rounds is
+        verified)."""
         self.max_block = max_block
         self.first_row_price = first_row_price
         self.decay, self.probe_every = decay, probe_every
