@@ -410,3 +410,18 @@ def test_the_oracle_says_how_sure_it_is_so_unlikely_drafts_are_cut_as_a_trained_
     cut = [(n, drafted) for n, drafted, _ in rounds if drafted > n]
     assert cut, rounds
     assert all(c == pytest.approx(0.6) for _, _, confidence in rounds for c in confidence)
+
+
+@pytest.mark.parametrize("probe, gap", [(1.3, 48), (2.5, 75)])
+def test_a_paused_drafter_is_re_probed_no_oftener_than_its_probes_can_be_afforded(probe, gap):
+    """Once a re-probe (a draft and a verify of 2) is timed: one costing 1.3 plain rounds comes 48 plain rounds
+    after the first (24, then doubling); one costing 2.5 (a big drafter on a CPU) waits at least 75, so that
+    probes cost at most 2% of the time."""
+    def cost(n: int) -> float:
+        return 1.0 if n == 1 else probe + 0.25 * (n - 2)
+
+    chosen = run_rounds(BlockSizeController(8), 0.0, cost, 600, random.Random(0))
+    drafted = [i for i, n in enumerate(chosen) if n > 1]
+    first_probe = next(i for i, (a, b) in enumerate(zip(drafted, drafted[1:])) if b - a - 1 >= 24)
+    gaps = [b - a - 1 for a, b in zip(drafted[first_probe + 1:], drafted[first_probe + 2:])]
+    assert gaps and min(gaps) == gap, gaps

@@ -9,7 +9,8 @@ through them and the plain round: the draft runs the whole block but its LM head
 that head is much of a real-size drafter's draft on a CPU (a Qwen3-1.7B-shaped drafter's 311 MB), so before
 pausing on the draft of a full block the controller times a block of 2 once. When nothing beats plain
 decoding, drafting pauses and is re-probed now and then with one draft (each probe that fails doubling the
-wait, up to 8 times), so a drafter that starts to pay again (code after prose, say) is noticed. Output stays
+wait, up to 8 times, and none oftener than keeps what probes cost beyond plain rounds to 2% of the time), so a
+drafter that starts to pay again (code after prose, say) is noticed. Output stays
 lossless whatever is chosen: the block size only changes how many tokens each verify step can commit.
 
 A fresh controller warms up with up to three full blocks, a plain round timed after the first. On a CPU, a
@@ -80,6 +81,7 @@ def within(points: list[tuple[int, float]], n: int) -> float | None:
     return on_line(points, min(max(n, points[0][0]), points[-1][0])) if points else None
 
 MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
+PROBE_SHARE = 0.02  # and come no oftener than keeps what they cost beyond plain rounds to this share of the time
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
 FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the later ones a moving average
@@ -329,7 +331,7 @@ class BlockSizeController:
         elif (self.injected_cost is None and self.choice > 1 and self._since_plain >= self.probe_every
               and self.shared.samples.get(self.bucket, {}).get(1, 0) < FIRST_SAMPLES):
             self.choice = 1  # and again now and then while drafting: one round may have carried a one-time cost
-        elif self.choice == 1 and self._plain_streak >= self._probe_gap:
+        elif self.choice == 1 and self._plain_streak >= max(self._probe_gap, self._affordable_probe_gap()):
             # re-probe a paused drafter with the cheapest drafted round, one draft: whether the first position
             # is accepted again says whether drafting may pay (a full block's verify, 2.5 decodes on a CPU,
             # is mostly lost where the drafter still fails); the rates then choose the block as usual
@@ -444,6 +446,15 @@ class BlockSizeController:
         """What the drafter expected of its draft k in the warm-up's blocks (calibrated, mean over them)."""
         said = [row[k - 1] for row in self._forecast if len(row) >= k]
         return sum(said) / len(said) if said else 0.5
+
+    def _affordable_probe_gap(self) -> int:
+        """The fewest plain rounds between re-probes for which a probe's extra cost (a draft and a verify of 2
+        rows against a plain round) stays within PROBE_SHARE of the time: 24 or fewer for the demo on a CPU or
+        for a GPU, about 75 for a Qwen3-1.7B-shaped pair on 2 Zen 4 cores, whose probe costs 2.5 decodes."""
+        probe, plain = self.cost(2), self.cost(1)
+        if self.injected_cost is not None or not probe or not plain:
+            return 0
+        return math.ceil(max(0.0, probe - plain) / (PROBE_SHARE * plain))
 
     def _one_draft_size_timed(self) -> bool:
         """Whether the draft was timed at one block size only here, and a block of 2 not yet."""
