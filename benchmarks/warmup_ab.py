@@ -14,22 +14,13 @@ plain decoding of the same prompt, tau, and whether all outputs agree (greedy: t
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from controller_sim import load_controller_module  # noqa: E402
 from cpu_formats import cpu_line, prompts_for  # noqa: E402
-
-
-def base_controllers(base: Path):
-    """The BlockSizeController and RoundCosts of another checkout's engine/adaptive.py."""
-    spec = importlib.util.spec_from_file_location("base_adaptive", base / "src/dflash_cli/engine/adaptive.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.BlockSizeController, module.RoundCosts
 
 
 def main() -> None:
@@ -48,10 +39,10 @@ def main() -> None:
     target, drafter = rt.target, rt.drafter
     block = drafter.block_size
     price = adaptive.first_row_price(target.device.type, block)
-    BaseController, BaseCosts = base_controllers(args.base)
+    base = load_controller_module(args.base)
     makers = {
         "this build": lambda: adaptive.BlockSizeController(block, shared=adaptive.RoundCosts(), first_row_price=price),
-        "base": lambda: BaseController(block, shared=BaseCosts()),
+        "base": lambda: base.BlockSizeController(block, shared=base.RoundCosts()),
     }
 
     def run(arm: str, ids: list[int]):
