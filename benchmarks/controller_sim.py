@@ -18,6 +18,7 @@ engine/adaptive.py, standard library only) as a second column, on the same draws
 
     python benchmarks/controller_sim.py --shape 1.7b-1k --tokens 48 128 --taus 1 2 4 --seeds 64
     python benchmarks/controller_sim.py --base /tmp/base
+    python benchmarks/controller_sim.py --base /tmp/base --replies 3 --tokens 48   # a bench cell of 3 prompts
     python benchmarks/controller_sim.py --record --sets math code chat --base /tmp/base
 """
 
@@ -109,19 +110,23 @@ def make_controller(module: ModuleType, shape: dict, shared):
     return module.BlockSizeController(shape["block"], shared=shared, **extra)
 
 
-def speed(module: ModuleType, shape: dict, draw: Draw, tokens: int, seeds: int, kept: bool) -> list[float]:
-    """Speed against plain decoding, one value a seed; `kept`: the reply of a process that starts from the
-    round costs an earlier process of the same pair kept (one reply of its own first)."""
+def speed(module: ModuleType, shape: dict, draw: Draw, tokens: int, seeds: int, kept: bool,
+          replies: int = 1) -> list[float]:
+    """Speed against plain decoding, one value a seed, over `replies` replies of one process (sharing their
+    costs, as bench's prompts or serve's requests do); `kept`: a process that starts from the round costs an
+    earlier process of the same pair kept (as many replies of its own first)."""
     verify, draft = round_seconds(shape)
     out = []
     for seed in range(seeds):
         rng = random.Random(seed)
         shared = module.RoundCosts()
         if kept:
-            reply(make_controller(module, shape, shared), draw, tokens, verify, draft, rng)
+            for _ in range(replies):
+                reply(make_controller(module, shape, shared), draw, tokens, verify, draft, rng)
             shared = module.RoundCosts.from_dict(json.loads(json.dumps(shared.to_dict())))
-        seconds = reply(make_controller(module, shape, shared), draw, tokens, verify, draft, rng)
-        out.append(tokens * shape["decode"] / 1e3 / seconds)
+        seconds = sum(reply(make_controller(module, shape, shared), draw, tokens, verify, draft, rng)
+                      for _ in range(replies))
+        out.append(replies * tokens * shape["decode"] / 1e3 / seconds)
     return out
 
 
@@ -150,6 +155,8 @@ def main(argv=None) -> None:
     p.add_argument("--taus", type=float, nargs="+", default=[1.0, 2.0, 4.0],
                    help="the oracle's tau at the drafter's block (1: never accepted)")
     p.add_argument("--seeds", type=int, default=64)
+    p.add_argument("--replies", type=int, default=1,
+                   help="replies a process (a bench cell's prompts: they share the costs); speed over all of them")
     p.add_argument("--base", type=Path, help="another checkout whose controller runs beside this one")
     p.add_argument("--record", action="store_true", help="the demo drafter's recorded rounds instead of the oracle")
     p.add_argument("--sets", nargs="+", default=["math", "code", "chat"], help="with --record")
@@ -169,7 +176,7 @@ def main(argv=None) -> None:
             cells = []
             for module in builds.values():
                 for kept in (False, True):
-                    got = speed(module, shape, draw, tokens, args.seeds, kept)
+                    got = speed(module, shape, draw, tokens, args.seeds, kept, args.replies)
                     cells.append(f"{statistics.mean(got):.3f} ({min(got):.3f})")
             print(f"| {name} | {tokens} | {tau} | " + " | ".join(cells) + " |", flush=True)
 

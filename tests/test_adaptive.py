@@ -221,6 +221,9 @@ def test_costs_kept_by_an_earlier_process_start_the_next_one_and_count_as_one_ro
     lambda d: d.pop("accepted"),
     lambda d: d.update(seconds=[1, 2]),
     lambda d: d["seconds"]["0"].update({"0": 0.01}),  # the one draft key of version 1's files
+    lambda d: d.update(forecast_pays="no"),
+    lambda d: d.update(worth=-1.0),
+    lambda d: d.update(worth=1e9),
 ])
 def test_costs_kept_out_of_range_are_refused(damage):
     from dflash_cli.engine.adaptive import RoundCosts

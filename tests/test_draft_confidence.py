@@ -367,3 +367,45 @@ def test_a_later_process_of_a_big_pair_skips_its_warm_up_block_though_no_full_bl
     assert B not in shared.seconds[0]  # every drafted block was cut
     again = RoundCosts.from_dict(json.loads(json.dumps(shared.to_dict())))
     assert BlockSizeController(B, shared=again, first_row_price=CPU_FIRST_ROW_PRICE).choose() < B
+
+
+def re_probe_gaps(sure: float | None, shared=None, rounds: int = 400) -> list[int]:
+    """Plain rounds between a demo-like CPU pair's drafted rounds (a decode 4.4 ms, a verify row 0.5, a draft
+    1.3), its drafter `sure` of each draft (None: it does not say) and every draft rejected: the warm-up, then
+    the re-probes."""
+    from dflash_cli.engine.adaptive import RoundCosts
+
+    controller = BlockSizeController(B, shared=shared if shared is not None else RoundCosts())
+    drafted = []
+    for i in range(rounds):
+        n = controller.choose()
+        confidence = [sure] * (n - 1) if n > 2 and sure is not None else []
+        draft = 1.3e-3 if n > 1 else None
+        controller.observe(n, 0, 4.4e-3 + 0.5e-3 * (n - 1) + (draft or 0.0), draft, confidence)
+        if n > 1:
+            drafted.append(i)
+    return [b - a - 1 for a, b in zip(drafted, drafted[1:])]
+
+
+def test_a_drafter_unsure_of_its_warm_up_drafts_is_re_probed_more_rarely_than_an_unlucky_sure_one():
+    """Both see every draft rejected; the one whose own confidence said no block pays, and that was never worth
+    drafting, waits for its re-probes until they cost at most DOUBTED_PROBE_SHARE of the time (a probe here costs 0.41 decodes more than a plain
+    round: 82 plain rounds at 0.5%), the sure one, or one that does not say, only PROBE_SHARE's (24, then
+    doubling). A later process keeps the verdict where its own warm-up does not give one (a big pair's skips its
+    warm-up)."""
+    import json
+    import math
+
+    from dflash_cli.engine.adaptive import DOUBTED_PROBE_SHARE, RoundCosts
+
+    extra = 0.5e-3 + 1.3e-3  # a probe (a verify of 2 and a draft) beyond a plain round
+    doubted_gap = math.ceil(extra / (DOUBTED_PROBE_SHARE * 4.4e-3))
+    shared = RoundCosts()
+    weak = re_probe_gaps(0.02, shared)
+    assert weak[0] == 1 and min(weak[1:]) >= doubted_gap > 24, weak  # the warm-up times a plain round
+    for unknown in (re_probe_gaps(0.9), re_probe_gaps(None)):
+        assert 24 in unknown and min(unknown) < doubted_gap, unknown
+    again = RoundCosts.from_dict(json.loads(json.dumps(shared.to_dict())))
+    assert min(re_probe_gaps(None, again)) >= doubted_gap
+    shared.worth = 50.0  # as if an earlier request drafted for a while: a bad stretch, not a weak drafter
+    assert 24 in re_probe_gaps(0.02, RoundCosts.from_dict(json.loads(json.dumps(shared.to_dict()))))

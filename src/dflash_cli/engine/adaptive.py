@@ -9,9 +9,10 @@ through them and the plain round: the draft runs the whole block but its LM head
 that head is much of a real-size drafter's draft on a CPU (a Qwen3-1.7B-shaped drafter's 311 MB), so before
 pausing on the draft of a full block the controller times a block of 2 once. When nothing beats plain
 decoding, drafting pauses and is re-probed now and then with one draft (each probe that fails doubling the
-wait, up to 8 times, and none oftener than keeps what probes cost beyond plain rounds to 2% of the time), so a
-drafter that starts to pay again (code after prose, say) is noticed. Output stays
-lossless whatever is chosen: the block size only changes how many tokens each verify step can commit.
+wait, up to 8 times, and none oftener than keeps what probes cost beyond plain rounds to 2% of the time, 0.5%
+for a drafter not worth drafting for a few hundred rounds whose confidence in its warm-up drafts said no block
+pays), so a drafter that starts to pay again (code after prose, say) is noticed. Output stays lossless whatever is chosen: the block size only changes
+how many tokens each verify step can commit.
 
 A fresh controller warms up with up to three full blocks, a plain round timed after the first. On a CPU, a
 drafter of blocks of 16 or more (`first_row_price`) has even its first block verified only as far as its drafts
@@ -82,6 +83,9 @@ def within(points: list[tuple[int, float]], n: int) -> float | None:
 
 MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PROBE_SHARE = 0.02  # and come no oftener than keeps what they cost beyond plain rounds to this share of the time
+# ... this share for a drafter not worth drafting lately whose own confidence in its warm-up said no block pays
+DOUBTED_PROBE_SHARE = 0.005
+WORTH_DECAY = 0.99  # per round: the rounds the rates chose to draft, counted over the last few hundred
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
 FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the later ones a moving average
@@ -123,6 +127,11 @@ class RoundCosts:
         self.warmup_next = 0  # full blocks the next controller starts with, where not 0 (a restored process)
         # the drafter's confidence in its verified drafts, summed, against how many of them were accepted (decayed)
         self.said = self.held = 0.0
+        # whether the drafter's calibrated confidence in its latest warm-up's drafts said some block beats plain
+        # decoding (None: it reported none), and the rounds whose block the rates chose to draft (decayed): a
+        # drafter that was worth drafting and paused had a bad stretch, one never worth it may be weak
+        self.forecast_pays: bool | None = None
+        self.worth = 0.0
         self.version = 0  # bumped by every cost recorded: the estimates drawn from the costs are kept until then
 
     def drafting_measured(self) -> bool:
@@ -131,7 +140,8 @@ class RoundCosts:
     def to_dict(self) -> dict[str, Any]:
         """What a later process of the same pair on the same machine starts from (runtime/round_costs.py)."""
         return {"seconds": {str(b): {str(n): s for n, s in t.items()} for b, t in self.seconds.items()},
-                "reached": self.reached, "accepted": self.accepted}
+                "reached": self.reached, "accepted": self.accepted,
+                "forecast_pays": self.forecast_pays, "worth": self.worth}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoundCosts:
@@ -158,6 +168,10 @@ class RoundCosts:
         if weight > RESTORED_PRIOR_ROUNDS:
             costs.reached = [x * RESTORED_PRIOR_ROUNDS / weight for x in costs.reached]
             costs.accepted = [x * RESTORED_PRIOR_ROUNDS / weight for x in costs.accepted]
+        forecast, worth = data.get("forecast_pays"), float(data.get("worth", 0.0))  # absent from older files
+        if (forecast is not None and not isinstance(forecast, bool)) or not 0.0 <= worth <= 1.0 / (1.0 - WORTH_DECAY):
+            raise ValueError("forecast_pays or worth out of range")
+        costs.forecast_pays, costs.worth = forecast, worth
         costs.warmup_next = 1
         return costs
 
@@ -210,6 +224,7 @@ class BlockSizeController:
         self._since_plain = 0  # drafted rounds since the last plain one
         self.choice = max_block
         self._rate: float | None = None  # tokens per second expected of this round's choice, where the rates chose it
+        self._worth_drafting = False  # whether the rates chose to draft this round
         self._priced: tuple[tuple, float | None] | None = None  # _row_price's last (inputs, answer)
         # the drafter's calibrated confidence in each draft of each warm-up block: a drafter sure of drafts the
         # target rejected was unlucky, one unsure of them is weak (a weak one's warm-up ends after one block)
@@ -314,7 +329,7 @@ class BlockSizeController:
         """The next round's block length; `length`: the context it runs at (see `at`)."""
         if length is not None:
             self.at(length)
-        self._rate = None
+        self._rate, self._worth_drafting = None, False
         drafted_here = any(n > 1 and self.measured_here(n) for n in range(2, self.max_block + 1))
         if self.rounds < self.warmup and self._warmup_settled():
             self.warmup = self.rounds  # one block told enough: more would cost several decodes each
@@ -343,6 +358,7 @@ class BlockSizeController:
             rates = self.rates()
             before, self.choice = self.choice, max(rates, key=rates.__getitem__) if rates else self.max_block
             self._rate = rates.get(self.choice)
+            self._worth_drafting = self._rate is not None and self.choice > 1
             if self.choice == 1 and self._one_draft_size_timed():
                 # about to pause on the draft of one size (a full block's): time a block of 2 once first, whose
                 # draft's head runs on one row (where that head is most of a draft, blocks of 3-4 may pay)
@@ -449,12 +465,20 @@ class BlockSizeController:
 
     def _affordable_probe_gap(self) -> int:
         """The fewest plain rounds between re-probes for which a probe's extra cost (a draft and a verify of 2
-        rows against a plain round) stays within PROBE_SHARE of the time: 24 or fewer for the demo on a CPU or
-        for a GPU, about 75 for a Qwen3-1.7B-shaped pair on 2 Zen 4 cores, whose probe costs 2.5 decodes."""
+        rows against a plain round) stays within PROBE_SHARE of the time (24 or fewer for the demo on a CPU or
+        for a GPU, about 75 for a Qwen3-1.7B-shaped pair on 2 Zen 4 cores, whose probe costs 2.5 decodes), or
+        within DOUBTED_PROBE_SHARE where the rates have not chosen to draft for a few hundred rounds and the
+        drafter's own confidence in its warm-up drafts said no block pays: a drafter unsure of itself
+        and never worth drafting here is less likely to start paying than one that was unlucky, or that paid
+        before a bad stretch (a calibrated drafter is unsure during the stretch that paused it)."""
         probe, plain = self.cost(2), self.cost(1)
         if self.injected_cost is not None or not probe or not plain:
             return 0
-        return math.ceil(max(0.0, probe - plain) / (PROBE_SHARE * plain))
+        if self._forecast:  # this controller's warm-up; else the latest one's, kept in the shared costs
+            self.shared.forecast_pays = self._drafting_paid(self._forecast_acceptance)
+        doubted = self.shared.worth < 1.0 and self.shared.forecast_pays is False
+        share = DOUBTED_PROBE_SHARE if doubted else PROBE_SHARE
+        return math.ceil(max(0.0, probe - plain) / (share * plain))
 
     def _one_draft_size_timed(self) -> bool:
         """Whether the draft was timed at one block size only here, and a block of 2 not yet."""
@@ -487,6 +511,7 @@ class BlockSizeController:
         if confidence and self.rounds < self.warmup:
             self._forecast.append(self.calibrated(confidence))
         self.rounds += 1
+        self.shared.worth = WORTH_DECAY * self.shared.worth + self._worth_drafting
         self._plain_streak = self._plain_streak + 1 if n == 1 else 0
         self._since_plain = 0 if n == 1 else self._since_plain + 1
         self.shared.plain_streak, self.shared.probe_gap = self._plain_streak, self._probe_gap
