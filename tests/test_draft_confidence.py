@@ -389,10 +389,11 @@ def re_probe_gaps(sure: float | None, shared=None, rounds: int = 400) -> list[in
 
 def test_a_drafter_unsure_of_its_warm_up_drafts_is_re_probed_more_rarely_than_an_unlucky_sure_one():
     """Both see every draft rejected; the one whose own confidence said no block pays, and that was never worth
-    drafting, waits for its re-probes until they cost at most DOUBTED_PROBE_SHARE of the time (a probe here costs 0.41 decodes more than a plain
-    round: 82 plain rounds at 0.5%), the sure one, or one that does not say, only PROBE_SHARE's (24, then
-    doubling). A later process keeps the verdict where its own warm-up does not give one (a big pair's skips its
-    warm-up)."""
+    drafting, waits for its re-probes until they cost at most DOUBTED_PROBE_SHARE of the time (a probe here
+    costs 0.41 decodes more than a plain round: 82 plain rounds at 0.5%), the sure one, or one that does not
+    say, only PROBE_SHARE's (24, then doubling). A later process keeps the verdict where its own warm-up does
+    not give one (a big pair's skips its warm-up), and the count of rounds worth drafting: one that drafted for
+    a while had a bad stretch, and keeps the usual share."""
     import json
     import math
 
