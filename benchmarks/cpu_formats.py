@@ -8,8 +8,9 @@ the prefill excluded:
 - dflash-cli plain and speculative decoding of the demo target in fp32, bf16, q8 and q4 (the drafter
   unchanged, 16/32-bit), with tau, the speedup over our own plain decoding in the same format, and whether
   the speculative output equals our plain output (it must);
-- the unit costs of each format: a 1-token decode and an 8-token verify (the demo's block), and a draft of
-  a block (measured inside the speculative runs), in ms.
+- the unit costs of each format: a 1-token decode, an 8-token verify (the demo's block) and the draft of a
+  block, in ms, called in turn at 200 tokens of context, with each ratio to a decode the median of the
+  turns' own (`--json` also keeps the mean draft of the speculative runs, `draft_in_generation_ms`).
 
 `--busy N` keeps N other processes spinning for the whole run (a user's laptop with something else on), and
 `--fixed-threads T` adds for each format a row forced to T threads (`--threads T`), beside the default that
@@ -94,22 +95,46 @@ def llama_cpp_rows(prompts, new_tokens: int, threads: int) -> tuple[list[float],
     return rates, "Q4_1 GGUF as shipped (token embedding Q8_0)"
 
 
-def unit_costs(target, repeats: int = 30) -> tuple[float, float]:
+CONTEXT = 200  # tokens cached before the timed calls
+
+
+def unit_costs(runtime, repeats: int = 30) -> dict:
+    """A 1-row decode, a verify of 8 rows (taps) and the drafter's draft of a full block (keeping B - 1, right
+    after the verify, as generation meets it) at CONTEXT tokens, called in turn `repeats` times. This VM's speed
+    moved by 10-40% between runs of one kind of call timed apart (a decode read 4.1 and 5.3 ms in two rows of one
+    run), so each ratio is the median of the turns' own ratios to their decode."""
+    target, drafter = runtime.target, runtime.drafter
+    ids = torch.randint(100, 2000, (1, CONTEXT + 8))
     cache = target.new_cache()
-    prompt = torch.randint(100, 2000, (1, 200))
-    target.forward(prompt, cache, 0, last_logit_only=True)
+    _, hidden = target.forward(ids[:, :CONTEXT], cache, 0, last_logit_only=True, taps=True)
 
-    def timed(n: int) -> float:
-        x = torch.randint(100, 2000, (1, n))
-        times = []
-        for _ in range(repeats):
+    def forward(n: int) -> None:
+        target.forward(ids[:, CONTEXT:CONTEXT + n], cache, CONTEXT, taps=n > 1)
+        cache.crop(CONTEXT)
+
+    calls = {"decode": lambda: forward(1), "verify": lambda: forward(8)}
+    if drafter is not None:
+        p, block = 4, drafter.block_size  # each draft commits the last p context rows, then rolls them back
+        dcache, anchor = drafter.new_cache(CONTEXT + 2 * block), ids[0, CONTEXT:CONTEXT + 1]
+        drafter.draft(hidden[:, :CONTEXT - p], anchor, CONTEXT - p, 2, dcache, target.embed_table, target.logits_head)
+
+        def draft() -> None:
+            drafter.draft(hidden[:, CONTEXT - p:], anchor, CONTEXT, block, dcache, target.embed_table,
+                          target.logits_head, keep=block - 1)
+            dcache.crop(CONTEXT - p)
+
+        calls["draft"] = draft
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for turn in range(repeats + 3):  # the first three untimed
+        for name, call in calls.items():
             t = time.perf_counter()
-            target.forward(x, cache, 200, taps=n > 1)
-            times.append(time.perf_counter() - t)
-            cache.crop(200)
-        return statistics.median(times) * 1000
-
-    return timed(1), timed(8)
+            call()
+            if turn >= 3:
+                times[name].append(time.perf_counter() - t)
+    out = {f"{name}_ms": statistics.median(ts) * 1000 for name, ts in times.items()}
+    for name in calls.keys() - {"decode"}:
+        out[f"{name}_per_decode"] = statistics.median(t / d for t, d in zip(times[name], times["decode"]))
+    return out
 
 
 def run_format(name: str, spec: dict, prompts, new_tokens: int, debug_same: bool = False,
@@ -135,14 +160,16 @@ def run_format(name: str, spec: dict, prompts, new_tokens: int, debug_same: bool
         if p.tokens != s.tokens and debug_same:
             at = next(i for i, (x, y) in enumerate(zip(p.tokens + [-1], s.tokens + [-2])) if x != y)
             print(f"differs at token {at} of {len(p.tokens)} (prompt {len(ids)} tokens)", file=sys.stderr)
-    dec1, ver8 = unit_costs(runtime.target)
+    units = unit_costs(runtime)
     if threads:
         name += f", --threads {threads}"
     return dict(format=name, dtype=runtime.dtype, forward=runtime.forward, load_seconds=load_s,
-                draft_ms=statistics.median(drafts) if drafts else None,
+                draft_in_generation_ms=statistics.median(drafts) if drafts else None,
                 threads=runtime.target.threads.describe() if runtime.target.threads else None,
                 plain_tok_s=statistics.median(plain), spec_tok_s=statistics.median(spec_rates),
-                tau=statistics.mean(taus), identical=f"{same}/{len(prompts)}", decode_1_ms=dec1, verify_8_ms=ver8)
+                tau=statistics.mean(taus), identical=f"{same}/{len(prompts)}", decode_1_ms=units["decode_ms"],
+                verify_8_ms=units["verify_ms"], verify_per_decode=units["verify_per_decode"],
+                draft_ms=units.get("draft_ms"), draft_per_decode=units.get("draft_per_decode"))
 
 
 def spinner():
@@ -227,11 +254,11 @@ def main() -> None:
         print(f"| llama.cpp: {note} | | | | | | | | | | | | | |")
     for r in rows:
         draft = r.get("draft_ms")
-        drafting = f"{draft:.1f} | {draft / r['decode_1_ms']:.2f}x" if draft else "- | -"
+        drafting = f"{draft:.1f} | {r['draft_per_decode']:.2f}x" if draft else "- | -"
         print(f"| dflash-cli {r['format']} ({r['dtype']}) | {r['plain_tok_s']:.1f} | {vs(r['plain_tok_s'])} | "
               f"{r['spec_tok_s']:.1f} | {vs(r['spec_tok_s'])} | {r['tau']:.2f} | "
               f"{r['spec_tok_s'] / r['plain_tok_s']:.2f}x | {r['identical']} | {r['decode_1_ms']:.1f} | "
-              f"{r['verify_8_ms']:.1f} | {r['verify_8_ms'] / r['decode_1_ms']:.2f}x | {drafting} | "
+              f"{r['verify_8_ms']:.1f} | {r['verify_per_decode']:.2f}x | {drafting} | "
               f"{r['load_seconds']:.1f} |")
     for r in rows:
         if r.get("threads"):
