@@ -428,3 +428,36 @@ def test_a_paused_drafter_is_re_probed_no_oftener_than_its_probes_can_be_afforde
     first_probe = next(i for i, (a, b) in enumerate(zip(drafted, drafted[1:])) if b - a - 1 >= 24)
     gaps = [b - a - 1 for a, b in zip(drafted[first_probe + 1:], drafted[first_probe + 2:])]
     assert gaps and min(gaps) == gap, gaps
+
+
+def test_a_slow_round_moves_a_cost_little_and_a_lasting_change_is_followed():
+    """A busy VM slows a round 2-3x now and then: once a cost is measured, one such round moves it by at most a
+    twentieth, where a moving average alone moved it by 30% (and a paused drafter's plain rounds then looked
+    dear enough to draft again); a cost that stays doubled is followed within twenty rounds."""
+    controller = BlockSizeController(8)
+    for _ in range(5):
+        controller.observe(1, 0, 0.004)
+    controller.observe(1, 0, 0.012)
+    assert controller.cost(1) == pytest.approx(0.004 * (0.8 + 0.2 * 1.25))
+    for _ in range(20):
+        controller.observe(1, 0, 0.008)
+    assert controller.cost(1) > 0.0075
+
+
+def test_a_drafter_that_does_not_pay_stays_paused_though_some_rounds_run_slow():
+    """Drafts accepted 30% of the time do not pay for a block of 2 here (1.3 tokens for 1.38 plain rounds); with
+    one round in 25 slowed 2.5x, the plain rounds' cost must not follow the slow ones up so far that drafting
+    looks worth it: the median seed drafts in fewer than 8% of its rounds after the first 100 (re-probes)."""
+    cost = round_cost(draft=0.3, verify_slope=0.08)
+    drafted = []
+    for seed in range(5):
+        rng, controller, chosen = random.Random(seed), BlockSizeController(B), []
+        for _ in range(600):
+            n = controller.choose()
+            accepted = 0
+            while accepted < n - 1 and rng.random() < 0.3:
+                accepted += 1
+            controller.observe(n, accepted, cost(n) * (2.5 if rng.random() < 0.04 else 1.0))
+            chosen.append(n)
+        drafted.append(sum(n > 1 for n in chosen[100:]))
+    assert sorted(drafted)[2] < 40, drafted

@@ -35,7 +35,9 @@ from Python). A request after the first starts from measured costs and from the 
 (weighted as a few rounds, so its own text takes over quickly) instead of three full blocks of warm-up:
 where drafting does not pay, it pays nothing to find that out again, and a paused drafter's re-probes keep
 the schedule they had backed off to. A cost's first rounds keep the least time seen (a one-time cost, a
-first call or a page fault, only ever adds time), and plain decoding measured once is measured again
+first call or a page fault, only ever adds time), the later ones a moving average in which a round counts at no
+more than 1.25 times the cost so far (a busy VM slows one round in tens 2-3x: followed, those made a paused
+drafter's plain rounds look dear enough to draft again), and plain decoding measured once is measured again
 while drafting, so one unlucky round does not keep a drafter on that is slower than plain decoding.
 A later process of the same pair starts from the costs too (`to_dict`/`from_dict`, kept in the cache folder
 by runtime/round_costs.py), after one block of its own (none where a full block costs more than four plain
@@ -89,6 +91,7 @@ WORTH_DECAY = 0.99  # per round: the rounds the rates chose to draft, counted ov
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
 FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the later ones a moving average
+SLOW_ROUND = 1.25  # ... of rounds counted at no more than this many times the cost so far: a busy VM's slow round
 # a second draft's verify row that pays for drafts less likely than this (a GPU's: next to nothing) does not make
 # asking a drafter how sure it is worth it
 MIN_ROW_PRICE = 0.05
@@ -556,5 +559,5 @@ class BlockSizeController:
             here[key] = value
         elif count < FIRST_SAMPLES:  # a one-time cost (a first call, a page fault) only ever adds time
             here[key] = min(previous, value)
-        else:
-            here[key] = 0.8 * previous + 0.2 * value
+        else:  # one round a busy machine slowed 2-3x would move it 20-40% (and the choice with it)
+            here[key] = 0.8 * previous + 0.2 * min(value, SLOW_ROUND * previous)
