@@ -432,7 +432,7 @@ def test_a_paused_drafter_is_re_probed_no_oftener_than_its_probes_can_be_afforde
 
 def test_a_slow_round_moves_a_cost_little_and_a_lasting_change_is_followed():
     """A busy VM slows a round 2-3x now and then: once a cost is measured, one such round moves it by at most a
-    twentieth, where a moving average alone moved it by 30% (and a paused drafter's plain rounds then looked
+    twentieth, where a moving average alone moved it by 40% (and a paused drafter's plain rounds then looked
     dear enough to draft again); a cost that stays doubled is followed within twenty rounds."""
     controller = BlockSizeController(8)
     for _ in range(5):

@@ -91,7 +91,7 @@ WORTH_DECAY = 0.99  # per round: the rounds the rates chose to draft, counted ov
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
 FIRST_SAMPLES = 3  # a cost's first rounds keep the least seconds seen, the later ones a moving average
-SLOW_ROUND = 1.25  # ... of rounds counted at no more than this many times the cost so far: a busy VM's slow round
+SLOW_ROUND = 1.25  # ... in which a round counts at no more than this many times the cost so far (a busy VM's)
 # a second draft's verify row that pays for drafts less likely than this (a GPU's: next to nothing) does not make
 # asking a drafter how sure it is worth it
 MIN_ROW_PRICE = 0.05
@@ -514,7 +514,7 @@ class BlockSizeController:
         if confidence and self.rounds < self.warmup:
             self._forecast.append(self.calibrated(confidence))
         self.rounds += 1
-        self.shared.worth = WORTH_DECAY * self.shared.worth + self._worth_drafting
+        self.shared.worth = WORTH_DECAY * self.shared.worth + (1.0 if self._worth_drafting else 0.0)
         self._plain_streak = self._plain_streak + 1 if n == 1 else 0
         self._since_plain = 0 if n == 1 else self._since_plain + 1
         self.shared.plain_streak, self.shared.probe_gap = self._plain_streak, self._probe_gap
