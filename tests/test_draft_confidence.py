@@ -410,3 +410,18 @@ def test_a_drafter_unsure_of_its_warm_up_drafts_is_re_probed_more_rarely_than_an
     assert min(re_probe_gaps(None, again)) >= doubted_gap
     shared.worth = 50.0  # as if an earlier request drafted for a while: a bad stretch, not a weak drafter
     assert 24 in re_probe_gaps(0.02, RoundCosts.from_dict(json.loads(json.dumps(shared.to_dict()))))
+
+
+def test_a_draft_position_not_reached_yet_is_expected_at_what_the_drafter_said_of_it():
+    """The acceptance of a position the target has not ruled on starts from the drafter's own (calibrated)
+    confidence in its warm-up drafts there, not from 1/2: a sure drafter whose first draft was rejected is still
+    expected to hold its later drafts about as often as it said, a drafter that says nothing gets 1/2."""
+    sure = BlockSizeController(B, first_row_price=CPU_FIRST_ROW_PRICE)
+    sure.choose()
+    sure.observe(B, 0, 0.012, 0.001, [0.9] * (B - 1))
+    assert sure.acceptance(3) == pytest.approx(0.9)  # as calibrated then: nothing verified before it
+    assert sure.acceptance(1) == pytest.approx(0.9 / 2.0)  # reached once, rejected
+    silent = BlockSizeController(B)
+    silent.choose()
+    silent.observe(B, 0, 0.012, 0.001)
+    assert silent.acceptance(3) == pytest.approx(0.5)

@@ -1,9 +1,10 @@
 """Adaptive speculation: pick each round's block size to maximise expected tokens per second.
 
 The controller keeps, with exponential forgetting, the acceptance rate at each draft position given
-that the earlier ones were accepted (q_k), and the measured cost of a draft and of a verify at each
-block size it has used. The expected tokens of a round of n slots are 1 + sum_k prod_{j<=k} q_j (the
-bonus token always counts), its cost draft(n) + verify(n); a plain round (n = 1) commits one token for
+that the earlier ones were accepted (q_k; before the target has ruled on a position, what the drafter's own
+calibrated confidence in its warm-up drafts said of it, else 1/2), and the measured cost of a draft and of a
+verify at each block size it has used. The expected tokens of a round of n slots are 1 + sum_k prod_{j<=k} q_j
+(the bonus token always counts), its cost draft(n) + verify(n); a plain round (n = 1) commits one token for
 verify(1). A size not measured yet is estimated as a draft between the sizes timed plus a verify on a line
 through them and the plain round: the draft runs the whole block but its LM head only on the rows kept, and
 that head is much of a real-size drafter's draft on a CPU (a Qwen3-1.7B-shaped drafter's 311 MB), so before
@@ -262,8 +263,10 @@ class BlockSizeController:
 
     # -- estimates ---------------------------------------------------------------------------------
     def acceptance(self, k: int) -> float:
-        """Estimated P(draft k accepted | drafts 1..k-1 accepted), with a weak prior of 1/2."""
-        return (self.accepted[k] + 0.5) / (self.reached[k] + 1.0)
+        """Estimated P(draft k accepted | drafts 1..k-1 accepted), with a weak prior: what the drafter's own
+        (calibrated) confidence in its warm-up drafts said of draft k, else 1/2."""
+        prior = self._forecast_acceptance(k) if self._forecast else 0.5
+        return (self.accepted[k] + prior) / (self.reached[k] + 1.0)
 
     def expected_tokens(self, n: int) -> float:
         total, run = 1.0, 1.0
