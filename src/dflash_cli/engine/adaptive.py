@@ -233,6 +233,8 @@ class BlockSizeController:
         # the drafter's calibrated confidence in each draft of each warm-up block: a drafter sure of drafts the
         # target rejected was unlucky, one unsure of them is weak (a weak one's warm-up ends after one block)
         self._forecast: list[list[float]] = []
+        self._forecast_means: list[float] = []  # ... its mean by position (read by every round's rates)
+        self._probe_wait: int | None = None  # a paused drafter's affordable re-probe gap, worked out once a pause
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
         self._drawn: tuple[tuple[int, int], tuple[list[tuple[int, float]], list[tuple[int, float]]]] | None = None
 
@@ -352,7 +354,7 @@ class BlockSizeController:
         elif (self.injected_cost is None and self.choice > 1 and self._since_plain >= self.probe_every
               and self.shared.samples.get(self.bucket, {}).get(1, 0) < FIRST_SAMPLES):
             self.choice = 1  # and again now and then while drafting: one round may have carried a one-time cost
-        elif self.choice == 1 and self._plain_streak >= max(self._probe_gap, self._affordable_probe_gap()):
+        elif self.choice == 1 and self._plain_streak >= self._probe_gap and self._plain_streak >= self._wait():
             # re-probe a paused drafter with the cheapest drafted round, one draft: whether the first position
             # is accepted again says whether drafting may pay (a full block's verify, 2.5 decodes on a CPU,
             # is mostly lost where the drafter still fails); the rates then choose the block as usual
@@ -466,8 +468,13 @@ class BlockSizeController:
 
     def _forecast_acceptance(self, k: int) -> float:
         """What the drafter expected of its draft k in the warm-up's blocks (calibrated, mean over them)."""
-        said = [row[k - 1] for row in self._forecast if len(row) >= k]
-        return sum(said) / len(said) if said else 0.5
+        return self._forecast_means[k - 1] if k <= len(self._forecast_means) else 0.5
+
+    def _wait(self) -> int:
+        """_affordable_probe_gap, once a pause (the costs it reads move little between probes)."""
+        if self._probe_wait is None:
+            self._probe_wait = self._affordable_probe_gap()
+        return self._probe_wait
 
     def _affordable_probe_gap(self) -> int:
         """The fewest plain rounds between re-probes for which a probe's extra cost (a draft and a verify of 2
@@ -516,12 +523,15 @@ class BlockSizeController:
         drafted = n if drafted is None else drafted
         if confidence and self.rounds < self.warmup:
             self._forecast.append(self.calibrated(confidence))
+            self._forecast_means = [sum(said) / len(said) for said in (
+                [row[k] for row in self._forecast if len(row) > k] for k in range(max(map(len, self._forecast))))]
         self.rounds += 1
         self.shared.worth = WORTH_DECAY * self.shared.worth + (1.0 if self._worth_drafting else 0.0)
         self._plain_streak = self._plain_streak + 1 if n == 1 else 0
         self._since_plain = 0 if n == 1 else self._since_plain + 1
         self.shared.plain_streak, self.shared.probe_gap = self._plain_streak, self._probe_gap
         if n > 1:
+            self._probe_wait = None
             self._count_acceptance(n, accepted, confidence)
         if drafted > 1 and draft_seconds is not None:
             self._record(draft_key(drafted), draft_seconds)
