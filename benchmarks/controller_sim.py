@@ -138,17 +138,23 @@ def speed(module: ModuleType, shape: dict, draw: Draw, tokens: int, seeds: int, 
 def recorded_demo(sets: list[str], limit: int, new_tokens: int) -> dict[str, tuple[dict, Draw]]:
     """Per prompt set, the demo's shape as timed in this run and a draw from its recorded rounds."""
     sys.path.insert(0, str(Path(__file__).parent))
+    from cpu_formats import cpu_line
     from draft_confidence import record  # beside this script
 
     import dflash_cli
 
     rt = dflash_cli.load("demo")
+    print(f"CPU: {cpu_line()}; the demo's drafter in {getattr(rt.drafter, 'head_quant', None) or 'its own format'}",
+          flush=True)
     block = rt.drafter.block_size
     out = {}
     for name in sets:
         rounds, s = record(rt, name, limit, new_tokens, block)
         rows = {block: 1e3 * s["verify"]}
         shape = dict(decode=1e3 * s["decode"], verify=rows, draft={block: 1e3 * s["draft"]}, block=block)
+        print(f"demo {name}, timed in these generations: decode {shape['decode']:.2f} ms, verify of {block} "
+              f"{rows[block]:.2f} ms ({rows[block] / shape['decode']:.2f} decodes), draft "
+              f"{shape['draft'][block]:.2f} ms ({shape['draft'][block] / shape['decode']:.2f} decodes)", flush=True)
         out[f"demo {name} ({len(rounds)} rounds)"] = (shape, lambda rng, rounds=rounds: rng.choice(rounds))
     return out
 
