@@ -58,9 +58,9 @@ class Variant:
     def flags(self, emulate: bool = False) -> tuple[str, ...]:
         """Compiler flags; `emulate` (tests only) takes the instructions from SIMDe's headers instead, so the
         same source runs on a CPU without them."""
-        if emulate and self.define:  # -O1: SIMDe's headers take 2.5x as long to compile at -O3, and under
-            # -ffp-contract=off every float operation is the same at any level
-            return ("-O1", f"-D{self.define}", "-DDFQ_EMULATE")
+        if emulate and self.define:  # -O0: SIMDe's AVX-512 headers took 17-24 s a build at -O1 on 2 Zen 3 cores
+            # and take 3-4 s at -O0, and under -ffp-contract=off every float operation is the same at any level
+            return ("-O0", f"-D{self.define}", "-DDFQ_EMULATE")
         return (*self.compile_flags, *((f"-D{self.define}",) if self.define else ()))
 
 
