@@ -267,8 +267,7 @@ class BlockSizeController:
     def acceptance(self, k: int) -> float:
         """Estimated P(draft k accepted | drafts 1..k-1 accepted), with a weak prior: what the drafter's own
         (calibrated) confidence in its warm-up drafts said of draft k, else 1/2."""
-        prior = self._forecast_acceptance(k) if self._forecast else 0.5
-        return (self.accepted[k] + prior) / (self.reached[k] + 1.0)
+        return (self.accepted[k] + self._forecast_acceptance(k)) / (self.reached[k] + 1.0)
 
     def expected_tokens(self, n: int) -> float:
         total, run = 1.0, 1.0
