@@ -61,6 +61,31 @@ def test_a_row_alone_equals_the_same_row_among_sixteen_bit_for_bit(kind):
         assert torch.equal(layer(x[r:r + 1].contiguous())[0], together[r])
 
 
+@pytest.mark.parametrize("kind", ["q4a8", "q8a8"])
+def test_columns_shared_out_guided_or_statically_give_the_same_bits(kind):
+    """Calls of several rows share the columns out guided (a thread that runs slower takes fewer), one row
+    statically: which thread computes a column must change nothing in it, on any number of threads."""
+    lib = native.library().lib
+    layer = quantize_linears([linear(8 * 40, 96, seed=5)], kind)  # 40 groups of 8 columns
+    assert layer is not None
+    x = torch.randn(16, 96) * 3
+    threads, default = torch.get_num_threads(), lib.dfq_guided_min_rows()
+    got = []
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            for guided_from in (0, 1, 2, 17):  # never, always, the default, never for these calls
+                lib.dfq_set_guided_min_rows(guided_from)
+                assert lib.dfq_guided_min_rows() == guided_from
+                got.append([layer(x[:m].contiguous()) for m in (1, 2, 8, 16)])
+    finally:
+        torch.set_num_threads(threads)
+        lib.dfq_set_guided_min_rows(default)
+    for calls in got[1:]:
+        for a, b in zip(got[0], calls):
+            assert torch.equal(a, b)
+
+
 def test_the_kernel_layouts_round_trip():
     codes = torch.randint(0, 16, (24, 96), dtype=torch.int32)
     assert torch.equal(unpack_q4(pack_q4(codes)).to(torch.int32), codes)
@@ -480,7 +505,7 @@ def test_the_cli_runs_q4a8_and_says_what_ran(tiny_target_dir):
     ok = CliRunner().invoke(cli, ["generate", "-m", str(tiny_target_dir), "--quant", "q4a8", "-v", "-n", "6",
                                   "--no-chat-template", "hello"])
     assert ok.exit_code == 0, ok.stderr
-    assert "q4a8 weights" in ok.stderr and "each decoder layer one C call" in ok.stderr
+    assert "q4a8 weights" in ok.stderr and "the decoder layers one C call" in ok.stderr
     assert " q4a8 ·" in ok.stderr and "float32" in ok.stderr  # the load line: fp32 around the kernels
 
 

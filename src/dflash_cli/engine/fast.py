@@ -174,7 +174,7 @@ class FastPath:
         if self.weights:
             own = f" ({self.codes_used} linears with the checkpoint's own 4-bit codes)" if self.codes_used else ""
             experts = f", {self.quantized_experts} layers of {self.weights} experts" if self.quantized_experts else ""
-            layers = ", each decoder layer one C call" if self._module(False, True).fused is not None else ""
+            layers = ", the decoder layers one C call" if self._module(False, True).fused is not None else ""
             loaded = ", quantized layer by layer as they loaded" if self.quantized_as_loaded else ""
             return f"{self.weights} weights{own}{experts}{loaded}{layers}"
         return "packed weights" if self.packed else ""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_cli.engine.cpu import native
-from dflash_cli.engine.cpu.c_layers import RopeTable, c_final_norm, layer_struct, run_layer
+from dflash_cli.engine.cpu.c_layers import LayerStack, RopeTable, c_final_norm, layer_struct
 from dflash_cli.engine.cpu.weightonly import WeightOnlyLinear
 from dflash_cli.engine.fast_layers import (
     ROW_EXACT_ATTENTION,
@@ -141,11 +141,12 @@ class StaticForward(nn.Module):
         layers run each as one C call (engine/cpu/c_layers.py) when every layer can, outside a device map."""
         built = native.library() if native_attention else None
         self.native = built.lib if built is not None and all(hd % 8 == 0 for _, hd in self.shapes) else None
-        self.fused: list[Any] | None = None
+        self.fused: LayerStack | None = None
         if self.native is not None and self.devices is None:
             made = [layer_struct(layer, proj, heads=self.heads, kv=self.kv_heads, hd=self.head_dim,
                                  scale=self.scaling) for layer, proj in zip(self.layers, projections)]
-            self.fused = made if all(m is not None for m in made) and self.uniform else None
+            if all(m is not None for m in made) and self.uniform:
+                self.fused = LayerStack(self.native, made)  # type: ignore[arg-type]
         self.rope_table = RopeTable(self.rotary) if self.fused is not None else None  # (CPU)
         if self.fused is not None and self.native is not None:
             self.final_norm = c_final_norm(self.native, self.norm, self.final_norm)
@@ -259,7 +260,7 @@ class StaticForward(nn.Module):
 
     def _fused_forward(self, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                        values: list[torch.Tensor]):
-        """forward() with every layer one C call (engine/cpu/c_layers.py), on one sequence."""
+        """forward() with the whole stack of layers one C call (engine/cpu/c_layers.py), on one sequence."""
         assert self.fused is not None and self.native is not None
         assert self.rope_table is not None
         h = self.embed(ids).contiguous()  # (1, n, H) fp32, updated in place by each layer
@@ -270,15 +271,13 @@ class StaticForward(nn.Module):
         else:  # (not a run of positions: this call's own)
             cos, signed = self.rope_table.for_positions(positions)
         size, last = h.shape[-1], len(self.layers) - 1
-        # the tapped states (1, n, taps * H), each tap layer's output written into its columns by the layer's call
+        # the tapped states (1, n, taps * H), each tap layer's output written into its columns inside the call
         hidden = h.new_empty(1, h.shape[1], len(self.taps) * size) if self.taps else None
         columns = {i: hidden[..., j * size:(j + 1) * size] for j, i in enumerate(self.taps)} if hidden is not None \
             else {}
-        for i, layer in enumerate(self.fused):
-            tap = columns.get(i)
-            run_layer(self.native, layer, h, positions, cos, signed, keys[i], values[i], tap if i != last else None)
-            if tap is not None and i == last:  # transformers' hidden_states[-1] is after the final norm
-                tap.copy_(self.final_norm(h))
+        self.fused.run(h, positions, cos, signed, keys, values, {i: c for i, c in columns.items() if i != last})
+        if last in columns:  # transformers' hidden_states[-1] is after the final norm
+            columns[last].copy_(self.final_norm(h))
         return self._head(h, hidden, [])
 
     def _sandwich(self, i: int, layer: Any, proj: Any, h: torch.Tensor, attended: torch.Tensor,

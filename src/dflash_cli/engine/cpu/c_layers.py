@@ -1,7 +1,7 @@
-"""Whole Llama-style decoder layers in one C call (native/layer.c) under q4a8/q8a8: the small ops around the
-linears (norms, rotary, K/V writes, attention, SiLU, residuals) cost more than the linears in eager PyTorch
-on a CPU, one dispatch each; here a layer is one call. Row-exact like its parts, and checked against the
-op-by-op forward in tests/test_int8act.py."""
+"""Whole Llama-style decoder layers in C (native/layer.c) under q4a8/q8a8: the small ops around the linears
+(norms, rotary, K/V writes, attention, SiLU, residuals) cost more than the linears in eager PyTorch on a CPU,
+one dispatch each; here the target's whole stack is one call, a drafter's layer one call. Row-exact like its
+parts, and checked against the op-by-op forward in tests/test_int8act.py."""
 
 from __future__ import annotations
 
@@ -113,16 +113,35 @@ def layer_struct(layer: Any, proj: Any, *, heads: int, kv: int, hd: int, scale: 
                         qkv, o, gate_up, down)
 
 
-def run_layer(lib: ctypes.CDLL, layer: native.Layer, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-              signed_sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              tap: torch.Tensor | None = None) -> None:
-    """Runs one layer on h (1, n, hidden) fp32 in place; cos/signed_sin (n, hd); keys/values (1, kv, capacity,
-    hd) fp32 or fp16, row r holding position r. `tap`: a (1, n, hidden) fp32 view with unit column stride (a
-    slice of the tapped states' columns) that gets the layer's output too."""
-    where, stride = (tap.data_ptr(), tap.stride(1)) if tap is not None else (None, 0)
-    lib.dfq_layer_forward(ctypes.byref(layer), h.data_ptr(), h.shape[1], positions.data_ptr(), cos.data_ptr(),
-                          signed_sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], where, stride,
-                          int(keys.dtype == torch.float16))
+class LayerStack:
+    """The target's decoder layers (Layer structs, alike in shape) run as one C call (native/layer.c's
+    dfq_stack_forward): one ctypes call and one parallel region per forward instead of one per layer."""
+
+    def __init__(self, lib: ctypes.CDLL, layers: list[native.Layer]):
+        self.lib, self.layers = lib, layers  # the structs stay alive while the pointers below are used
+        self.count = len(layers)
+        self.pointers = (ctypes.POINTER(native.Layer) * self.count)(*(ctypes.pointer(layer) for layer in layers))
+        self.rows = (ctypes.c_void_p * self.count)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+            keys: list[torch.Tensor], values: list[torch.Tensor], taps: dict[int, torch.Tensor]) -> None:
+        """Runs every layer on h (1, n, hidden) fp32 in place; cos/signed_sin (n, hd); keys[i]/values[i] (1, kv,
+        capacity, hd) fp32 or fp16, row r holding position r. taps[i]: a (1, n, hidden) fp32 view with unit
+        column stride (a slice of the tapped states' columns) that gets layer i's output too, all with one row
+        stride."""
+        tap_rows = self.rows(*(taps[i].data_ptr() if i in taps else None for i in range(self.count))) if taps \
+            else None
+        stride = next(iter(taps.values())).stride(1) if taps else 0
+        done = self.lib.dfq_stack_forward(self.pointers, self.count, h.data_ptr(), h.shape[1], positions.data_ptr(),
+                                          cos.data_ptr(), signed_sin.data_ptr(),
+                                          self.rows(*(k.data_ptr() for k in keys)),
+                                          self.rows(*(v.data_ptr() for v in values)), keys[0].shape[2], tap_rows,
+                                          stride, int(keys[0].dtype == torch.float16))
+        if not done:
+            raise MemoryError("the C layers' buffers could not be allocated")
 
 
 def _weight(norm: Any) -> tuple[int, float]:

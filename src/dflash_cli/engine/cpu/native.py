@@ -39,7 +39,7 @@ SOURCES = ("int8_matmul.c", "attention.c", "layer.c", "argmax.c")
 # scheduling flags keep the kernels' accumulators in registers (gcc otherwise spills them)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-tree-reassoc",
          "-fschedule-insns", "-fsched-pressure", "-fPIC", "-shared")
-ABI_VERSION = 4
+ABI_VERSION = 5
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 COMPILE_TIMEOUT_S = 300
 KERNELS_ENV = "DFLASH_KERNELS"
@@ -109,16 +109,18 @@ SIGNATURES = {
     "dfq_q8_matmul": [P, LONG, LONG, P, P, LONG, P, P],
     "dfq_q8_rows": [P, P, LONG, LONG, P, LONG, P],
     "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P, ctypes.c_int],
-    "dfq_layer_forward": [P, P, LONG, P, P, P, P, P, LONG, P, LONG, ctypes.c_int],
+    "dfq_stack_forward": [P, LONG, P, LONG, P, P, P, P, P, LONG, P, LONG, ctypes.c_int],
     "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],
     "dfq_amx_set_min_rows": [ctypes.c_int],
     "dfq_set_pair_min_rows": [ctypes.c_int],
+    "dfq_set_guided_min_rows": [ctypes.c_int],
     "dfq_argmax_rows": [P, LONG, LONG, LONG, P],
     "dfq_argmax_confidence_rows": [P, LONG, LONG, LONG, P, P],
     "dfq_rms_norm_rows": [P, LONG, LONG, P, ctypes.c_float, P],
 }
 # what a call returns, where it returns something
-RESULTS = {"dfq_argmax_rows": LONG, "dfq_argmax_confidence_rows": LONG, "dfq_q8_rows": LONG}
+RESULTS = {"dfq_stack_forward": ctypes.c_int, "dfq_argmax_rows": LONG, "dfq_argmax_confidence_rows": LONG,
+           "dfq_q8_rows": LONG}
 
 
 class Linear(ctypes.Structure):

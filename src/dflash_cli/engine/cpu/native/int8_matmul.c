@@ -37,7 +37,7 @@
 #define dpbusd256 _mm256_dpbusd_avx_epi32
 #endif
 
-int dfq_abi_version(void) { return 4; }
+int dfq_abi_version(void) { return 5; }
 
 int dfq_max_threads(void) {
 #ifdef _OPENMP
@@ -301,12 +301,62 @@ int dfq_amx_min_rows(void) { return 0; }
 void dfq_amx_set_min_rows(int rows) { (void)rows; }
 #endif
 
+/* One step of the columns (a group of 8, or DFQ_GROUPS_PER_STEP of them) over all m rows, in tiles of 4 (of 8
+ * for pairs; of tile_rows, when not 0, for AMX): its weights are read once per tile (from L1 after the first). */
+static inline void step_rows(const struct dfq_linear *w, long step, const int8_t *aq, const float *ad,
+                             const float *as, const int32_t *off, long m, float *out, long ldo, int accumulate,
+                             long tile_rows) {
+    const long k = w->k, nb = k / QK, groups = w->n / 8, g = step * DFQ_GROUPS_PER_STEP;
+    long r = 0;
+#ifdef DFQ_AMX
+    if (tile_rows && g + 1 < groups)
+        for (; r + tile_rows <= m; r += tile_rows)
+            amx_pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, tile_rows, out + r * ldo, ldo, accumulate);
+#else
+    (void)tile_rows;
+#endif
+    while (r < m) {
+        int rows = m - r < 4 ? (int)(m - r) : 4;
+#ifdef DFQ_AVX512_VNNI
+        if (g + 1 < groups && pair_min_rows <= m) {
+            /* a pair's weights unpacked once for up to 8 rows (32 registers hold it) */
+            rows = m - r < 8 ? (int)(m - r) : 8;
+            pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, off ? off + r * nb : NULL, rows, out + r * ldo,
+                      ldo, accumulate);
+            r += rows;
+            continue;
+        }
+#endif
+        for (long h = g; h < g + DFQ_GROUPS_PER_STEP && h < groups; h++)
+            group_rows(w, h, aq + r * k, ad + r * nb, as + r * nb, off ? off + r * nb : NULL, rows, out + r * ldo,
+                       ldo, accumulate);
+        r += rows;
+    }
+}
+
+/* Calls of at least guided_min_rows rows share out their steps guided (each thread takes a share of what is
+ * left, smaller as it goes), fewer rows statically (a contiguous half each of two threads). A call of several
+ * rows is compute-bound, and under a static split every such call waited for the slower thread: a VM's vCPUs
+ * ran the same work 5-10% apart, and a verify of 8 spent 8% of the worker's time at the barriers. A 1-row call
+ * reads its weights from memory, where one stream per thread (and the prefetch of the next group, read by the
+ * same thread) is what keeps it fast. DFLASH_GUIDED_MIN_ROWS or dfq_set_guided_min_rows changes it (0: never
+ * guided). Which thread computes a column changes nothing in it: every variant's bits are the same. */
+#ifndef DFQ_GUIDED_MIN_ROWS
+#define DFQ_GUIDED_MIN_ROWS 2
+#endif
+static int guided_min_rows = DFQ_GUIDED_MIN_ROWS;
+int dfq_guided_min_rows(void) { return guided_min_rows; }
+void dfq_set_guided_min_rows(int rows) { guided_min_rows = rows > 0 ? rows : 0; }
+__attribute__((constructor)) static void guided_start(void) {
+    const char *forced = getenv("DFLASH_GUIDED_MIN_ROWS");
+    if (forced && *forced) dfq_set_guided_min_rows(atoi(forced));
+}
+
 /* Groups of 8 columns (pairs of them on AVX-512, from pair_min_rows rows) shared out among the threads, each
- * over all rows in tiles of 4 (of 8 for pairs): a thread reads a group's weights once per tile of activation
- * rows (from L1 after the first). */
+ * step over all rows (step_rows). */
 void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *ad, const float *as, long m,
                      float *out, long ldo, int accumulate) {
-    const long k = w->k, nb = k / QK, groups = w->n / 8;
+    const long nb = w->k / QK, groups = w->n / 8;
     const long steps = (groups + DFQ_GROUPS_PER_STEP - 1) / DFQ_GROUPS_PER_STEP;
     int32_t on_stack[OFFSETS_ON_STACK], *off = NULL;
 #ifdef DFQ_VNNI
@@ -314,37 +364,22 @@ void dfq_matmul_rows(const struct dfq_linear *w, const int8_t *aq, const float *
         off = m * nb <= OFFSETS_ON_STACK ? on_stack : malloc(sizeof(int32_t) * (size_t)(m * nb));
         q8_offsets(aq, m * nb, off);
     }
+#else
+    (void)nb;
 #endif
+    long tile_rows = 0;
 #ifdef DFQ_AMX
-    const long tile_rows = amx_rows_for(m);  /* rows past the last whole tile take the VNNI kernel */
+    tile_rows = amx_rows_for(m);  /* rows past the last whole tile take the VNNI kernel */
     if (tile_rows) amx_configure(tile_rows);  /* every thread of the team runs this, before sharing out */
 #endif
+    if (guided_min_rows && m >= guided_min_rows) {
+#pragma omp for schedule(guided)
+        for (long step = 0; step < steps; step++)
+            step_rows(w, step, aq, ad, as, off, m, out, ldo, accumulate, tile_rows);
+    } else {
 #pragma omp for schedule(static)
-    for (long step = 0; step < steps; step++) {
-        const long g = step * DFQ_GROUPS_PER_STEP;
-        long r = 0;
-#ifdef DFQ_AMX
-        if (tile_rows && g + 1 < groups)
-            for (; r + tile_rows <= m; r += tile_rows)
-                amx_pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, tile_rows, out + r * ldo, ldo, accumulate);
-#endif
-        while (r < m) {
-            int rows = m - r < 4 ? (int)(m - r) : 4;
-#ifdef DFQ_AVX512_VNNI
-            if (g + 1 < groups && pair_min_rows <= m) {
-                /* a pair's weights unpacked once for up to 8 rows (32 registers hold it) */
-                rows = m - r < 8 ? (int)(m - r) : 8;
-                pair_rows(w, g, aq + r * k, ad + r * nb, as + r * nb, off ? off + r * nb : NULL, rows, out + r * ldo,
-                          ldo, accumulate);
-                r += rows;
-                continue;
-            }
-#endif
-            for (long h = g; h < g + DFQ_GROUPS_PER_STEP && h < groups; h++)
-                group_rows(w, h, aq + r * k, ad + r * nb, as + r * nb, off ? off + r * nb : NULL, rows,
-                           out + r * ldo, ldo, accumulate);
-            r += rows;
-        }
+        for (long step = 0; step < steps; step++)
+            step_rows(w, step, aq, ad, as, off, m, out, ldo, accumulate, tile_rows);
     }
     if (off != on_stack) free(off);
 }

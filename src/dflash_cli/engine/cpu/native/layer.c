@@ -1,8 +1,8 @@
-/* One Llama-style decoder layer (Llama, Qwen2, Qwen3, Mistral) in fp32 with q4a8/q8a8 linears, in one call:
- * RMSNorm, q|k|v, per-head q/k norms (Qwen3), rotary embedding, K/V written to the cache, causal attention,
+/* Llama-style decoder layers (Llama, Qwen2, Qwen3, Mistral) in fp32 with q4a8/q8a8 linears, a whole stack of
+ * them in one call (a drafter's layer in one call of its own): RMSNorm, q|k|v, per-head q/k norms (Qwen3), rotary embedding, K/V written to the cache, causal attention,
  * o, residual, RMSNorm, gate|up, SiLU times up, down, residual. In eager PyTorch the ~25 small ops around the
  * linears cost more than the linears themselves on a 2-core CPU (benchmarks/README.md); here they are
- * passes over a few kilobytes between the matmuls, inside one parallel region.
+ * passes over a few kilobytes between the matmuls, inside one parallel region for all the layers.
  *
  * Every row is computed from its own token and the cache alone, in a fixed order, as in the parts
  * (int8_matmul.c, attention.c): a decode and a verify give bit-identical rows.
@@ -98,86 +98,132 @@ static void attend_runs(const float *q, long q_stride, long n, long group, long 
     }
 }
 
-/* Runs the layer on h (n, hidden), in place, for tokens at `positions` (n); cos and signed_sin: (n, hd)
- * rotary tables; keys/values: (kv, capacity, hd) cache buffers whose row r holds position r, fp32, or fp16
- * where `half` (half the bytes for attention to read at long context). With tap (not
- * NULL), the layer's output rows are also copied to tap + r * tap_stride (the drafter's tapped states): by
- * the threads that wrote their columns, inside the call (a torch copy between two calls cost ~30 us each). */
-void dfq_layer_forward(const struct dfq_layer *L, float *h, long n, const int64_t *positions, const float *cos,
-                       const float *signed_sin, void *keys, void *values, long capacity, float *tap,
-                       long tap_stride, int half) {
+/* A layer call's buffers, for n rows of the widest of the layers it runs (one malloc for a whole stack). */
+struct layer_scratch {
+    float *xn, *qkv, *gu, *act, *ad, *as;
+    int8_t *aq;
+    long *counts; /* the keys each token sees: its position and before */
+};
+
+static void scratch_free(struct layer_scratch *s) {
+    free(s->xn);
+    free(s->qkv);
+    free(s->gu);
+    free(s->act);
+    free(s->aq);
+    free(s->ad);
+    free(s->as);
+    free(s->counts);
+}
+
+static int scratch_alloc(struct layer_scratch *s, const struct dfq_layer *const *layers, long count, long n,
+                         const int64_t *positions) {
+    long xn = 0, wide = 0, inter = 0, widest = 0;
+    for (long i = 0; i < count; i++) {
+        const struct dfq_layer *L = layers[i];
+        const long A = L->heads * L->hd, H = L->hidden, I = L->inter, w = (L->heads + 2 * L->kv) * L->hd;
+        const long x = H > A ? H : A, all = I > x ? I : x;
+        xn = xn > x ? xn : x;
+        wide = wide > w ? wide : w;
+        inter = inter > I ? inter : I;
+        widest = widest > all ? widest : all;
+    }
+    s->xn = malloc(sizeof(float) * (size_t)(n * xn));
+    s->qkv = malloc(sizeof(float) * (size_t)(n * wide));
+    s->gu = malloc(sizeof(float) * (size_t)(n * 2 * inter));
+    s->act = malloc(sizeof(float) * (size_t)(n * inter));
+    s->aq = malloc((size_t)(n * widest));
+    s->ad = malloc(sizeof(float) * (size_t)(n * widest / QK));
+    s->as = malloc(sizeof(float) * (size_t)(n * widest / QK));
+    s->counts = malloc(sizeof(long) * (size_t)n);
+    if (!s->xn || !s->qkv || !s->gu || !s->act || !s->aq || !s->ad || !s->as || !s->counts) {
+        scratch_free(s);
+        return 0;
+    }
+    for (long r = 0; r < n; r++) s->counts[r] = (long)positions[r] + 1;
+    return 1;
+}
+
+/* One layer on h (n, hidden), in place, run by every thread of the enclosing parallel region (its loops are
+ * orphaned omp fors, each ending in a barrier). */
+static void layer_body(const struct dfq_layer *L, const struct layer_scratch *s, float *h, long n,
+                       const int64_t *positions, const float *cos, const float *signed_sin, void *keys, void *values,
+                       long capacity, float *tap, long tap_stride, int half) {
     const long H = L->hidden, heads = L->heads, kv = L->kv, hd = L->hd, I = L->inter;
-    const long wide = (heads + 2 * kv) * hd, widest = I > H ? (I > heads * hd ? I : heads * hd) : H;
-    float *xn = malloc(sizeof(float) * (size_t)(n * (H > heads * hd ? H : heads * hd)));
-    float *qkv = malloc(sizeof(float) * (size_t)(n * wide));
-    float *gu = malloc(sizeof(float) * (size_t)(n * 2 * I)), *act = malloc(sizeof(float) * (size_t)(n * I));
-    int8_t *aq = malloc((size_t)(n * widest));
-    float *ad = malloc(sizeof(float) * (size_t)(n * widest / QK)), *as = malloc(sizeof(float) * (size_t)(n * widest / QK));
-    const long group = heads / kv;
-    long *counts = malloc(sizeof(long) * (size_t)n);  /* the keys each token sees: its position and before */
-    for (long r = 0; r < n; r++) counts[r] = (long)positions[r] + 1;
-#pragma omp parallel
-    {
-        /* attention's input: norm, quantize, q|k|v */
+    const long wide = (heads + 2 * kv) * hd, group = heads / kv, A = heads * hd;
+    float *xn = s->xn, *qkv = s->qkv, *gu = s->gu, *act = s->act, *ad = s->ad, *as = s->as;
+    int8_t *aq = s->aq;
+    /* attention's input: norm, quantize, q|k|v */
 #pragma omp for schedule(static)
-        for (long r = 0; r < n; r++) {
-            rms_norm(h + r * H, L->norm1, H, L->eps1, xn + r * H);
-            dfq_quantize_row(xn + r * H, H, aq + r * H, ad + r * (H / QK), as + r * (H / QK));
-        }
-        dfq_matmul_rows(&L->qkv, aq, ad, as, n, qkv, wide, 0);
-        /* per head: q/k norms, rope (q scaled), k and v into the cache */
+    for (long r = 0; r < n; r++) {
+        rms_norm(h + r * H, L->norm1, H, L->eps1, xn + r * H);
+        dfq_quantize_row(xn + r * H, H, aq + r * H, ad + r * (H / QK), as + r * (H / QK));
+    }
+    dfq_matmul_rows(&L->qkv, aq, ad, as, n, qkv, wide, 0);
+    /* per head: q/k norms, rope (q scaled), k and v into the cache */
 #pragma omp for schedule(static)
-        for (long task = 0; task < n * (heads + kv); task++) {
-            const long r = task / (heads + kv), j = task % (heads + kv);
-            float *x = qkv + r * wide + j * hd;
-            const float *c = cos + r * hd, *s = signed_sin + r * hd;
-            if (j < heads) {
-                if (L->q_norm) rms_norm(x, L->q_norm, hd, L->qk_eps, x);
-                rope(x, c, s, hd, L->scale);
-            } else {
-                const long g = j - heads;
-                if (L->k_norm) rms_norm(x, L->k_norm, hd, L->qk_eps, x);
-                rope(x, c, s, hd, 1.0f);
-                cache_write(keys, g * capacity + positions[r], x, hd, half);
-                cache_write(values, g * capacity + positions[r], qkv + r * wide + (heads + kv + g) * hd, hd, half);
-            }
-        }
-        /* attention into xn (n, heads * hd), then quantized for o */
-        attend_runs(qkv, wide, n, group, kv, hd, keys, values, capacity, 0, counts, xn, heads * hd, half);
-        const long A = heads * hd;
-#pragma omp for schedule(static)
-        for (long r = 0; r < n; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
-        dfq_matmul_rows(&L->o, aq, ad, as, n, h, H, 1);
-        /* the MLP */
-#pragma omp for schedule(static)
-        for (long r = 0; r < n; r++) {
-            rms_norm(h + r * H, L->norm2, H, L->eps2, xn + r * H);
-            dfq_quantize_row(xn + r * H, H, aq + r * H, ad + r * (H / QK), as + r * (H / QK));
-        }
-        dfq_matmul_rows(&L->gate_up, aq, ad, as, n, gu, 2 * I, 0);
-#pragma omp for schedule(static)
-        for (long r = 0; r < n; r++) {
-            silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, I, act + r * I);
-            dfq_quantize_row(act + r * I, I, aq + r * I, ad + r * (I / QK), as + r * (I / QK));
-        }
-        dfq_matmul_rows(&L->down, aq, ad, as, n, h, H, 1);
-        if (tap) {
-            const long width = 8 * DFQ_GROUPS_PER_STEP, steps = (H + width - 1) / width;
-#pragma omp for schedule(static) /* as dfq_matmul_rows shares out the columns: each thread copies its own */
-            for (long step = 0; step < steps; step++) {
-                const long lo = step * width, hi = lo + width < H ? lo + width : H;
-                for (long r = 0; r < n; r++) memcpy(tap + r * tap_stride + lo, h + r * H + lo, sizeof(float) * (size_t)(hi - lo));
-            }
+    for (long task = 0; task < n * (heads + kv); task++) {
+        const long r = task / (heads + kv), j = task % (heads + kv);
+        float *x = qkv + r * wide + j * hd;
+        const float *c = cos + r * hd, *sn = signed_sin + r * hd;
+        if (j < heads) {
+            if (L->q_norm) rms_norm(x, L->q_norm, hd, L->qk_eps, x);
+            rope(x, c, sn, hd, L->scale);
+        } else {
+            const long g = j - heads;
+            if (L->k_norm) rms_norm(x, L->k_norm, hd, L->qk_eps, x);
+            rope(x, c, sn, hd, 1.0f);
+            cache_write(keys, g * capacity + positions[r], x, hd, half);
+            cache_write(values, g * capacity + positions[r], qkv + r * wide + (heads + kv + g) * hd, hd, half);
         }
     }
-    free(counts);
-    free(xn);
-    free(qkv);
-    free(gu);
-    free(act);
-    free(aq);
-    free(ad);
-    free(as);
+    /* attention into xn (n, heads * hd), then quantized for o */
+    attend_runs(qkv, wide, n, group, kv, hd, keys, values, capacity, 0, s->counts, xn, A, half);
+#pragma omp for schedule(static)
+    for (long r = 0; r < n; r++) dfq_quantize_row(xn + r * A, A, aq + r * A, ad + r * (A / QK), as + r * (A / QK));
+    dfq_matmul_rows(&L->o, aq, ad, as, n, h, H, 1);
+    /* the MLP */
+#pragma omp for schedule(static)
+    for (long r = 0; r < n; r++) {
+        rms_norm(h + r * H, L->norm2, H, L->eps2, xn + r * H);
+        dfq_quantize_row(xn + r * H, H, aq + r * H, ad + r * (H / QK), as + r * (H / QK));
+    }
+    dfq_matmul_rows(&L->gate_up, aq, ad, as, n, gu, 2 * I, 0);
+#pragma omp for schedule(static)
+    for (long r = 0; r < n; r++) {
+        silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, I, act + r * I);
+        dfq_quantize_row(act + r * I, I, aq + r * I, ad + r * (I / QK), as + r * (I / QK));
+    }
+    dfq_matmul_rows(&L->down, aq, ad, as, n, h, H, 1);
+    if (tap) {
+        const long width = 8 * DFQ_GROUPS_PER_STEP, steps = (H + width - 1) / width;
+#pragma omp for schedule(static) /* as dfq_matmul_rows shares out the columns: each thread copies its own */
+        for (long step = 0; step < steps; step++) {
+            const long lo = step * width, hi = lo + width < H ? lo + width : H;
+            for (long r = 0; r < n; r++) memcpy(tap + r * tap_stride + lo, h + r * H + lo, sizeof(float) * (size_t)(hi - lo));
+        }
+    }
+}
+
+/* Runs `count` layers one after the other on h (n, hidden), in place, for tokens at `positions` (n), in one
+ * parallel region: one call and one set of buffers for the whole stack (per-layer calls cost a Python call, a
+ * ctypes call and a fork and join each, ~6% of a decode). cos and signed_sin: (n, hd) rotary tables, the same
+ * for every layer; keys[i]/values[i]: layer i's (kv, capacity, hd) cache buffers whose row r holds position r,
+ * fp32, or fp16 where `half` (half the bytes for attention to read at long context); taps[i] (taps NULL, or
+ * taps[i] NULL: none): layer i's output rows are also copied to taps[i] + r * tap_stride (the drafter's tapped
+ * states), by the threads that wrote their columns, inside the call. Returns 0 when its buffers could not be
+ * allocated (h untouched), else 1. */
+int dfq_stack_forward(const struct dfq_layer *const *layers, long count, float *h, long n, const int64_t *positions,
+                      const float *cos, const float *signed_sin, void *const *keys, void *const *values,
+                      long capacity, float *const *taps, long tap_stride, int half) {
+    struct layer_scratch s;
+    if (!scratch_alloc(&s, layers, count, n, positions)) return 0;
+#pragma omp parallel
+    for (long i = 0; i < count; i++)
+        layer_body(layers[i], &s, h, n, positions, cos, signed_sin, keys[i], values[i], capacity,
+                   taps ? taps[i] : NULL, tap_stride, half);
+    scratch_free(&s);
+    return 1;
 }
 
 /* One DFlash drafter layer (full attention, bidirectional inside the block) on the block's rows h (B,
