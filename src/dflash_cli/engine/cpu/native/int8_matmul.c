@@ -336,13 +336,21 @@ static inline void step_rows(const struct dfq_linear *w, long step, const int8_t
 
 /* Calls of at least guided_min_rows rows share out their steps guided (each thread takes a share of what is
  * left, smaller as it goes), fewer rows statically (a contiguous half each of two threads). A call of several
- * rows is compute-bound, and under a static split every such call waited for the slower thread: a VM's vCPUs
- * ran the same work 5-10% apart, and a verify of 8 spent 8% of the worker's time at the barriers. A 1-row call
- * reads its weights from memory, where one stream per thread (and the prefetch of the next group, read by the
- * same thread) is what keeps it fast. DFLASH_GUIDED_MIN_ROWS or dfq_set_guided_min_rows changes it (0: never
- * guided). Which thread computes a column changes nothing in it: every variant's bits are the same. */
+ * rows is compute-bound, and under a static split each one waits at its barrier for the slower thread: with a
+ * core 30% taken by another process, 2 Zen 3 cores ran a verify of 3-8 rows 7-10% faster guided and a draft 11%,
+ * and DFlash generation 3-6% faster in all six sets of two runs (idle: the same within noise; one core fully
+ * taken and 2 threads forced: a verify of 8 in 0.58x the time). A call of few rows reads its weights from
+ * memory, where one stream per thread (and the prefetch of the next group, read by the same thread) is what
+ * keeps it fast: guided, a decode ran 3% slower idle and 8% under that load. AVX2 is compute-bound from 2 rows;
+ * the VNNI builds take guided from 5, where the AVX-512 build's calls stop being memory-bound (pair_min_rows;
+ * not measured on them). DFLASH_GUIDED_MIN_ROWS or dfq_set_guided_min_rows changes it (0: never guided). Which
+ * thread computes a column changes nothing in it: every variant's bits are the same. */
 #ifndef DFQ_GUIDED_MIN_ROWS
+#ifdef DFQ_VNNI
+#define DFQ_GUIDED_MIN_ROWS 5
+#else
 #define DFQ_GUIDED_MIN_ROWS 2
+#endif
 #endif
 static int guided_min_rows = DFQ_GUIDED_MIN_ROWS;
 int dfq_guided_min_rows(void) { return guided_min_rows; }
