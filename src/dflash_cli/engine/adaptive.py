@@ -88,6 +88,10 @@ MAX_PROBE_GAP = 8  # re-probes back off up to this many times probe_every
 PROBE_SHARE = 0.02  # and come no oftener than keeps what they cost beyond plain rounds to this share of the time
 # ... this share for a drafter not worth drafting lately whose own confidence in its warm-up said no block pays
 DOUBTED_PROBE_SHARE = 0.005
+# while the rates keep drafting paused, they are worked out again only this often (or when the length moves to
+# another bucket, or a round drafts): between, only the plain round's cost moves, a little each round, and
+# pricing every block size each round cost 20-70 us of a 4-5 ms decode of the demo (1-1.5%)
+PAUSED_RECHECK_ROUNDS = 8
 WORTH_DECAY = 0.99  # per round: the rounds the rates chose to draft, counted over the last few hundred
 PRIOR_ROUNDS = 4.0  # the weight, in rounds, a new request gives the previous requests' acceptance
 WARMUP_MAX_COST = 4.0  # a full block dearer than this many plain rounds ends the warm-up after one
@@ -237,6 +241,7 @@ class BlockSizeController:
         self._probe_wait: int | None = None  # a paused drafter's affordable re-probe gap, worked out once a pause
         self.pause_reason = ""  # why the latest pause: the measured costs against the measured acceptance
         self._drawn: tuple[tuple[int, int], tuple[list[tuple[int, float]], list[tuple[int, float]]]] | None = None
+        self._paused_at: tuple[int, int] | None = None  # (bucket, plain streak) where the rates last chose to pause
 
     def _start_from(self, shared: RoundCosts) -> None:
         """Takes the earlier requests' acceptance as a prior worth PRIOR_ROUNDS rounds."""
@@ -337,6 +342,8 @@ class BlockSizeController:
         if length is not None:
             self.at(length)
         self._rate, self._worth_drafting = None, False
+        if self.rounds >= self.warmup and self._pause_holds() and not self._probe_due():
+            return self.choice  # still paused: nothing but the plain round's cost moved (PAUSED_RECHECK_ROUNDS)
         drafted_here = any(n > 1 and self.measured_here(n) for n in range(2, self.max_block + 1))
         if self.rounds < self.warmup and self._warmup_settled():
             self.warmup = self.rounds  # one block told enough: more would cost several decodes each
@@ -353,7 +360,7 @@ class BlockSizeController:
         elif (self.injected_cost is None and self.choice > 1 and self._since_plain >= self.probe_every
               and self.shared.samples.get(self.bucket, {}).get(1, 0) < FIRST_SAMPLES):
             self.choice = 1  # and again now and then while drafting: one round may have carried a one-time cost
-        elif self.choice == 1 and self._plain_streak >= self._probe_gap and self._plain_streak >= self._wait():
+        elif self._probe_due():
             # re-probe a paused drafter with the cheapest drafted round, one draft: whether the first position
             # is accepted again says whether drafting may pay (a full block's verify, 2.5 decodes on a CPU,
             # is mostly lost where the drafter still fails); the rates then choose the block as usual
@@ -374,7 +381,23 @@ class BlockSizeController:
                 self._probe_gap = self.probe_every
             elif before > 1 and length is not None:  # drafting pauses (or a probe did not end the pause): why
                 self.pause_reason = self._why_paused(length)
+            self._paused_at = (self.bucket, self._plain_streak) if self.choice == 1 else None
+        if self.choice > 1:
+            self._paused_at = None
         return self.choice
+
+    def _probe_due(self) -> bool:
+        """Whether a paused drafter has waited long enough for its next re-probe."""
+        return self.choice == 1 and self._plain_streak >= self._probe_gap and self._plain_streak >= self._wait()
+
+    def _pause_holds(self) -> bool:
+        """Whether the rates chose to pause fewer than PAUSED_RECHECK_ROUNDS plain rounds ago, at this length's
+        bucket, with no drafted round since (measured costs only: injected ones are asked every round). Then
+        none of the choices before the rates' applies but a re-probe: in the same bucket the rates ran only
+        once drafting and plain rounds were measured there, and those measurements stay."""
+        at = self._paused_at
+        return (at is not None and self.choice == 1 and self.injected_cost is None and at[0] == self.bucket
+                and 0 <= self._plain_streak - at[1] < PAUSED_RECHECK_ROUNDS)
 
     def drafts_worth_verifying(self, confidence: Sequence[float]) -> int:
         """How many of this round's drafts to verify, from each one's probability under the drafter (a trained

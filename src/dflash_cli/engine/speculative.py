@@ -111,6 +111,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
     defer_head = greedy and target.defers_head
     mean_accepted = 1.0  # drafts accepted per verify, recent rounds weighted most: sizes the head's first piece
     head_costs = target.head_costs() if defer_head else None
+    no_drafts = state.anchor.new_empty(0) if state.anchor is not None else None  # a plain round's (made once)
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
         state.check_caches()
@@ -135,7 +136,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
                                    **asked)  # (n-1,)
             state.pending = None  # now in the draft cache
         else:
-            drafts = anchor.new_empty(0)
+            drafts = no_drafts if no_drafts is not None else anchor.new_empty(0)
         if controller is not None and len(confidence) == n - 1 > 1:
             n = 1 + controller.drafts_worth_verifying(confidence)
             drafts = drafts[: n - 1]
@@ -163,7 +164,10 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
 
         a = host[-1]
         assert hidden is not None  # asked for with taps=True
-        state.commit(host[: a + 1], hidden[:, : a + 1], anchor=choice[a : a + 1])
+        if n == 1:  # (no views to take: a paused drafter's round costs what a plain step does)
+            state.commit(host[:1], hidden, anchor=choice)
+        else:
+            state.commit(host[: a + 1], hidden[:, : a + 1], anchor=choice[a : a + 1])
         sample.advance(host[: a + 1])
         round_ = Round(host[: a + 1], n - 1, a, draft_watch.seconds, verify_watch.seconds,
                        time.perf_counter() - t0)
