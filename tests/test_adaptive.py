@@ -461,3 +461,40 @@ def test_a_drafter_that_does_not_pay_stays_paused_though_some_rounds_run_slow():
             chosen.append(n)
         drafted.append(sum(n > 1 for n in chosen[100:]))
     assert sorted(drafted)[2] < 40, drafted
+
+
+def test_a_paused_drafters_rates_are_priced_every_few_rounds_and_a_dearer_plain_round_is_still_followed(
+        monkeypatch):
+    """While drafting stays paused only the plain round's cost moves, so the rates (every block size priced,
+    20-70 us of a 4-5 ms decode) are worked out again every PAUSED_RECHECK_ROUNDS plain rounds, not every
+    round. When plain decoding turns dearer for good (here 1.0 -> 1.6 s, drafting's rounds unchanged), drafting
+    resumes at most that many rounds later than when the rates ran every round."""
+    from dflash_cli.engine import adaptive
+
+    def rounds_until_drafting(recheck: int) -> tuple[int, int]:
+        monkeypatch.setattr(adaptive, "PAUSED_RECHECK_ROUNDS", recheck)
+        controller, rng = BlockSizeController(8), random.Random(7)
+        priced = []
+        real_rates = controller.rates
+        monkeypatch.setattr(controller, "rates", lambda *a: priced.append(len(priced)) or real_rates(*a))
+        chosen: list[int] = []
+        for i in range(400):
+            plain = 1.0 if i < 200 else 1.6
+            n = controller.choose()
+            accepted = 0
+            while accepted < n - 1 and rng.random() < 0.6:
+                accepted += 1
+            controller.observe(n, accepted, plain if n == 1 else 1.5 + 0.3 * (n - 1), 0.5 if n > 1 else None)
+            chosen.append(n)
+            if i == 199:
+                assert chosen[100:].count(1) > 90, chosen[100:]  # paused (re-probes aside)
+                priced_while_paused = len(priced)
+        # the first run of two drafted rounds after the change: drafting resumed (a re-probe is one round)
+        resumed = next(i for i in range(200, 399) if chosen[i] > 1 and chosen[i + 1] > 1)
+        return resumed, priced_while_paused
+
+    recheck = adaptive.PAUSED_RECHECK_ROUNDS
+    every_round, priced_every = rounds_until_drafting(1)
+    every_few, priced_few = rounds_until_drafting(recheck)
+    assert every_round <= every_few <= min(every_round, 200) + 2 * recheck, (every_round, every_few)
+    assert priced_few * 3 < priced_every, (priced_few, priced_every)

@@ -12,8 +12,10 @@ pausing on the draft of a full block the controller times a block of 2 once. Whe
 decoding, drafting pauses and is re-probed now and then with one draft (each probe that fails doubling the
 wait, up to 8 times, and none oftener than keeps what probes cost beyond plain rounds to 2% of the time, 0.5%
 for a drafter not worth drafting for a few hundred rounds whose confidence in its warm-up drafts said no block
-pays), so a drafter that starts to pay again (code after prose, say) is noticed. Output stays lossless whatever
-is chosen: the block size only changes how many tokens each verify step can commit.
+pays), so a drafter that starts to pay again (code after prose, say) is noticed. Between probes a paused
+drafter's round costs what a plain step does: the rates are priced again only every PAUSED_RECHECK_ROUNDS plain
+rounds. Output stays lossless whatever is chosen: the block size only changes how many tokens each verify step
+can commit.
 
 A fresh controller warms up with up to three full blocks, a plain round timed after the first. On a CPU, a
 drafter of blocks of 16 or more (`first_row_price`) has even its first block verified only as far as its drafts
