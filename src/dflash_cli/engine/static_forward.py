@@ -138,7 +138,8 @@ class StaticForward(nn.Module):
     def _use_c_kernels(self, native_attention: bool, projections: nn.ModuleList) -> None:
         """q4a8/q8a8 (fp32 activations): short calls attend through the project's C kernel instead, row-exact
         in fp32 where torch's matmuls are not (engine/cpu/native.py; head dims in multiples of 8); Llama-style
-        layers run each as one C call (engine/cpu/c_layers.py) when every layer can, outside a device map."""
+        layers run as one C call for the whole stack (engine/cpu/c_layers.py) when every layer can, outside a
+        device map."""
         built = native.library() if native_attention else None
         self.native = built.lib if built is not None and all(hd % 8 == 0 for _, hd in self.shapes) else None
         self.fused: LayerStack | None = None

@@ -1,6 +1,7 @@
 /* Llama-style decoder layers (Llama, Qwen2, Qwen3, Mistral) in fp32 with q4a8/q8a8 linears, a whole stack of
- * them in one call (a drafter's layer in one call of its own): RMSNorm, q|k|v, per-head q/k norms (Qwen3), rotary embedding, K/V written to the cache, causal attention,
- * o, residual, RMSNorm, gate|up, SiLU times up, down, residual. In eager PyTorch the ~25 small ops around the
+ * them in one call (a drafter's layer in one call of its own): RMSNorm, q|k|v, per-head q/k norms (Qwen3),
+ * rotary embedding, K/V written to the cache, causal attention, o, residual, RMSNorm, gate|up, SiLU times up,
+ * down, residual. In eager PyTorch the ~25 small ops around the
  * linears cost more than the linears themselves on a 2-core CPU (benchmarks/README.md); here they are
  * passes over a few kilobytes between the matmuls, inside one parallel region for all the layers.
  *
@@ -197,7 +198,7 @@ static void layer_body(const struct dfq_layer *L, const struct layer_scratch *s,
     dfq_matmul_rows(&L->down, aq, ad, as, n, h, H, 1);
     if (tap) {
         const long width = 8 * DFQ_GROUPS_PER_STEP, steps = (H + width - 1) / width;
-#pragma omp for schedule(static) /* as dfq_matmul_rows shares out the columns: each thread copies its own */
+#pragma omp for schedule(static) /* a decode's down shares its columns out so too: each thread copies its own */
         for (long step = 0; step < steps; step++) {
             const long lo = step * width, hi = lo + width < H ? lo + width : H;
             for (long r = 0; r < n; r++) memcpy(tap + r * tap_stride + lo, h + r * H + lo, sizeof(float) * (size_t)(hi - lo));
