@@ -111,7 +111,7 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
     defer_head = greedy and target.defers_head
     mean_accepted = 1.0  # drafts accepted per verify, recent rounds weighted most: sizes the head's first piece
     head_costs = target.head_costs() if defer_head else None
-    no_drafts = state.anchor.new_empty(0) if state.anchor is not None else None  # a plain round's (made once)
+    no_drafts: torch.Tensor | None = None  # a plain round's drafts, made once
     while len(state.tokens) < limit:
         t0 = time.perf_counter()
         state.check_caches()
@@ -136,7 +136,9 @@ def speculative_rounds(state: DecodeState, drafter: Drafter, sample: Sampler, *,
                                    **asked)  # (n-1,)
             state.pending = None  # now in the draft cache
         else:
-            drafts = no_drafts if no_drafts is not None else anchor.new_empty(0)
+            if no_drafts is None:
+                no_drafts = anchor.new_empty(0)
+            drafts = no_drafts
         if controller is not None and len(confidence) == n - 1 > 1:
             n = 1 + controller.drafts_worth_verifying(confidence)
             drafts = drafts[: n - 1]
