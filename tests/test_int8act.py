@@ -17,6 +17,7 @@ from dflash_cli.engine.cpu.c_layers import fuse_drafter
 from dflash_cli.engine.cpu.int8act import (
     Q4A8Linear,
     Q8A8Linear,
+    ShortlistHead,
     quantize_act_rows,
     quantize_drafter,
 )
@@ -175,6 +176,24 @@ def test_attention_in_c_is_softmax_attention_with_exact_rows(hd):
             assert torch.equal(alone[0, 0], got[0, t])
 
 
+@pytest.mark.parametrize("out, top", [(300, 16), (5, 16), (29, 3)])  # padded groups; fewer rows than the shortlist
+def test_a_shortlist_head_scores_each_rows_best_again_with_the_8_bit_codes(out, top):
+    """A draft head's 4-bit copy scores every row; its `top` best per row carry the 8-bit head's own bits, the
+    others the copy's, and the greedy draft is the 8-bit head's."""
+    torch.manual_seed(0)
+    exact = Q8A8Linear(torch.randn(out, 96), [out], torch.randn(out))
+    head = ShortlistHead(exact, top=top)
+    x = torch.randn(7, 96)
+    got, want, quick = head(x), exact(x), head.quick(x)
+    assert got.shape == want.shape == (7, out)
+    shortlist = quick.topk(min(top, out), dim=-1).indices
+    again = torch.zeros_like(got, dtype=torch.bool).scatter_(1, shortlist, True)
+    assert torch.equal(got[again], want[again])
+    assert torch.equal(got[~again], quick[~again])
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert torch.equal(head(x[2:3])[0], got[2])  # a row alone as among others
+
+
 def a8_pair(pairs, family, kind, draft_kind="q8a8"):
     pair = load_pair(*pairs[family], device="cpu", quant=kind)
     assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
@@ -282,6 +301,9 @@ def test_an_untied_head_is_freed_and_a_draft_vocabulary_takes_its_rows_from_the_
     rows = dense_head[vocab_ids]  # and those are the dense rows, to within two roundings to 8-bit codes
     assert (from_codes.dequantize() - rows).abs().max() <= 2 * rows.abs().max() / 127
     assert pair.drafter.draft_head(head) is from_codes  # made once
+    greedy = pair.drafter.greedy_head(from_codes)  # greedy drafts score the copy first, then its shortlist
+    assert isinstance(greedy, ShortlistHead) and greedy.exact is from_codes
+    assert pair.drafter.greedy_head(from_codes) is greedy
     assert_speculative_equals_plain(pair, random_prompts, (4, 8), max_new_tokens=20)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_cli.engine.cpu.int8act import shortlist_head
 from dflash_cli.engine.cpu.packed import PackedLinear, dense_rows, dense_weight, embedding_rows
 from dflash_cli.engine.cpu.weightonly import quantize_linears
 from dflash_cli.engine.hf_config import DrafterConfig
@@ -265,6 +266,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None)
         self._draft_head: tuple[Any, torch.Tensor, tuple, nn.Module] | None = None  # see draft_head()
+        self._shortlist: tuple[Any, nn.Module | None] | None = None  # see greedy_head()
         self._ids_buffers: dict[tuple, torch.Tensor] = {}  # see _block_ids()
         self.head_quant: str | None = None  # "q8a8": the draft head's rows 8-bit (engine/cpu/int8act.py)
         # engine/fused.fuse_drafter: (the C library, each layer's struct) when every layer runs in one C call
@@ -407,6 +409,8 @@ class DFlashDrafter(nn.Module):
             return self._greedy(logits, confidence) if sampled is None else sampled(logits, start + 1)
         h = self.draft_hidden(context, anchor, start, block_len, cache, embed_weight, keep)
         head = self.draft_head(lm_head)
+        if sampled is None:
+            head = self.greedy_head(head)
         logits = self.postprocess_logits(head(h.to(lm_head_dtype(head) or h.dtype))).float()  # (keep, V')
         if sampled is None:  # the vocabulary is sorted: the same first maximum as over `full`
             return self.draft_vocab[self._greedy(logits, confidence)]
@@ -451,6 +455,15 @@ class DFlashDrafter(nn.Module):
                       quantized or PackedLinear.pack(sub) or sub)
             self._draft_head = cached
         return cached[3]
+
+    def greedy_head(self, head: nn.Module) -> nn.Module:
+        """The head greedy drafts run: over an 8-bit draft head on the CPU kernels, a ShortlistHead (a 4-bit copy
+        scores every row, the 8-bit codes each row's best few again: engine/cpu/int8act.py), made once per head;
+        else the head itself. Sampled drafts keep the head's own logits."""
+        cached = self._shortlist
+        if cached is None or cached[0]() is not head:
+            self._shortlist = cached = (weakref.ref(head), shortlist_head(head))
+        return cached[1] or head
 
     def draft_logits(self, context, anchor, start, block_len, cache, embed_weight, lm_head,
                      keep: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -439,3 +439,76 @@ long dfq_q8_rows(const int8_t *codes, const uint16_t *d, long k, long rows, cons
     }
     return 0;
 }
+
+/* The indices of the `top` largest of x[0..n) into best (largest first; NaNs never), top <= SHORTLIST_MAX:
+ * eight at a time against the smallest kept, which most never pass. Returns how many it found (n < top). */
+#define SHORTLIST_MAX 64
+static long top_indices(const float *x, long n, long top, long *best) {
+    float value[SHORTLIST_MAX];
+    long found = 0;
+    float floor = -INFINITY;  /* the smallest value kept once `top` are */
+    for (long i = 0; i < n; i += 8) {
+        int mask;
+        if (i + 8 <= n) {
+            mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(floor), _CMP_GT_OQ));
+            if (found < top) mask = 0xff;
+        } else {
+            mask = (1 << (n - i)) - 1;
+        }
+        for (; mask; mask &= mask - 1) {
+            const long j = i + __builtin_ctz(mask);
+            const float v = x[j];
+            if (!(v > floor) && found == top) continue;
+            if (v != v) continue;
+            long at = found < top ? found++ : top - 1;  /* the slot it takes, then moved up past smaller ones */
+            while (at > 0 && value[at - 1] < v) {
+                value[at] = value[at - 1];
+                best[at] = best[at - 1];
+                at--;
+            }
+            value[at] = v;
+            best[at] = j;
+            if (found == top) floor = value[top - 1];
+        }
+    }
+    return found;
+}
+
+/* A shortlist head's second pass: for each of `rows` rows of x (k floats), its logits (row r at logits + r * ld,
+ * n of them) came from a cheaper weight (a q4 copy); the `top` largest are computed again from the q8 weight
+ * (int8_matmul.c's layout; bias or NULL) and written over them, each by the same operations as dfq_q8_matmul's
+ * output (integer block sums, then one fused multiply-add per block in block order, then the bias): the same
+ * bits. Where the q8 weight's own largest logit is among the cheap weight's `top` largest (the demo drafter's
+ * draft head: 100% of 2,149 rows for the top 16 of a q4 copy, against 75% for its largest alone), the row's
+ * largest is the q8 head's, at the q8 head's value. top <= 64. */
+void dfq_shortlist_rows(const float *x, long rows, long k, const int8_t *codes, const uint16_t *d, const float *bias,
+                        long n, float *logits, long ld, long top) {
+    const long nb = k / QK;
+    top = top < SHORTLIST_MAX ? top : SHORTLIST_MAX;
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (long r = 0; r < rows; r++) {
+        int8_t *aq = malloc((size_t)k);
+        float *ad = malloc(sizeof(float) * (size_t)(2 * nb));
+        long best[SHORTLIST_MAX];
+        if (aq && ad) {
+            dfq_quantize_row(x + r * k, k, aq, ad, ad + nb);
+            float *row = logits + r * ld;
+            const long found = top_indices(row, n, top, best);
+            for (long c = 0; c < found; c++) {
+                const long col = best[c], group = col / 8, lane = col % 8;
+                float acc = 0.0f;
+                for (long b = 0; b < nb; b++) {
+                    const int8_t *w = codes + (group * nb + b) * 256 + 4 * lane;
+                    const int8_t *a = aq + b * QK;
+                    int32_t sum = 0;
+                    for (int t = 0; t < 8; t++)
+                        for (int i = 0; i < 4; i++) sum += (int32_t)w[32 * t + i] * (int32_t)a[4 * t + i];
+                    acc = fmaf((float)sum, _cvtsh_ss(d[(group * nb + b) * 8 + lane]) * ad[b], acc);
+                }
+                row[col] = bias ? acc + bias[col] : acc;
+            }
+        }
+        free(aq);
+        free(ad);
+    }
+}
