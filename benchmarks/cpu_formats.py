@@ -98,32 +98,39 @@ def llama_cpp_rows(prompts, new_tokens: int, threads: int) -> tuple[list[float],
 CONTEXT = 200  # tokens cached before the timed calls
 
 
-def unit_costs(runtime, repeats: int = 30) -> dict:
-    """A 1-row decode, a verify of 8 rows (taps) and the drafter's draft of a full block (keeping B - 1, right
-    after the verify, as generation meets it) at CONTEXT tokens, called in turn `repeats` times. This VM's speed
-    moved by 10-40% between runs of one kind of call timed apart (a decode read 4.1 and 5.3 ms in two rows of one
-    run), so each ratio is the median of the turns' own ratios to their decode."""
+def unit_calls(runtime, context: int = CONTEXT) -> dict:
+    """{name: call} of a 1-row decode, a verify of 8 rows (taps) and, with a drafter, its draft of a full block
+    (keeping B - 1, right after the verify, as generation meets it) at `context` tokens cached: each call leaves
+    the caches as it found them."""
     target, drafter = runtime.target, runtime.drafter
-    ids = torch.randint(100, 2000, (1, CONTEXT + 8))
+    ids = torch.randint(100, 2000, (1, context + 8))
     cache = target.new_cache()
-    _, hidden = target.forward(ids[:, :CONTEXT], cache, 0, last_logit_only=True, taps=True)
+    _, hidden = target.forward(ids[:, :context], cache, 0, last_logit_only=True, taps=True)
 
     def forward(n: int) -> None:
-        target.forward(ids[:, CONTEXT:CONTEXT + n], cache, CONTEXT, taps=n > 1)
-        cache.crop(CONTEXT)
+        target.forward(ids[:, context:context + n], cache, context, taps=n > 1)
+        cache.crop(context)
 
     calls = {"decode": lambda: forward(1), "verify": lambda: forward(8)}
     if drafter is not None:
         p, block = 4, drafter.block_size  # each draft commits the last p context rows, then rolls them back
-        dcache, anchor = drafter.new_cache(CONTEXT + 2 * block), ids[0, CONTEXT:CONTEXT + 1]
-        drafter.draft(hidden[:, :CONTEXT - p], anchor, CONTEXT - p, 2, dcache, target.embed_table, target.logits_head)
+        dcache, anchor = drafter.new_cache(context + 2 * block), ids[0, context:context + 1]
+        drafter.draft(hidden[:, :context - p], anchor, context - p, 2, dcache, target.embed_table, target.logits_head)
 
         def draft() -> None:
-            drafter.draft(hidden[:, CONTEXT - p:], anchor, CONTEXT, block, dcache, target.embed_table,
+            drafter.draft(hidden[:, context - p:], anchor, context, block, dcache, target.embed_table,
                           target.logits_head, keep=block - 1)
-            dcache.crop(CONTEXT - p)
+            dcache.crop(context - p)
 
         calls["draft"] = draft
+    return calls
+
+
+def unit_costs(runtime, repeats: int = 30) -> dict:
+    """unit_calls at CONTEXT tokens, called in turn `repeats` times. This VM's speed moved by 10-40% between runs
+    of one kind of call timed apart (a decode read 4.1 and 5.3 ms in two rows of one run), so each ratio is the
+    median of the turns' own ratios to their decode."""
+    calls = unit_calls(runtime)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for turn in range(repeats + 3):  # the first three untimed
         for name, call in calls.items():

@@ -8,9 +8,9 @@ on one 2-core VM; alternating inside one process keeps such comparisons to a few
     .venv/bin/python benchmarks/kernels_ab.py /tmp/base units --position 2000 --rounds 10 --reverse
     .venv/bin/python benchmarks/kernels_ab.py /tmp/base generate --block-size 8   # plain and DFlash tok/s
 
-`units`: one forward of the target at --position (a 1-token decode and an 8-token verify, best of 20 calls
-each), per round, both builds in turn (the order swaps every round); prints the ratios new/baseline per round
-and their medians. `generate`: 8 prompts per set, each decoded plainly and speculatively by both builds in
+`units`: at --position, a 1-token decode, an 8-token verify and the drafter's draft of a block (cpu_formats.py's
+unit_calls; best of 20 calls each), per round, both builds in turn (the order swaps every round); prints the
+ratios new/baseline per round and their medians. `generate`: 8 prompts per set, each decoded plainly and speculatively by both builds in
 turn, tok/s per set and whether all four outputs agree. Only the C sources differ: the Python code is this
 tree's for both, so the baseline must have this tree's kernel ABI (`dfq_abi_version`; a function whose
 arguments changed bumps it); a baseline library that lacks a newer kernel (e.g. the drafter's C norm) gets
@@ -31,7 +31,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_formats import prompts_for  # noqa: E402
+from cpu_formats import prompts_for, unit_calls  # noqa: E402
 
 
 def base_abi(sources: Path) -> int | None:
@@ -69,33 +69,28 @@ def load_both(base: Path, reverse: bool) -> dict:
 
 
 def units(runtimes: dict, position: int, rounds: int) -> None:
-    def forward_ms(target, n: int, cache) -> float:
-        x = torch.randint(100, 2000, (1, n))
-        best = float("inf")
-        for _ in range(20):
-            start = time.perf_counter()
-            target.forward(x, cache, position, taps=n > 1)
-            best = min(best, time.perf_counter() - start)
-            cache.crop(position)
-        return best * 1000
-
-    caches = {}
-    for name, rt in runtimes.items():
-        caches[name] = rt.target.new_cache()
-        rt.target.forward(torch.randint(100, 2000, (1, position)), caches[name], 0, last_logit_only=True)
-    got: dict[str, list[tuple[float, float]]] = {name: [] for name in runtimes}
+    calls = {name: unit_calls(rt, position) for name, rt in runtimes.items()}
+    kinds = list(calls["new"])
+    got: dict[str, dict[str, list[float]]] = {name: {kind: [] for kind in kinds} for name in runtimes}
     for r in range(rounds):
         for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
-            target = runtimes[name].target
-            got[name].append((forward_ms(target, 1, caches[name]), forward_ms(target, 8, caches[name])))
-    print(f"one forward of the demo at position {position}, best of 20 calls, {rounds} rounds (ms):")
+            for kind in kinds:  # best of 20 calls
+                best = float("inf")
+                for _ in range(20):
+                    start = time.perf_counter()
+                    calls[name][kind]()
+                    best = min(best, time.perf_counter() - start)
+                got[name][kind].append(best * 1000)
+    print(f"the demo at position {position}: a decode, a verify of 8 and a draft of a block, best of 20 calls, "
+          f"{rounds} rounds (ms):")
     for name, rows in got.items():
-        decode = statistics.median(d for d, _ in rows)
-        verify = statistics.median(v for _, v in rows)
-        print(f"  {name:4s} decode {decode:.2f}  verify 8 {verify:.2f}  ({verify / decode:.2f}x)")
-    for i, what in enumerate(("decode", "verify 8")):
-        ratios = [n[i] / b[i] for b, n in zip(got["base"], got["new"])]
-        print(f"  new/base {what}: median {statistics.median(ratios):.3f}; rounds "
+        decode = statistics.median(rows["decode"])
+        print(f"  {name:4s} " + "  ".join(f"{kind} {statistics.median(rows[kind]):.2f}" for kind in kinds)
+              + "  (" + ", ".join(f"{kind} {statistics.median(rows[kind]) / decode:.2f}x" for kind in kinds[1:])
+              + " a decode)")
+    for kind in kinds:
+        ratios = [n / b for b, n in zip(got["base"][kind], got["new"][kind])]
+        print(f"  new/base {kind}: median {statistics.median(ratios):.3f}; rounds "
               + " ".join(f"{x:.2f}" for x in ratios))
 
 
