@@ -18,6 +18,7 @@ from dflash_cli.engine.cpu.int8act import (
     Q4A8Linear,
     Q8A8Linear,
     ShortlistHead,
+    quantize_q4_1,
     quantize_act_rows,
     quantize_drafter,
 )
@@ -194,6 +195,16 @@ def test_a_shortlist_head_scores_each_rows_best_again_with_the_8_bit_codes(out, 
     assert torch.equal(head(x[2:3])[0], got[2])  # a row alone as among others
 
 
+def test_a_4_bit_copy_of_8_bit_codes_made_in_chunks_is_the_copy_made_at_once():
+    torch.manual_seed(1)
+    exact = Q8A8Linear(torch.randn(45, 64), [45], torch.randn(45))
+    whole = Q4A8Linear(quantize_q4_1(exact.dequantize()), [45], exact.bias[:45])
+    chunked = Q4A8Linear.copy_of(exact, chunk=16)  # 16 + 16 + 13 rows
+    assert (chunked.out_features, chunked.padded) == (45, 48)
+    x = torch.randn(3, 64)
+    assert torch.equal(chunked(x), whole(x))
+
+
 def a8_pair(pairs, family, kind, draft_kind="q8a8"):
     pair = load_pair(*pairs[family], device="cpu", quant=kind)
     assert pair.target.enable_fast_path(400, pad_to=pair.drafter.block_size) is None
@@ -246,6 +257,8 @@ def test_greedy_speculative_equals_greedy_plain_decoding_on_the_c_layers(pairs, 
     pair = a8_pair(pairs, family, kind)
     assert pair.target.fast._module(True, False).fused is not None  # every layer one C call
     assert_speculative_equals_plain(pair, random_prompts, (2, 4, 8), max_new_tokens=30)
+    # the drafter (no draft vocabulary) drafted greedily from the target's head through its shortlist
+    assert isinstance(pair.drafter.greedy_head(pair.target.logits_head), ShortlistHead)
 
 
 def test_the_dense_weights_are_freed_once_quantized_and_a_second_fast_path_refuses(pairs):

@@ -405,7 +405,8 @@ class DFlashDrafter(nn.Module):
         """
         sampled = sampler if sampler is not None and (not sampler.greedy or sampler.constrained) else None
         if self.draft_vocab is None:
-            _, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, lm_head, keep)
+            head = self.greedy_head(lm_head) if sampled is None else lm_head
+            _, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, head, keep)
             return self._greedy(logits, confidence) if sampled is None else sampled(logits, start + 1)
         h = self.draft_hidden(context, anchor, start, block_len, cache, embed_weight, keep)
         head = self.draft_head(lm_head)
@@ -457,9 +458,9 @@ class DFlashDrafter(nn.Module):
         return cached[3]
 
     def greedy_head(self, head: nn.Module) -> nn.Module:
-        """The head greedy drafts run: over an 8-bit draft head on the CPU kernels, a ShortlistHead (a 4-bit copy
-        scores every row, the 8-bit codes each row's best few again: engine/cpu/int8act.py), made once per head;
-        else the head itself. Sampled drafts keep the head's own logits."""
+        """The head greedy drafts run: over an 8-bit head on the CPU kernels (a draft vocabulary's, or the target's
+        own), a ShortlistHead (a 4-bit copy scores every row, the 8-bit codes each row's best few again:
+        engine/cpu/int8act.py), made once per head; else the head itself. Sampled drafts keep the head's logits."""
         cached = self._shortlist
         if cached is None or cached[0]() is not head:
             self._shortlist = cached = (weakref.ref(head), shortlist_head(head))

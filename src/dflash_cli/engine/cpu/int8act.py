@@ -109,6 +109,22 @@ class Q4A8Linear(Int8ActLinear):
         self.d, self.m = (pack_scales(torch.cat([s, s.new_zeros(extra, s.shape[1])])) for s in (d, m))
         self.bias = None if bias is None else torch.cat([bias.float(), bias.new_zeros(extra).float()]).contiguous()
 
+    @classmethod
+    def copy_of(cls, exact: Q8A8Linear, chunk: int = 4096) -> Q4A8Linear:
+        """A 4-bit copy of an 8-bit weight (and its bias), made from its codes `chunk` rows at a time (a multiple of
+        8): a real-size LM head's rows in fp32 at once would take gigabytes. The kernel's layout is one group of 8
+        rows after another, so the chunks' codes and scales simply follow each other."""
+        out = exact.out_features
+        pieces = [cls(quantize_q4_1(exact.dequantize_rows(torch.arange(start, min(start + chunk, out)))),
+                      [min(chunk, out - start)], None) for start in range(0, out, chunk)]
+        made = pieces[0]
+        if len(pieces) > 1:
+            made.codes, made.d, made.m = (torch.cat([getattr(p, name) for p in pieces])
+                                          for name in ("codes", "d", "m"))
+            made.sizes, made.out_features, made.padded = [out], out, round_up8(out)
+        made.bias = exact.bias  # (padded as this copy's columns are)
+        return made
+
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows.shape[0], self.padded)
         self.lib.dfq_q4_matmul(rows.data_ptr(), rows.shape[0], self.in_features, self.codes.data_ptr(),
@@ -161,7 +177,8 @@ SHORTLIST_TOP = 16  # rows of a shortlist head's cheap pass that its 8-bit codes
 
 
 class ShortlistHead(nn.Module):
-    """A draft head of 8-bit codes (`exact`, a Q8A8Linear) that scores every row with a 4-bit copy of them first
+    """An LM head of 8-bit codes (`exact`, a Q8A8Linear: a draft vocabulary's rows, or the target's whole head a
+    drafter without one drafts from) for greedy drafts, that scores every row with a 4-bit copy of them first
     (`quick`: half the bytes, and AVX2 sums 4-bit codes faster), then each row's SHORTLIST_TOP best again with
     the 8-bit codes, by the same operations as the 8-bit kernel (native/int8_matmul.c, dfq_shortlist_rows). The
     other logits are the 4-bit copy's. Its greedy draft is the 8-bit head's wherever that one's best is in the
@@ -172,8 +189,7 @@ class ShortlistHead(nn.Module):
         super().__init__()
         self.exact, self.top = exact, top
         self.out_features = exact.out_features
-        bias = exact.bias[:exact.out_features] if exact.bias is not None else None
-        self.quick = Q4A8Linear(quantize_q4_1(exact.dequantize()), [exact.out_features], bias)
+        self.quick = Q4A8Linear.copy_of(exact)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
