@@ -4,18 +4,19 @@ machine's drift falls on both alike. Separate processes a minute apart moved the
 on one 2-core VM; alternating inside one process keeps such comparisons to a few percent.
 
     git worktree add /tmp/base HEAD~3
-    .venv/bin/python benchmarks/kernels_ab.py /tmp/base units              # decode, verify 8, per round
+    .venv/bin/python benchmarks/kernels_ab.py /tmp/base units              # decode, verify 8, draft, per round
     .venv/bin/python benchmarks/kernels_ab.py /tmp/base units --position 2000 --rounds 10 --reverse
     .venv/bin/python benchmarks/kernels_ab.py /tmp/base generate --block-size 8   # plain and DFlash tok/s
 
 `units`: at --position, a 1-token decode, an 8-token verify and the drafter's draft of a block (cpu_formats.py's
 unit_calls; best of 20 calls each), per round, both builds in turn (the order swaps every round); prints the
-ratios new/baseline per round and their medians. `generate`: 8 prompts per set, each decoded plainly and speculatively by both builds in
-turn, tok/s per set and whether all four outputs agree. Only the C sources differ: the Python code is this
-tree's for both, so the baseline must have this tree's kernel ABI (`dfq_abi_version`; a function whose
-arguments changed bumps it); a baseline library that lacks a newer kernel (e.g. the drafter's C norm) gets
-the Python path that kernel replaced. `--reverse` loads this tree's build first (the first runtime loaded
-may run a little faster: measure both orders).
+ratios new/baseline per round and their medians. `generate`: 8 prompts per set, each decoded plainly and
+speculatively by both builds in turn, tok/s per set and whether all four outputs agree. Only the C sources
+differ: the Python code is this tree's for both, so the baseline must have this tree's kernel ABI
+(`dfq_abi_version`; a function whose arguments changed bumps it); a baseline library that lacks a newer kernel
+(e.g. the drafter's C norm, or the shortlist head's second pass) gets the path that kernel replaced.
+`--reverse` loads this tree's build first (the first runtime loaded may run a little faster: measure both
+orders).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import sys
 import time
 from pathlib import Path
 from unittest import mock
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_formats import prompts_for, unit_calls  # noqa: E402

@@ -18,9 +18,9 @@ from dflash_cli.engine.cpu.int8act import (
     Q4A8Linear,
     Q8A8Linear,
     ShortlistHead,
-    quantize_q4_1,
     quantize_act_rows,
     quantize_drafter,
+    quantize_q4_1,
 )
 from dflash_cli.engine.cpu.layout import pack_q4, pack_q8, unpack_q4, unpack_q8
 from dflash_cli.engine.cpu.weightonly import Q4Codes, quantize_linears
@@ -530,6 +530,29 @@ def test_without_a_compiler_auto_falls_back_and_an_explicit_choice_says_why(tmp_
     finally:
         native.reset_for_tests()
 
+
+
+def test_a_q4a8_runtime_makes_its_drafters_shortlist_at_load_and_says_so(tmp_path):
+    """The 4-bit copy of the head greedy drafts read first is made while the model loads (5 s for a Qwen3-1.7B
+    head), not in the first reply's first draft, where the adaptive controller would time it."""
+    from conftest import save_tiny_pair
+
+    from dflash_cli.engine.generate import generate as run
+    from dflash_cli.runtime.local import load_runtime
+
+    target, drafter = save_tiny_pair(tmp_path)
+    runtime = load_runtime(target, drafter, quant="q4a8", device="cpu")
+    assert "greedy drafts through a 4-bit copy of its head" in runtime.forward
+    made = runtime.drafter.greedy_head_for(runtime.target.logits_head)
+    assert isinstance(made, ShortlistHead)
+    drafts: list[ShortlistHead] = []
+    original = ShortlistHead.forward
+    try:
+        ShortlistHead.forward = lambda self, x: drafts.append(self) or original(self, x)  # type: ignore[method-assign]
+        run(runtime.target, runtime.drafter, [5, 9, 11, 3], max_new_tokens=12, block_size=4, stop_ids=[])
+    finally:
+        ShortlistHead.forward = original  # type: ignore[method-assign]
+    assert drafts and all(d is made for d in drafts)  # the one made at load drafted
 
 
 def test_the_cli_runs_q4a8_and_says_what_ran(tiny_target_dir):

@@ -324,7 +324,7 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
     """
     from dflash_cli.engine.compile import compiler_for, resolve_compile, use_compile_cache
     from dflash_cli.engine.cpu.c_layers import fuse_drafter
-    from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS, draft_quant, quantize_drafter
+    from dflash_cli.engine.cpu.int8act import INT8_ACT_QUANTS, ShortlistHead, draft_quant, quantize_drafter
     from dflash_cli.engine.cpu.packed import pack_linears, room_to_pack
     from dflash_cli.engine.kernels import cuda_graphs
 
@@ -372,6 +372,9 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
             quantize_drafter(drafter, kind)  # the same few rows as the target's, on the same kernels
             fuse_drafter(drafter)
             drafting = f"; drafter {kind} ({chosen})"
+            if hasattr(drafter, "greedy_head_for") and isinstance(drafter.greedy_head_for(target.logits_head),
+                                                                  ShortlistHead):
+                drafting += ", greedy drafts through a 4-bit copy of its head"
         if target.fast.packed and drafter is not None and room_to_pack(drafter):
             pack_linears(drafter)  # its layers run at the same few rows as the target's
         if drafter is not None and target.defers_head:
