@@ -221,6 +221,17 @@ def test_plan_components_add_up():
     assert parts["margin"] == int(0.1 * (p.target_weights + p.drafter_weights))
 
 
+def test_a_q4a8_pair_counts_the_4_bit_copy_of_the_head_its_greedy_drafts_read():
+    t, d = cfg("Qwen__Qwen3-8B"), QWEN3_8B_DRAFTER
+    with_copy = plan_memory(t, d, quant="q4a8", drafter_quant="q8a8", context_tokens=4096, available_bytes=0)
+    assert with_copy.drafter_estimate.components["head_shortlist"] == 151936 * 4096 * 5 // 8
+    assert with_copy.drafter_weights == with_copy.drafter_estimate.total
+    assert any("4-bit copy of the LM head" in note for note in with_copy.notes)
+    for quant in ("q4", "int8"):  # no shortlist beside other formats
+        plan = plan_memory(t, d, quant=quant, drafter_quant="q8a8", context_tokens=4096, available_bytes=0)
+        assert "head_shortlist" not in plan.drafter_estimate.components
+
+
 def test_12gib_gpu_qwen3_8b_with_drafter_at_8k_is_quantized():
     t, d = cfg("Qwen__Qwen3-8B"), QWEN3_8B_DRAFTER
     q = choose_quant(t, d, context_tokens=8192, block_size=16, available_bytes=12 * GIB)

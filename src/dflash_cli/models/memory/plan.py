@@ -21,6 +21,7 @@ from dflash_cli.models.memory.sizes import (
     drafter_kv_cache_bytes,
     drafter_weight_bytes,
     gib,
+    head_shortlist_bytes,
     kv_cache_bytes,
     normalize_quant,
     target_weight_bytes,
@@ -91,6 +92,11 @@ def _plan(target_config, drafter_config, quant, drafter_quant, context_tokens, b
     d: WeightEstimate | None = None
     if drafter_config is not None and dq is not None:
         d = drafter_weight_bytes(drafter_config, dq)
+        if quant in ("q4a8", "q8a8"):  # greedy drafts read a 4-bit copy of the head first
+            copy = head_shortlist_bytes(target_config)
+            d = replace(d, components={**d.components, "head_shortlist": copy},
+                        notes=(*d.notes, f"greedy drafts keep a 4-bit copy of the LM head ({copy / 2**20:.0f} MiB, "
+                                         "less for a draft vocabulary)"))
     rows = context_tokens + block_size  # a verified block sits in the cache until it is cropped
     t_kv = kv_cache_bytes(target_config, rows, kv_dtype_bytes)
     d_kv = drafter_kv_cache_bytes(drafter_config, rows, kv_dtype_bytes) if drafter_config is not None else 0

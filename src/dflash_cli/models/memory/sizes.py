@@ -361,6 +361,14 @@ def drafter_weight_bytes(drafter_config: dict[str, Any], quant: str = "bf16", *,
     return _estimate(count_drafter(drafter_config), drafter_config, quant, double_quant, drafter=True)
 
 
+def head_shortlist_bytes(target_config: dict[str, Any]) -> int:
+    """The 4-bit copy of the target's LM head (codes, and an fp16 scale and minimum per 32: 5/8 of a byte a
+    weight) that greedy drafts beside a q4a8/q8a8 target read first (engine/cpu/int8act.ShortlistHead): the whole
+    head's, an upper bound for a drafter with a draft vocabulary, whose copy holds that vocabulary's rows."""
+    tc = text_config(target_config)
+    return int(tc.get("vocab_size") or 0) * int(tc.get("hidden_size") or 0) * 5 // 8
+
+
 # ---------------------------------------------------------------------------------------------------
 # KV caches
 
