@@ -195,14 +195,20 @@ def test_a_shortlist_head_scores_each_rows_best_again_with_the_8_bit_codes(out, 
     assert torch.equal(head(x[2:3])[0], got[2])  # a row alone as among others
 
 
-def test_a_4_bit_copy_of_8_bit_codes_made_in_chunks_is_the_copy_made_at_once():
+def test_a_4_bit_copy_of_8_bit_codes_is_quantize_q4_1_of_their_weight():
+    """Q4A8Linear.copy_of (C, a block at a time) gives the codes and scales torch's quantize_q4_1 gives the 8-bit
+    weight's values: the same bits, padded rows included."""
     torch.manual_seed(1)
-    exact = Q8A8Linear(torch.randn(45, 64), [45], torch.randn(45))
+    weight = torch.randn(45, 64)
+    weight[3, :32] = 0.25  # a block of one value: d = 0
+    exact = Q8A8Linear(weight, [45], torch.randn(45))
     whole = Q4A8Linear(quantize_q4_1(exact.dequantize()), [45], exact.bias[:45])
-    chunked = Q4A8Linear.copy_of(exact, chunk=16)  # 16 + 16 + 13 rows
-    assert (chunked.out_features, chunked.padded) == (45, 48)
+    copy = Q4A8Linear.copy_of(exact)
+    assert (copy.out_features, copy.padded, copy.in_features) == (45, 48, 64)
+    for name in ("codes", "d", "m", "bias"):
+        assert torch.equal(getattr(copy, name), getattr(whole, name)), name
     x = torch.randn(3, 64)
-    assert torch.equal(chunked(x), whole(x))
+    assert torch.equal(copy(x), whole(x))
 
 
 def a8_pair(pairs, family, kind, draft_kind="q8a8"):
@@ -533,8 +539,8 @@ def test_without_a_compiler_auto_falls_back_and_an_explicit_choice_says_why(tmp_
 
 
 def test_a_q4a8_runtime_makes_its_drafters_shortlist_at_load_and_says_so(tmp_path):
-    """The 4-bit copy of the head greedy drafts read first is made while the model loads (5 s for a Qwen3-1.7B
-    head), not in the first reply's first draft, where the adaptive controller would time it."""
+    """The 4-bit copy of the head greedy drafts read first is made while the model loads (0.4 s for a
+    Qwen3-1.7B-shaped head), not in the first reply's first draft, where the adaptive controller would time it."""
     from conftest import save_tiny_pair
 
     from dflash_cli.engine.generate import generate as run

@@ -110,20 +110,27 @@ class Q4A8Linear(Int8ActLinear):
         self.bias = None if bias is None else torch.cat([bias.float(), bias.new_zeros(extra).float()]).contiguous()
 
     @classmethod
-    def copy_of(cls, exact: Q8A8Linear, chunk: int = 4096) -> Q4A8Linear:
-        """A 4-bit copy of an 8-bit weight (and its bias), made from its codes `chunk` rows at a time (a multiple of
-        8): a real-size LM head's rows in fp32 at once would take gigabytes. The kernel's layout is one group of 8
-        rows after another, so the chunks' codes and scales simply follow each other."""
-        out = exact.out_features
-        pieces = [cls(quantize_q4_1(exact.dequantize_rows(torch.arange(start, min(start + chunk, out)))),
-                      [min(chunk, out - start)], None) for start in range(0, out, chunk)]
-        made = pieces[0]
-        if len(pieces) > 1:
-            made.codes, made.d, made.m = (torch.cat([getattr(p, name) for p in pieces])
-                                          for name in ("codes", "d", "m"))
-            made.sizes, made.out_features, made.padded = [out], out, round_up8(out)
-        made.bias = exact.bias  # (padded as this copy's columns are)
+    def packed(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None) -> Q4A8Linear:
+        """One over codes, d and m already in the kernel's layout (groups of 8 rows, `bias` padded as they are)."""
+        made = cls.__new__(cls)
+        Int8ActLinear.__init__(made, [out_features], bias)
+        made.lib = _need_library().lib
+        made.in_features, made.padded = int(codes.shape[1]) * GROUP, int(codes.shape[0]) * 8
+        made.codes, made.d, made.m = codes, d, m
         return made
+
+    @classmethod
+    def copy_of(cls, exact: Q8A8Linear) -> Q4A8Linear:
+        """A 4-bit copy of an 8-bit weight and its bias: its codes dequantized and quantized again as
+        quantize_q4_1 does, in C a block at a time (native/int8_matmul.c, dfq_q8_to_q4: a Qwen3-1.7B-shaped head
+        took 5 s through torch, whose temporaries of a real-size head at once would take gigabytes)."""
+        groups, blocks = int(exact.codes.shape[0]), int(exact.codes.shape[1])
+        codes = torch.empty(groups, blocks, 128, dtype=torch.uint8)
+        d, m = (torch.empty(groups, blocks, 8, dtype=torch.float16) for _ in range(2))
+        exact.lib.dfq_q8_to_q4(exact.codes.data_ptr(), exact.d.data_ptr(), exact.in_features, groups * 8,
+                               codes.data_ptr(), d.data_ptr(), m.data_ptr())
+        return cls.packed(codes, d, m, exact.out_features, exact.bias)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows.shape[0], self.padded)
@@ -208,7 +215,7 @@ class ShortlistHead(nn.Module):
 def shortlist_head(head: nn.Module) -> ShortlistHead | None:
     """A ShortlistHead over `head` where it is a Q8A8Linear and the kernels have the second pass (a baseline
     build of benchmarks/kernels_ab.py may not), else None."""
-    if isinstance(head, Q8A8Linear) and hasattr(head.lib, "dfq_shortlist_rows"):
+    if isinstance(head, Q8A8Linear) and all(hasattr(head.lib, f) for f in ("dfq_shortlist_rows", "dfq_q8_to_q4")):
         return ShortlistHead(head)
     return None
 

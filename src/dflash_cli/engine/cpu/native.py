@@ -109,6 +109,7 @@ SIGNATURES = {
     "dfq_q8_matmul": [P, LONG, LONG, P, P, LONG, P, P],
     "dfq_q8_rows": [P, P, LONG, LONG, P, LONG, P],
     "dfq_shortlist_rows": [P, LONG, LONG, P, P, P, LONG, P, LONG, LONG],
+    "dfq_q8_to_q4": [P, P, LONG, LONG, P, P, P],
     "dfq_attention": [P, LONG, LONG, LONG, LONG, LONG, P, P, LONG, P, LONG, ctypes.c_float, P, ctypes.c_int],
     "dfq_stack_forward": [P, LONG, P, LONG, P, P, P, P, P, LONG, P, LONG, ctypes.c_int],
     "dfq_draft_layer_forward": [P, P, LONG, P, LONG, LONG, P, P, P, P, LONG],

@@ -512,3 +512,43 @@ void dfq_shortlist_rows(const float *x, long rows, long k, const int8_t *codes, 
         free(ad);
     }
 }
+
+/* A 4-bit copy of `rows` rows (a multiple of 8) of a q8 weight of k inputs, both in this file's layouts: each
+ * block of 32 dequantized (d * code, as the kernel multiplies them) and quantized again as
+ * int8act.quantize_q4_1 does (m the block's least value in fp16, d = (greatest - m) / 15 in fp16, codes
+ * round((w - m) / d) in 0..15 against the rounded values), into codes4 (rows / 8 groups of k / 32 blocks of 128
+ * bytes), d4 and m4 (fp16, 8 a block): int8act.Q4A8Linear.copy_of, in one pass instead of torch's several. */
+void dfq_q8_to_q4(const int8_t *codes, const uint16_t *d, long k, long rows, uint8_t *codes4, uint16_t *d4,
+                  uint16_t *m4) {
+    const long nb = k / QK, groups = rows / 8;
+#pragma omp parallel for schedule(static)
+    for (long g = 0; g < groups; g++)
+        for (long b = 0; b < nb; b++) {
+            const int8_t *src = codes + (g * nb + b) * 256;
+            uint8_t *dst = codes4 + (g * nb + b) * 128;
+            for (int c = 0; c < 8; c++) {
+                const float scale = _cvtsh_ss(d[(g * nb + b) * 8 + c]);
+                float w[QK], low = INFINITY, high = -INFINITY;
+                for (int t = 0; t < 8; t++)
+                    for (int i = 0; i < 4; i++) {
+                        const float v = (float)src[32 * t + 4 * c + i] * scale;
+                        w[4 * t + i] = v;
+                        low = v < low ? v : low;
+                        high = v > high ? v : high;
+                    }
+                const uint16_t mh = _cvtss_sh(low, 0);
+                const float m = _cvtsh_ss(mh);
+                const uint16_t dh = _cvtss_sh((high - m) / 15.0f, 0);
+                const float step = _cvtsh_ss(dh), inv = step > 0.0f ? 1.0f / step : 0.0f;
+                d4[(g * nb + b) * 8 + c] = dh;
+                m4[(g * nb + b) * 8 + c] = mh;
+                uint8_t q[QK];
+                for (int i = 0; i < QK; i++) {
+                    const float r = nearbyintf((w[i] - m) * inv);
+                    q[i] = (uint8_t)(r < 0.0f ? 0.0f : r > 15.0f ? 15.0f : r);
+                }
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < 4; i++) dst[32 * t + 4 * c + i] = (uint8_t)(q[4 * t + i] | (q[16 + 4 * t + i] << 4));
+            }
+        }
+}
