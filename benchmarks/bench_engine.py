@@ -654,6 +654,7 @@ def measure_path(path: str, target: Target, drafter: DFlashDrafter, prompts: lis
 
             quantize_drafter(drafter)  # as the CLI runs it: the same few rows as the target's, on the same kernels
             fuse_drafter(drafter)
+            drafter.greedy_head_for(target.logits_head)  # its shortlist's 4-bit head, made at load as the CLI does
         if target.weight_quant:
             out["memory"] = memory_report(target, drafter)
             print_memory(out["memory"])
