@@ -458,8 +458,7 @@ static long top_indices(const float *x, long n, long top, long *best) {
         for (; mask; mask &= mask - 1) {
             const long j = i + __builtin_ctz(mask);
             const float v = x[j];
-            if (!(v > floor) && found == top) continue;
-            if (v != v) continue;
+            if (v != v || (found == top && !(v > floor))) continue;
             long at = found < top ? found++ : top - 1;  /* the slot it takes, then moved up past smaller ones */
             while (at > 0 && value[at - 1] < v) {
                 value[at] = value[at - 1];
@@ -547,8 +546,9 @@ void dfq_q8_to_q4(const int8_t *codes, const uint16_t *d, long k, long rows, uin
                     const float r = nearbyintf((w[i] - m) * inv);
                     q[i] = (uint8_t)(r < 0.0f ? 0.0f : r > 15.0f ? 15.0f : r);
                 }
-                for (int t = 0; t < 4; t++)
-                    for (int i = 0; i < 4; i++) dst[32 * t + 4 * c + i] = (uint8_t)(q[4 * t + i] | (q[16 + 4 * t + i] << 4));
+                for (int t = 0; t < 4; t++)  /* input 4t + i in the low nibble, 16 + 4t + i in the high one */
+                    for (int i = 0; i < 4; i++)
+                        dst[32 * t + 4 * c + i] = (uint8_t)(q[4 * t + i] | (q[16 + 4 * t + i] << 4));
             }
         }
 }
