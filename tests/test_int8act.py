@@ -263,8 +263,9 @@ def test_greedy_speculative_equals_greedy_plain_decoding_on_the_c_layers(pairs, 
     pair = a8_pair(pairs, family, kind)
     assert pair.target.fast._module(True, False).fused is not None  # every layer one C call
     assert_speculative_equals_plain(pair, random_prompts, (2, 4, 8), max_new_tokens=30)
-    # the drafter (no draft vocabulary) drafted greedily from the target's head through its shortlist
-    assert isinstance(pair.drafter.greedy_head(pair.target.logits_head), ShortlistHead)
+    # greedy drafts beside these C layers read the target's head (no draft vocabulary) through a shortlist (that
+    # drafts do use it: test_a_q4a8_runtime_makes_its_drafters_shortlist_at_load_and_says_so)
+    assert isinstance(pair.drafter.greedy_head_for(pair.target.logits_head), ShortlistHead)
 
 
 def test_the_dense_weights_are_freed_once_quantized_and_a_second_fast_path_refuses(pairs):
