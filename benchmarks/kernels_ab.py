@@ -59,7 +59,9 @@ def load_both(base: Path, reverse: bool) -> dict:
         native.SIGNATURES.clear()  # only the functions this build has
         source = "".join(p.read_text() for p in src.glob("*.c"))
         native.SIGNATURES.update({k: v for k, v in signatures.items() if f" {k}(" in source})
-        with mock.patch.object(native, "source_dir", lambda src=src: src):
+        sources = tuple(s for s in native.SOURCES if (src / s).exists())  # a baseline from before a file
+        with mock.patch.object(native, "source_dir", lambda src=src: src), \
+                mock.patch.object(native, "SOURCES", sources):
             runtimes[name] = dflash_cli.load("demo", quant="q4a8", device="cpu")
         built = native.library()
         print(f"{name}: {built.path if built else native.unavailable()}", file=sys.stderr)

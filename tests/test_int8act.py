@@ -13,6 +13,7 @@ from support.speculation import assert_speculative_equals_plain, random_prompts
 from support.weightonly import linear, pairs, q4_1_bytes  # noqa: F401 (pairs: a fixture)
 
 from dflash_cli.engine.cpu import native
+from dflash_cli.engine.cpu.c_draft import GreedyDraft
 from dflash_cli.engine.cpu.c_layers import fuse_drafter
 from dflash_cli.engine.cpu.int8act import (
     Q4A8Linear,
@@ -549,17 +550,19 @@ def test_a_q4a8_runtime_makes_its_drafters_shortlist_at_load_and_says_so(tmp_pat
 
     target, drafter = save_tiny_pair(tmp_path)
     runtime = load_runtime(target, drafter, quant="q4a8", device="cpu")
-    assert "greedy drafts through a 4-bit copy of its head" in runtime.forward
+    assert "greedy drafts through a 4-bit copy of its head, each greedy draft one C call" in runtime.forward
     made = runtime.drafter.greedy_head_for(runtime.target.logits_head)
     assert isinstance(made, ShortlistHead)
-    drafts: list[ShortlistHead] = []
-    original = ShortlistHead.forward
+    call = runtime.drafter._greedy_call[-1]  # the one C call a greedy draft makes (tests/test_c_draft.py), made too
+    assert isinstance(call, GreedyDraft) and call.head is made
+    drafts: list[GreedyDraft] = []
+    original = GreedyDraft.__call__
     try:
-        ShortlistHead.forward = lambda self, x: drafts.append(self) or original(self, x)  # type: ignore[method-assign]
+        GreedyDraft.__call__ = lambda self, *a: drafts.append(self) or original(self, *a)  # type: ignore[method-assign]
         run(runtime.target, runtime.drafter, [5, 9, 11, 3], max_new_tokens=12, block_size=4, stop_ids=[])
     finally:
-        ShortlistHead.forward = original  # type: ignore[method-assign]
-    assert drafts and all(d is made for d in drafts)  # the one made at load drafted
+        GreedyDraft.__call__ = original  # type: ignore[method-assign]
+    assert drafts and all(d is call for d in drafts)  # the ones made at load drafted
 
 
 def test_the_cli_runs_q4a8_and_says_what_ran(tiny_target_dir):

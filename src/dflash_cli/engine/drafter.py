@@ -267,6 +267,7 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_vocab", None)
         self._draft_head: tuple[Any, torch.Tensor, tuple, nn.Module] | None = None  # see draft_head()
         self._shortlist: tuple[Any, nn.Module | None] | None = None  # see greedy_head()
+        self._greedy_call: tuple[Any, ...] | None = None  # see greedy_call()
         self._ids_buffers: dict[tuple, torch.Tensor] = {}  # see _block_ids()
         self.head_quant: str | None = None  # "q8a8": the draft head's rows 8-bit (engine/cpu/int8act.py)
         # engine/fused.fuse_drafter: (the C library, each layer's struct) when every layer runs in one C call
@@ -404,6 +405,12 @@ class DFlashDrafter(nn.Module):
         `confidence` (greedy drafts only): gets each draft's probability under the drafter, its softmax's maximum.
         """
         sampled = sampler if sampler is not None and (not sampler.greedy or sampler.constrained) else None
+        if sampled is None:
+            call = self.greedy_call(embed_weight, lm_head)
+            drafted = None if call is None else call(context, anchor, start, block_len, cache,
+                                                     block_len - 1 if keep is None else keep, confidence)
+            if drafted is not None:
+                return drafted
         if self.draft_vocab is None:
             head = self.greedy_head_for(lm_head) if sampled is None else lm_head
             _, logits = self.draft_logits(context, anchor, start, block_len, cache, embed_weight, head, keep)
@@ -471,6 +478,22 @@ class DFlashDrafter(nn.Module):
         if cached is None or cached[0]() is not head:
             self._shortlist = cached = (weakref.ref(head), shortlist_head(head))
         return cached[1] or head
+
+    def greedy_call(self, embed_weight: torch.Tensor | nn.Module, lm_head: nn.Module) -> Any:
+        """The whole greedy draft as one C call (engine/cpu/c_draft.py: the same drafts, bit for bit, without
+        the cold Python between the kernels after a verify) where the drafter's layers run in C and its greedy
+        head is a ShortlistHead, else None; made once per embedding table and head."""
+        if self.native_layers is None or self.static_draft is not None:
+            return None
+        cached = self._greedy_call
+        if (cached is None or cached[0]() is not embed_weight or cached[1]() is not lm_head
+                or cached[2] is not self.native_layers or cached[3] is not self.draft_vocab):
+            from dflash_cli.engine.cpu.c_draft import greedy_draft_call
+
+            call = greedy_draft_call(self, embed_weight, self.greedy_head_for(lm_head))
+            cached = (weakref.ref(embed_weight), weakref.ref(lm_head), self.native_layers, self.draft_vocab, call)
+            self._greedy_call = cached
+        return cached[4]
 
     def draft_logits(self, context, anchor, start, block_len, cache, embed_weight, lm_head,
                      keep: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -375,6 +375,8 @@ def enable_fast_path(target: Any, drafter: Any, compile: str, max_context: int |
             if hasattr(drafter, "greedy_head_for") and isinstance(drafter.greedy_head_for(target.logits_head),
                                                                   ShortlistHead):
                 drafting += ", greedy drafts through a 4-bit copy of its head"
+            if hasattr(drafter, "greedy_call") and drafter.greedy_call(target.embed_table, target.logits_head):
+                drafting += ", each greedy draft one C call"
         if target.fast.packed and drafter is not None and room_to_pack(drafter):
             pack_linears(drafter)  # its layers run at the same few rows as the target's
         if drafter is not None and target.defers_head:

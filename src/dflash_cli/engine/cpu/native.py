@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("int8_matmul.c", "attention.c", "layer.c", "argmax.c")
+SOURCES = ("int8_matmul.c", "attention.c", "layer.c", "argmax.c", "draft.c")
 # -ffp-contract=off keeps every row's float operations the same in any tile shape (row-exact); the
 # scheduling flags keep the kernels' accumulators in registers (gcc otherwise spills them)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-tree-reassoc",
@@ -119,10 +119,11 @@ SIGNATURES = {
     "dfq_argmax_rows": [P, LONG, LONG, LONG, P],
     "dfq_argmax_confidence_rows": [P, LONG, LONG, LONG, P, P],
     "dfq_rms_norm_rows": [P, LONG, LONG, P, ctypes.c_float, P],
+    "dfq_draft_greedy": [P, P, LONG, LONG, LONG, LONG, LONG, P, P, P, P, LONG, P, P, P],
 }
 # what a call returns, where it returns something
 RESULTS = {"dfq_stack_forward": ctypes.c_int, "dfq_argmax_rows": LONG, "dfq_argmax_confidence_rows": LONG,
-           "dfq_q8_rows": LONG}
+           "dfq_q8_rows": LONG, "dfq_draft_greedy": ctypes.c_int}
 
 
 class Linear(ctypes.Structure):

@@ -404,6 +404,9 @@ static void matmul(const struct dfq_linear *w, const float *x, long m, float *ou
     free(as);
 }
 
+/* out (m, w->n) = x (m, k) times the weight w, whichever its kind (native/draft.c's linears). */
+void dfq_linear_forward(const struct dfq_linear *w, const float *x, long m, float *out) { matmul(w, x, m, out); }
+
 /* out (m, n) = x (m, k) times the q4 weight (n, k) in the layout above (n a multiple of 8). */
 void dfq_q4_matmul(const float *x, long m, long k, const uint8_t *codes, const uint16_t *d, const uint16_t *mins,
                    long n, const float *bias, float *out) {
