@@ -398,6 +398,7 @@ def test_the_final_norm_beside_the_c_layers_is_one_c_call(pairs, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(native, "rms_norm", counted)
+    monkeypatch.setattr(module, "whole", None)  # the Python around the stack (tests/test_one_call.py: none at all)
     cache = fast.new_cache()
     fast.forward(torch.tensor([[5, 9, 11]]), cache, 0, taps=True, last_logit_only=False)
     fast.forward(torch.tensor([[7]]), cache, 3, taps=True, last_logit_only=False)
@@ -553,7 +554,7 @@ def test_a_q4a8_runtime_makes_its_drafters_shortlist_at_load_and_says_so(tmp_pat
     assert "greedy drafts through a 4-bit copy of its head, each greedy draft one C call" in runtime.forward
     made = runtime.drafter.greedy_head_for(runtime.target.logits_head)
     assert isinstance(made, ShortlistHead)
-    call = runtime.drafter._greedy_call[-1]  # the one C call a greedy draft makes (tests/test_c_draft.py), made too
+    call = runtime.drafter._greedy_call[-1]  # the one C call a greedy draft makes (tests/test_one_call.py), made too
     assert isinstance(call, GreedyDraft) and call.head is made
     drafts: list[GreedyDraft] = []
     original = GreedyDraft.__call__

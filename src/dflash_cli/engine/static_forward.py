@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_cli.engine.cpu import native
-from dflash_cli.engine.cpu.c_layers import LayerStack, RopeTable, c_final_norm, layer_struct
+from dflash_cli.engine.cpu.c_layers import (
+    LayerStack,
+    RopeTable,
+    WholeForward,
+    c_final_norm,
+    layer_struct,
+    whole_forward,
+)
 from dflash_cli.engine.cpu.weightonly import WeightOnlyLinear
 from dflash_cli.engine.fast_layers import (
     ROW_EXACT_ATTENTION,
@@ -149,8 +156,10 @@ class StaticForward(nn.Module):
             if all(m is not None for m in made) and self.uniform:
                 self.fused = LayerStack(self.native, made)  # type: ignore[arg-type]
         self.rope_table = RopeTable(self.rotary) if self.fused is not None else None  # (CPU)
+        self.whole: WholeForward | None = None
         if self.fused is not None and self.native is not None:
             self.final_norm = c_final_norm(self.native, self.norm, self.final_norm)
+            self.whole = whole_forward(self.fused, self.embed, self.norm, self.lm_head, self.softcap)
 
     def _call_tables(self, h: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
                      ring: torch.Tensor | None):
@@ -264,19 +273,25 @@ class StaticForward(nn.Module):
         """forward() with the whole stack of layers one C call (engine/cpu/c_layers.py), on one sequence."""
         assert self.fused is not None and self.native is not None
         assert self.rope_table is not None
-        h = self.embed(ids).contiguous()  # (1, n, H) fp32, updated in place by each layer
         positions = positions.contiguous()
         lo, n = int(positions[0]), positions.shape[0]
         if int(positions[-1]) == lo + n - 1:  # (1, n, hd) rows of the tables of every position
             cos, signed = self.rope_table.rows(lo, lo + n)
         else:  # (not a run of positions: this call's own)
             cos, signed = self.rope_table.for_positions(positions)
-        size, last = h.shape[-1], len(self.layers) - 1
+        size, last = int(self.norm.weight.shape[0]), len(self.layers) - 1
         # the tapped states (1, n, taps * H), each tap layer's output written into its columns inside the call
-        hidden = h.new_empty(1, h.shape[1], len(self.taps) * size) if self.taps else None
+        hidden = torch.empty(1, n, len(self.taps) * size) if self.taps else None
         columns = {i: hidden[..., j * size:(j + 1) * size] for j, i in enumerate(self.taps)} if hidden is not None \
             else {}
-        self.fused.run(h, positions, cos, signed, keys, values, {i: c for i, c in columns.items() if i != last})
+        taps = {i: c for i, c in columns.items() if i != last}
+        if self.whole is not None:  # the embeddings, the stack, the final norm and the head: one C call
+            out = self.whole(ids, positions, cos, signed, keys, values, taps, columns.get(last), self.last_logit_only,
+                             self.logits)
+            if out is not None:
+                return out, hidden, []
+        h = self.embed(ids).contiguous()  # (1, n, H) fp32, updated in place by each layer
+        self.fused.run(h, positions, cos, signed, keys, values, taps)
         if last in columns:  # transformers' hidden_states[-1] is after the final norm
             columns[last].copy_(self.final_norm(h))
         return self._head(h, hidden, [])

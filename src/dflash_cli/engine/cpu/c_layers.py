@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dflash_cli.engine.cpu import native
-from dflash_cli.engine.cpu.int8act import Int8ActLinear, Q4A8Linear
+from dflash_cli.engine.cpu.int8act import CodesEmbedding, Int8ActLinear, Q4A8Linear
 
 # RMSNorms that compute F.rms_norm's function (x * rsqrt(mean(x^2) + eps) in fp32, times the weight): the
 # fast path runs them as that one call (engine/fast_layers.py), the C layer as its own pass
@@ -126,15 +126,20 @@ class LayerStack:
     def __len__(self) -> int:
         return self.count
 
+    def tap_rows(self, taps: dict[int, torch.Tensor]) -> tuple[Any, int]:
+        """The C call's per-layer tap pointers (None for none) and their row stride."""
+        if not taps:
+            return None, 0
+        return (self.rows(*(taps[i].data_ptr() if i in taps else None for i in range(self.count))),
+                next(iter(taps.values())).stride(1))
+
     def run(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
             keys: list[torch.Tensor], values: list[torch.Tensor], taps: dict[int, torch.Tensor]) -> None:
         """Runs every layer on h (1, n, hidden) fp32 in place; cos/signed_sin (n, hd); keys[i]/values[i] (1, kv,
         capacity, hd) fp32 or fp16, row r holding position r. taps[i]: a (1, n, hidden) fp32 view with unit
         column stride (a slice of the tapped states' columns) that gets layer i's output too, all with one row
         stride."""
-        tap_rows = self.rows(*(taps[i].data_ptr() if i in taps else None for i in range(self.count))) if taps \
-            else None
-        stride = next(iter(taps.values())).stride(1) if taps else 0
+        tap_rows, stride = self.tap_rows(taps)
         done = self.lib.dfq_stack_forward(self.pointers, self.count, h.data_ptr(), h.shape[1], positions.data_ptr(),
                                           cos.data_ptr(), signed_sin.data_ptr(),
                                           self.rows(*(k.data_ptr() for k in keys)),
@@ -142,6 +147,84 @@ class LayerStack:
                                           stride, int(keys[0].dtype == torch.float16))
         if not done:
             raise MemoryError("the C layers' buffers could not be allocated")
+
+
+class Model(ctypes.Structure):
+    """native/layer.c's struct dfq_model."""
+    _fields_ = [("hidden", ctypes.c_long), ("vocab", ctypes.c_long), ("embed_codes", ctypes.c_void_p),
+                ("embed_d", ctypes.c_void_p), ("embed_dense", ctypes.c_void_p), ("norm", ctypes.c_void_p),
+                ("eps", ctypes.c_float), ("head", native.Linear)]
+
+
+class WholeForward:
+    """A forward of the target around its LayerStack as one C call (native/layer.c's dfq_model_forward): the
+    embeddings' rows, the stack, the final norm (and the last layer's tap), the LM head; the same kernels in the
+    same order as the Python around the stack, so the same bits. Made by whole_forward."""
+
+    def __init__(self, stack: LayerStack, embed: nn.Module, norm: nn.Module, head: Int8ActLinear):
+        self.stack, self.embed, self.norm, self.head = stack, embed, norm, head
+        weight: Any = norm.weight
+        self.struct = made = Model(hidden=int(weight.shape[0]), norm=weight.data_ptr(),
+                                   eps=float(getattr(norm, "variance_epsilon")), head=_linear_padded(head))
+        if isinstance(embed, CodesEmbedding):
+            codes = embed.head
+            made.embed_codes, made.embed_d, made.vocab = codes.codes.data_ptr(), codes.d.data_ptr(), \
+                embed.num_embeddings
+        else:
+            table: Any = embed.weight
+            made.embed_dense, made.vocab = table.data_ptr(), int(table.shape[0])
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 keys: list[torch.Tensor], values: list[torch.Tensor], taps: dict[int, torch.Tensor],
+                 last_tap: torch.Tensor | None, last_only: bool, logits: bool) -> torch.Tensor | None:
+        """(rows, V) logits or (rows, H) final-normed rows of the tokens ids (1, n) (rows: n, or 1 with
+        `last_only`), as LayerStack.run's arguments, `last_tap` the last layer's tap columns (or None); None for
+        an id outside the table (the caller's own lookup says so)."""
+        stack, n = self.stack, ids.shape[1]
+        ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+        rows = 1 if last_only else n
+        out = torch.empty(rows, self.head.padded if logits else self.struct.hidden)
+        tap_rows, stride = stack.tap_rows(taps)
+        if last_tap is not None:
+            stride = last_tap.stride(1)
+        done = stack.lib.dfq_model_forward(
+            ctypes.byref(self.struct), stack.pointers, stack.count, ids.data_ptr(), n, positions.data_ptr(),
+            cos.data_ptr(), signed_sin.data_ptr(), stack.rows(*(k.data_ptr() for k in keys)),
+            stack.rows(*(v.data_ptr() for v in values)), keys[0].shape[2], tap_rows, stride,
+            int(keys[0].dtype == torch.float16), last_tap.data_ptr() if last_tap is not None else None,
+            int(last_only), int(logits), out.data_ptr())
+        if done < 0:
+            return None
+        if not done:
+            raise MemoryError("the C layers' buffers could not be allocated")
+        return out[:, :self.head.out_features] if logits and self.head.padded != self.head.out_features else out
+
+
+def whole_forward(stack: LayerStack, embed: nn.Module, norm: nn.Module, head: nn.Module,
+                  softcap: float | None) -> WholeForward | None:
+    """A WholeForward where the C call computes what the Python around the stack does: input embeddings from
+    a plain fp32 table or a tied head's codes (CodesEmbedding), a plain fp32 RMSNorm, a q8a8/q4a8 LM head, no
+    logit soft-cap; else None."""
+    weight = getattr(norm, "weight", None)
+    if softcap or not hasattr(stack.lib, "dfq_model_forward") or not isinstance(head, Int8ActLinear):
+        return None
+    if type(norm).__name__ not in PLAIN_RMS_NORMS or not isinstance(weight, torch.Tensor) \
+            or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return None
+    table = getattr(embed, "weight", None)
+    dense = type(embed) is nn.Embedding and isinstance(table, torch.Tensor) and table.dtype == torch.float32 \
+        and table.is_contiguous() and table.dim() == 2 and table.shape[1] == weight.shape[0]
+    if not (dense or isinstance(embed, CodesEmbedding)):
+        return None
+    return WholeForward(stack, embed, norm, head)
+
+
+def _linear_padded(layer: Int8ActLinear) -> native.Linear:
+    """`layer` as a struct dfq_linear of its padded rows (an LM head's vocabulary need not be a multiple of 8)."""
+    m = getattr(layer, "m", None)
+    return native.Linear(4 if isinstance(layer, Q4A8Linear) else 8, layer.padded, layer.in_features,
+                         layer.codes.data_ptr(), layer.d.data_ptr(), m.data_ptr() if m is not None else None,
+                         native.ptr(layer.bias))
 
 
 def _weight(norm: Any) -> tuple[int, float]:

@@ -120,10 +120,13 @@ SIGNATURES = {
     "dfq_argmax_confidence_rows": [P, LONG, LONG, LONG, P, P],
     "dfq_rms_norm_rows": [P, LONG, LONG, P, ctypes.c_float, P],
     "dfq_draft_greedy": [P, P, LONG, LONG, LONG, LONG, LONG, P, P, P, P, LONG, P, P, P],
+    "dfq_model_forward": [P, P, LONG, P, LONG, P, P, P, P, P, LONG, P, LONG, ctypes.c_int, P, ctypes.c_int,
+                          ctypes.c_int, P],
 }
 # what a call returns, where it returns something
 RESULTS = {"dfq_stack_forward": ctypes.c_int, "dfq_argmax_rows": LONG, "dfq_argmax_confidence_rows": LONG,
-           "dfq_q8_rows": LONG, "dfq_draft_greedy": ctypes.c_int}
+           "dfq_q8_rows": LONG, "dfq_draft_greedy": ctypes.c_int,
+           "dfq_model_forward": ctypes.c_int}
 
 
 class Linear(ctypes.Structure):

@@ -227,6 +227,62 @@ int dfq_stack_forward(const struct dfq_layer *const *layers, long count, float *
     return 1;
 }
 
+/* The target around its stack (dfq_model_forward): its input embeddings (a tied head's q8 codes, else a dense
+ * fp32 table), the final norm and the LM head (n padded to 8). */
+struct dfq_model {
+    long hidden, vocab;
+    const int8_t *embed_codes;
+    const uint16_t *embed_d;
+    const float *embed_dense;
+    const float *norm;
+    float eps;
+    struct dfq_linear head;
+};
+
+long dfq_q8_rows(const int8_t *codes, const uint16_t *d, long k, long rows, const long *ids, long count,
+                 float *out);
+void dfq_linear_forward(const struct dfq_linear *w, const float *x, long m, float *out);
+
+/* A whole forward of the target's n tokens ids at `positions`, what engine/static_forward.py's Python around
+ * dfq_stack_forward computed, the same kernels in the same order (the same bits): the embeddings' rows, the
+ * stack, `last_tap` (or NULL) the final-normed rows of every token (a drafter's tap of the last layer, rows
+ * tap_stride apart), then into `out` every token's (or with `last_only` the last token's) final-normed row
+ * (rows, hidden), or with `logits` its logits (rows, head.n). One call instead of a dozen Python and
+ * torch operations around it, which ran cold after each forward (~0.3 ms of a ~3.7 ms decode of the demo on 2
+ * Zen 4 cores). Returns 1; 0 when its buffers could not be allocated; -1 for an id outside the table
+ * (nothing is computed then). */
+int dfq_model_forward(const struct dfq_model *M, const struct dfq_layer *const *layers, long count,
+                      const int64_t *ids, long n, const int64_t *positions, const float *cos, const float *signed_sin,
+                      void *const *keys, void *const *values, long capacity, float *const *taps, long tap_stride,
+                      int half, float *last_tap, int last_only, int logits, float *out) {
+    const long H = M->hidden;
+    for (long r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= M->vocab) return -1;
+    float *h = malloc(sizeof(float) * (size_t)(n * H));
+    if (!h) return 0;
+    for (long r = 0; r < n; r++) {
+        if (M->embed_codes) {
+            const long id = (long)ids[r];
+            dfq_q8_rows(M->embed_codes, M->embed_d, H, M->vocab, &id, 1, h + r * H);
+        } else {
+            memcpy(h + r * H, M->embed_dense + ids[r] * H, sizeof(float) * (size_t)H);
+        }
+    }
+    if (!dfq_stack_forward(layers, count, h, n, positions, cos, signed_sin, keys, values, capacity, taps, tap_stride,
+                           half)) {
+        free(h);
+        return 0;
+    }
+    if (last_tap)
+        for (long r = 0; r < n; r++) rms_norm(h + r * H, M->norm, H, M->eps, last_tap + r * tap_stride);
+    const long first = last_only ? n - 1 : 0, rows = n - first;
+    float *normed = logits ? h : out;  /* row r from row first + r: read before written, never read again */
+    for (long r = 0; r < rows; r++) rms_norm(h + (first + r) * H, M->norm, H, M->eps, normed + r * H);
+    if (logits) dfq_linear_forward(&M->head, normed, rows, out);
+    free(h);
+    return 1;
+}
+
 /* One DFlash drafter layer (full attention, bidirectional inside the block) on the block's rows h (B,
  * hidden), in place, with the new context rows ctx (P, hidden, or NULL when P = 0): the block's queries and
  * the context's and block's keys and values, written to the cache rows committed..committed+P+B-1 (row ==

@@ -1,6 +1,7 @@
-"""A q8a8/q4a8 drafter's greedy draft as one C call (engine/cpu/c_draft.py, native/draft.c): the drafts, the
-confidences and the cache rows of the drafter's Python forward, bit for bit, on tiny Qwen3 and Llama pairs
-loaded through the real loading code; the cases it leaves to that forward; lossless generation through it."""
+"""One C call each for a q8a8/q4a8 drafter's greedy draft (engine/cpu/c_draft.py, native/draft.c) and for the
+target's forward around its C layers (c_layers.WholeForward, native/layer.c's dfq_model_forward): the drafts,
+confidences, logits, taps and cache rows of the Python they replace, bit for bit, on tiny Qwen3 and Llama pairs
+loaded through the real loading code; the cases left to that Python; lossless generation through them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from support.speculation import assert_speculative_equals_plain, random_prompts
 from support.weightonly import pairs  # noqa: F401 (a fixture)
 
 from dflash_cli.engine.cpu.c_draft import GreedyDraft
-from dflash_cli.engine.cpu.c_layers import fuse_drafter
+from dflash_cli.engine.cpu.c_layers import WholeForward, fuse_drafter
 from dflash_cli.engine.cpu.int8act import CodesEmbedding, ShortlistHead, quantize_drafter
 from dflash_cli.engine.load import load_pair
 
@@ -149,3 +150,70 @@ def test_greedy_speculation_through_the_one_call_draft_stays_lossless(pairs, fam
     finally:
         GreedyDraft.__call__ = original  # type: ignore[method-assign]
     assert calls  # its drafts came from the one call
+
+
+def forwards_of(fast, through_c: bool):
+    """A prompt, a decode, a verify of 5 and a prompt's last logit, each with and without taps or logits, on
+    fresh caches: every result, tap and cache row, through the one C call or the Python around the stack."""
+    calls: list[object] = []
+    original = WholeForward.__call__
+    modules = [fast._module(taps, last, logits) for taps in (True, False) for last in (True, False)
+               for logits in (True, False)]
+    saved = [m.whole for m in modules]
+    out = []
+    try:
+        WholeForward.__call__ = lambda self, *a: calls.append(1) or original(self, *a)  # type: ignore[method-assign]
+        for module in modules:
+            assert module.whole is not None  # made for every kind of call
+            if not through_c:
+                module.whole = None
+        for taps in (True, False):
+            for logits in (True, False):
+                cache = fast.new_cache()
+                out.append(fast.forward(torch.tensor([[5, 9, 11, 3, 7, 2]]), cache, 0, taps=taps,
+                                        last_logit_only=True, logits=logits))
+                out.append(fast.forward(torch.tensor([[30]]), cache, 6, taps=taps, last_logit_only=False,
+                                        logits=logits))
+                out.append(fast.forward(torch.tensor([[8, 40, 17, 21, 60]]), cache, 7, taps=taps,
+                                        last_logit_only=False, logits=logits))
+                out.append((cache.keys[0][:, :, :12].clone(), cache.values[-1][:, :, :12].clone()))
+    finally:
+        WholeForward.__call__ = original  # type: ignore[method-assign]
+        for module, whole in zip(modules, saved):
+            module.whole = whole
+    assert len(calls) == (12 if through_c else 0)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_targets_forward_as_one_c_call_gives_the_bits_of_the_python_around_its_stack(pairs, family):
+    pair = c_pair(pairs[family])
+    fast = pair.target.fast
+    last = len(fast._module(True, False).layers) - 1
+    for embed in ("dense", "last tapped", "codes"):
+        if embed == "last tapped":  # the last layer's tap is its final-normed rows, written by the call
+            fast.taps = [1, last]
+            fast._eager.clear()  # its modules are made again
+        if embed == "codes":  # a tied head's codes as the embeddings (what a tied target's fast path makes)
+            codes = CodesEmbedding(fast.lm_head)
+            pair.target.model.set_input_embeddings(codes)
+            fast._eager.clear()
+            assert isinstance(fast._module(True, False).whole.embed, CodesEmbedding)
+        got, want = forwards_of(fast, True), forwards_of(fast, False)
+        for a, b in zip(got, want):
+            for x, y in zip(a, b):
+                assert (x is None) == (y is None)
+                if x is not None:
+                    assert x.shape == y.shape and torch.equal(x, y)
+        # shapes as the callers read them: a prompt's last logit, every row's logits, final-normed rows
+        vocab, hidden = fast.lm_head.out_features, fast.lm_head.in_features
+        assert got[0][0].shape == (1, vocab) and got[2][0].shape == (5, vocab) and got[4][0].shape == (1, hidden)
+        assert got[0][1].shape[1] == 6 and got[8][1] is None
+
+
+def test_an_id_outside_the_table_still_raises_what_the_lookup_says(pairs):
+    pair = c_pair(pairs["qwen3"])
+    fast = pair.target.fast
+    vocab = fast.lm_head.out_features
+    with pytest.raises(IndexError):
+        fast.forward(torch.tensor([[5, vocab]]), fast.new_cache(), 0, taps=False, last_logit_only=True)
