@@ -334,9 +334,13 @@ class FastPath:
                 out = self._run_compiled(ids, cache, start, taps, states)
             if out is None:
                 positions = torch.arange(start, end, device=ids.device)
-                keys_at = key_positions(end, cache.capacity - 1, ids.device)
-                out = self._module(taps, last_logit_only, logits)(ids, positions, keys_at, cache.keys, cache.values,
-                                                                  *states, ring=cache.ring)
+                module = self._module(taps, last_logit_only, logits)
+                if module.fused is not None and ids.shape[0] == 1 and cache.ring is None:
+                    # the C layers' call directly: it reads no key rows, and a module call's dispatch ran cold
+                    out = module.fused_forward(ids, positions, cache.keys, cache.values, start)
+                else:
+                    keys_at = key_positions(end, cache.capacity - 1, ids.device)
+                    out = module(ids, positions, keys_at, cache.keys, cache.values, *states, ring=cache.ring)
             result, hidden, records = out
             if cache.linear is not None:
                 # the records cover the last chunk of the tokens run (compiled calls are one chunk)

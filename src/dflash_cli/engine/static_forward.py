@@ -205,7 +205,7 @@ class StaticForward(nn.Module):
                 keys: list[torch.Tensor], values: list[torch.Tensor], convs: Sequence[torch.Tensor] = (),
                 states: Sequence[torch.Tensor] = (), ring: torch.Tensor | None = None):
         if self.fused is not None and ids.shape[0] == 1 and ring is None:
-            return self._fused_forward(ids, positions, keys, values)
+            return self.fused_forward(ids, positions, keys, values)
         h = self.embed(ids)  # (b, n, H)
         slots, ropes, masks, exact = self._call_tables(h, positions, key_positions, ring)
         hot = here = h.device
@@ -268,14 +268,16 @@ class StaticForward(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def _fused_forward(self, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-                       values: list[torch.Tensor]):
-        """forward() with the whole stack of layers one C call (engine/cpu/c_layers.py), on one sequence."""
+    def fused_forward(self, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                      values: list[torch.Tensor], start: int | None = None):
+        """forward() with the whole stack of layers one C call (engine/cpu/c_layers.py), on one sequence (no ring,
+        no linear attention); `start`: positions is start.. in a run (two tensor reads fewer)."""
         assert self.fused is not None and self.native is not None
         assert self.rope_table is not None
         positions = positions.contiguous()
-        lo, n = int(positions[0]), positions.shape[0]
-        if int(positions[-1]) == lo + n - 1:  # (1, n, hd) rows of the tables of every position
+        n = positions.shape[0]
+        lo = int(positions[0]) if start is None else start
+        if start is not None or int(positions[-1]) == lo + n - 1:  # (1, n, hd) rows of the tables of every position
             cos, signed = self.rope_table.rows(lo, lo + n)
         else:  # (not a run of positions: this call's own)
             cos, signed = self.rope_table.for_positions(positions)

@@ -122,6 +122,17 @@ class LayerStack:
         self.count = len(layers)
         self.pointers = (ctypes.POINTER(native.Layer) * self.count)(*(ctypes.pointer(layer) for layer in layers))
         self.rows = (ctypes.c_void_p * self.count)
+        self._buffers: tuple[list[torch.Tensor], list[torch.Tensor], Any, Any] | None = None
+
+    def buffer_rows(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[Any, Any]:
+        """The C call's arrays of the layers' K and V buffer pointers: kept for the last cache's lists (a static
+        cache's, the same every forward), since 60 data_ptr calls and two arrays cost ~50 us of a decode cold."""
+        held = self._buffers
+        if held is None or held[0] is not keys or held[1] is not values \
+                or held[2][0] != keys[0].data_ptr() or held[3][-1] != values[-1].data_ptr():
+            held = self._buffers = (keys, values, self.rows(*(k.data_ptr() for k in keys)),
+                                    self.rows(*(v.data_ptr() for v in values)))
+        return held[2], held[3]
 
     def __len__(self) -> int:
         return self.count
@@ -140,11 +151,10 @@ class LayerStack:
         column stride (a slice of the tapped states' columns) that gets layer i's output too, all with one row
         stride."""
         tap_rows, stride = self.tap_rows(taps)
+        key_rows, value_rows = self.buffer_rows(keys, values)
         done = self.lib.dfq_stack_forward(self.pointers, self.count, h.data_ptr(), h.shape[1], positions.data_ptr(),
-                                          cos.data_ptr(), signed_sin.data_ptr(),
-                                          self.rows(*(k.data_ptr() for k in keys)),
-                                          self.rows(*(v.data_ptr() for v in values)), keys[0].shape[2], tap_rows,
-                                          stride, int(keys[0].dtype == torch.float16))
+                                          cos.data_ptr(), signed_sin.data_ptr(), key_rows, value_rows,
+                                          keys[0].shape[2], tap_rows, stride, int(keys[0].dtype == torch.float16))
         if not done:
             raise MemoryError("the C layers' buffers could not be allocated")
 
@@ -187,10 +197,10 @@ class WholeForward:
         tap_rows, stride = stack.tap_rows(taps)
         if last_tap is not None:
             stride = last_tap.stride(1)
+        key_rows, value_rows = stack.buffer_rows(keys, values)
         done = stack.lib.dfq_model_forward(
             ctypes.byref(self.struct), stack.pointers, stack.count, ids.data_ptr(), n, positions.data_ptr(),
-            cos.data_ptr(), signed_sin.data_ptr(), stack.rows(*(k.data_ptr() for k in keys)),
-            stack.rows(*(v.data_ptr() for v in values)), keys[0].shape[2], tap_rows, stride,
+            cos.data_ptr(), signed_sin.data_ptr(), key_rows, value_rows, keys[0].shape[2], tap_rows, stride,
             int(keys[0].dtype == torch.float16), last_tap.data_ptr() if last_tap is not None else None,
             int(last_only), int(logits), out.data_ptr())
         if done < 0:
