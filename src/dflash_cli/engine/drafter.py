@@ -482,7 +482,7 @@ class DFlashDrafter(nn.Module):
     def greedy_call(self, embed_weight: torch.Tensor | nn.Module, lm_head: nn.Module) -> Any:
         """The whole greedy draft as one C call (engine/cpu/c_draft.py: the same drafts, bit for bit, without
         the cold Python between the kernels after a verify) where the drafter's layers run in C and its greedy
-        head is a ShortlistHead, else None; made once per embedding table and head."""
+        head on the CPU kernels (c_draft.greedy_draft_call), else None; made once per embedding table and head."""
         if self.native_layers is None or self.static_draft is not None:
             return None
         cached = self._greedy_call
