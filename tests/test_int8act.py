@@ -574,7 +574,7 @@ def test_the_cli_runs_q4a8_and_says_what_ran(tiny_target_dir):
     ok = CliRunner().invoke(cli, ["generate", "-m", str(tiny_target_dir), "--quant", "q4a8", "-v", "-n", "6",
                                   "--no-chat-template", "hello"])
     assert ok.exit_code == 0, ok.stderr
-    assert "q4a8 weights" in ok.stderr and "the decoder layers one C call" in ok.stderr
+    assert "q4a8 weights" in ok.stderr and "the whole forward one C call" in ok.stderr
     assert " q4a8 ·" in ok.stderr and "float32" in ok.stderr  # the load line: fp32 around the kernels
 
 

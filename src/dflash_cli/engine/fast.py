@@ -174,7 +174,10 @@ class FastPath:
         if self.weights:
             own = f" ({self.codes_used} linears with the checkpoint's own 4-bit codes)" if self.codes_used else ""
             experts = f", {self.quantized_experts} layers of {self.weights} experts" if self.quantized_experts else ""
-            layers = ", the decoder layers one C call" if self._module(False, True).fused is not None else ""
+            module = self._module(False, True)
+            layers = ", the decoder layers one C call" if module.fused is not None else ""
+            if module.whole is not None:
+                layers = ", the whole forward one C call"
             loaded = ", quantized layer by layer as they loaded" if self.quantized_as_loaded else ""
             return f"{self.weights} weights{own}{experts}{loaded}{layers}"
         return "packed weights" if self.packed else ""
