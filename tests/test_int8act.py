@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from support.speculation import assert_speculative_equals_plain, random_prompts
-from support.weightonly import linear, pairs, q4_1_bytes  # noqa: F401 (pairs: a fixture)
+from support.weightonly import linear, pairs, q4_1_bytes, with_draft_vocab  # noqa: F401 (pairs: a fixture)
 
 from dflash_cli.engine.cpu import native
 from dflash_cli.engine.cpu.c_draft import GreedyDraft
@@ -229,16 +229,7 @@ def a8_pair(pairs, family, kind, draft_kind="q8a8"):
 def test_a_q4a8_drafter_keeps_speculation_lossless_with_a_padded_draft_vocabulary_head(pairs, tmp_path):
     """DFLASH_DRAFT_QUANT=q4a8 (int8act.draft_quant): 4-bit drafter layers, fused into C calls, and a
     draft-vocabulary head whose 75 rows are padded to 80 for the kernel; the output stays the target's."""
-    from safetensors.torch import load_file, save_file
-
-    target_dir, drafter_dir = pairs["qwen3"]
-    tensors = load_file(str(drafter_dir / "model.safetensors"))
-    tensors["draft_vocab"] = torch.arange(2, 152, 2)
-    folder = tmp_path / "drafter"
-    folder.mkdir()
-    (folder / "config.json").write_bytes((drafter_dir / "config.json").read_bytes())
-    save_file(tensors, str(folder / "model.safetensors"))
-    pair = a8_pair({"qwen3": (target_dir, folder)}, "qwen3", "q4a8", draft_kind="q4a8")
+    pair = a8_pair({"qwen3": with_draft_vocab(pairs["qwen3"], tmp_path)}, "qwen3", "q4a8", draft_kind="q4a8")
     head = pair.drafter.draft_head(pair.target.fast.lm_head)
     assert isinstance(head, Q4A8Linear) and (head.out_features, head.padded) == (75, 80)
     x = torch.randn(3, head.in_features)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.speculation import assert_speculative_equals_plain, random_prompts
-from support.weightonly import pairs  # noqa: F401 (a fixture)
+from support.weightonly import pairs, with_draft_vocab  # noqa: F401 (pairs: a fixture)
 
 from dflash_cli.engine.cpu.c_draft import GreedyDraft
 from dflash_cli.engine.cpu.c_layers import WholeForward, fuse_drafter
@@ -23,20 +23,6 @@ def c_pair(folders, draft_kind="q8a8"):
     quantize_drafter(pair.drafter, draft_kind)
     assert fuse_drafter(pair.drafter)
     return pair
-
-
-def with_draft_vocab(folders, tmp_path):
-    """The same pair with a drafter drafting from 75 of the 160 ids (its head padded to 80 rows)."""
-    from safetensors.torch import load_file, save_file
-
-    target_dir, drafter_dir = folders
-    tensors = load_file(str(drafter_dir / "model.safetensors"))
-    tensors["draft_vocab"] = torch.arange(2, 152, 2)
-    folder = tmp_path / "drafter"
-    folder.mkdir()
-    (folder / "config.json").write_bytes((drafter_dir / "config.json").read_bytes())
-    save_file(tensors, str(folder / "model.safetensors"))
-    return target_dir, folder
 
 
 def sharpen(drafter):

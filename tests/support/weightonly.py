@@ -1,4 +1,5 @@
-"""Weight-only quantization inputs: a seeded random Linear, GGUF Q4_1 bytes and the `pairs` fixture."""
+"""Weight-only quantization inputs: a seeded random Linear, GGUF Q4_1 bytes, the `pairs` fixture, and a pair's
+drafter with a draft vocabulary."""
 
 from __future__ import annotations
 
@@ -38,3 +39,18 @@ def pairs(tmp_path_factory):
         out[family] = (save_target(root / family, cfg, seed=1, scale=3.0),
                        save_random_drafter(root / f"{family}-drafter", drafter_config(cfg), seed=2))
     return out
+
+
+def with_draft_vocab(folders, root):
+    """The pair `folders` (target, drafter) with the drafter saved again under `root` with a draft vocabulary of
+    75 of the 160 ids (2, 4, .., 150: its head padded to 80 rows for the kernels)."""
+    from safetensors.torch import load_file, save_file
+
+    target_dir, drafter_dir = folders
+    tensors = load_file(str(drafter_dir / "model.safetensors"))
+    tensors["draft_vocab"] = torch.arange(2, 152, 2)
+    folder = root / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((drafter_dir / "config.json").read_bytes())
+    save_file(tensors, str(folder / "model.safetensors"))
+    return target_dir, folder

@@ -283,7 +283,7 @@ class StaticForward(nn.Module):
             cos, signed = self.rope_table.for_positions(positions)
         size, last = int(self.norm.weight.shape[0]), len(self.layers) - 1
         # the tapped states (1, n, taps * H), each tap layer's output written into its columns inside the call
-        hidden = torch.empty(1, n, len(self.taps) * size) if self.taps else None
+        hidden = torch.empty(1, n, len(self.taps) * size, dtype=torch.float32) if self.taps else None
         columns = {i: hidden[..., j * size:(j + 1) * size] for j, i in enumerate(self.taps)} if hidden is not None \
             else {}
         taps = {i: c for i, c in columns.items() if i != last}
