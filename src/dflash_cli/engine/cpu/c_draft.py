@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dflash_cli.engine.cpu import native
-from dflash_cli.engine.cpu.c_layers import RopeTable
+from dflash_cli.engine.cpu.c_layers import RopeTable, linear_struct
 from dflash_cli.engine.cpu.int8act import CodesEmbedding, Int8ActLinear, ShortlistHead
 from dflash_cli.engine.cpu.packed import embedding_rows
 
@@ -28,12 +28,6 @@ class Drafter(ctypes.Structure):
                 ("embed_codes", P), ("embed_d", P), ("embed_dense", P), ("vocab", LONG), ("mask_row", P),
                 ("quick", native.Linear), ("exact_codes", P), ("exact_d", P), ("exact_bias", P),
                 ("head_rows", LONG), ("top", LONG), ("vocab_ids", P)]
-
-
-def _linear(layer: Int8ActLinear) -> native.Linear:
-    m = getattr(layer, "m", None)
-    return native.Linear(4 if m is not None else 8, layer.padded, layer.in_features, layer.codes.data_ptr(),
-                         layer.d.data_ptr(), m.data_ptr() if m is not None else None, native.ptr(layer.bias))
 
 
 class GreedyDraft:
@@ -58,9 +52,9 @@ class GreedyDraft:
             self.logits = torch.empty(drafter.block_size, quick.padded)
         made = self.struct = Drafter(
             hidden=cfg.hidden_size, layers=len(layers), layer=ctypes.cast(self.layer_pointers, P),
-            fc=_linear(drafter.fc), hidden_norm=drafter.hidden_norm.weight.data_ptr(),
+            fc=linear_struct(drafter.fc), hidden_norm=drafter.hidden_norm.weight.data_ptr(),
             norm=drafter.norm.weight.data_ptr(), hidden_eps=drafter.hidden_norm.eps, norm_eps=drafter.norm.eps,
-            mask_row=self.mask_row.data_ptr(), quick=_linear(quick), head_rows=head.out_features,
+            mask_row=self.mask_row.data_ptr(), quick=linear_struct(quick), head_rows=head.out_features,
             vocab_ids=native.ptr(self.vocab_ids))
         if isinstance(embed, CodesEmbedding):
             made.embed_codes, made.embed_d, made.vocab = embed.head.codes.data_ptr(), embed.head.d.data_ptr(), \

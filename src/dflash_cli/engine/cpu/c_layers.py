@@ -69,12 +69,10 @@ def c_final_norm(lib: ctypes.CDLL, norm: nn.Module, fallback: Any) -> Any:
 
 
 def _linear(layer: Any) -> native.Linear | None:
+    """A layer's linear as its struct, where it has no padded rows (a layer's outputs are read whole)."""
     if not isinstance(layer, Int8ActLinear) or layer.padded != layer.out_features:
         return None
-    kind = 4 if isinstance(layer, Q4A8Linear) else 8
-    m = getattr(layer, "m", None)
-    return native.Linear(kind, layer.out_features, layer.in_features, layer.codes.data_ptr(), layer.d.data_ptr(),
-                         m.data_ptr() if m is not None else None, native.ptr(layer.bias))
+    return linear_struct(layer)
 
 
 def _norm(norm: nn.Module | None) -> tuple[int | None, float]:
@@ -175,7 +173,7 @@ class WholeForward:
         self.stack, self.embed, self.norm, self.head = stack, embed, norm, head
         weight: Any = norm.weight
         self.struct = made = Model(hidden=int(weight.shape[0]), norm=weight.data_ptr(),
-                                   eps=float(getattr(norm, "variance_epsilon")), head=_linear_padded(head))
+                                   eps=float(getattr(norm, "variance_epsilon")), head=linear_struct(head))
         if isinstance(embed, CodesEmbedding):
             codes = embed.head
             made.embed_codes, made.embed_d, made.vocab = codes.codes.data_ptr(), codes.d.data_ptr(), \
@@ -229,7 +227,7 @@ def whole_forward(stack: LayerStack, embed: nn.Module, norm: nn.Module, head: nn
     return WholeForward(stack, embed, norm, head)
 
 
-def _linear_padded(layer: Int8ActLinear) -> native.Linear:
+def linear_struct(layer: Int8ActLinear) -> native.Linear:
     """`layer` as a struct dfq_linear of its padded rows (an LM head's vocabulary need not be a multiple of 8)."""
     m = getattr(layer, "m", None)
     return native.Linear(4 if isinstance(layer, Q4A8Linear) else 8, layer.padded, layer.in_features,

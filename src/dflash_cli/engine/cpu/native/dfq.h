@@ -43,6 +43,20 @@ void dfq_attend_rows(const float *q, long q_stride, long rows, long heads, long 
                      const void *values, long lo, const long *count, float scale, float *out, long out_stride,
                      int half);
 
+/* Kernels one file calls from another (the C calls of a whole draft and a whole forward: draft.c, layer.c). */
+void dfq_linear_forward(const struct dfq_linear *w, const float *x, long m, float *out);
+long dfq_q8_rows(const int8_t *codes, const uint16_t *d, long k, long rows, const long *ids, long count,
+                 float *out);
+void dfq_shortlist_rows(const float *x, long rows, long k, const int8_t *codes, const uint16_t *d, const float *bias,
+                        long n, float *logits, long ld, long top);
+void dfq_rms_norm_rows(const float *x, long rows, long k, const float *w, float eps, float *out);
+struct dfq_draft_layer;
+void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, const float *ctx, long P,
+                             long committed, const float *cos, const float *signed_sin, float *keys,
+                             float *values, long capacity);
+long dfq_argmax_rows(const float *x, long rows, long n, long stride, int64_t *out);
+long dfq_argmax_confidence_rows(const float *x, long rows, long n, long stride, int64_t *out, float *top);
+
 /* the sum of a vector's 8 lanes, always in the same order */
 static inline float dfq_sum8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

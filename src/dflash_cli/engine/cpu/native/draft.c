@@ -15,19 +15,6 @@
 
 #include "dfq.h"
 
-struct dfq_draft_layer; /* layer.c */
-void dfq_draft_layer_forward(const struct dfq_draft_layer *L, float *h, long B, const float *ctx, long P,
-                             long committed, const float *cos, const float *signed_sin, float *keys,
-                             float *values, long capacity);
-void dfq_rms_norm_rows(const float *x, long rows, long k, const float *w, float eps, float *out);
-void dfq_linear_forward(const struct dfq_linear *w, const float *x, long m, float *out);
-long dfq_q8_rows(const int8_t *codes, const uint16_t *d, long k, long rows, const long *ids, long count,
-                 float *out);
-void dfq_shortlist_rows(const float *x, long rows, long k, const int8_t *codes, const uint16_t *d, const float *bias,
-                        long n, float *logits, long ld, long top);
-long dfq_argmax_rows(const float *x, long rows, long n, long stride, int64_t *out);
-long dfq_argmax_confidence_rows(const float *x, long rows, long n, long stride, int64_t *out, float *top);
-
 struct dfq_drafter {
     long hidden, layers;
     const struct dfq_draft_layer *const *layer;

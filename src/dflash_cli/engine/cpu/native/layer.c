@@ -239,10 +239,6 @@ struct dfq_model {
     struct dfq_linear head;
 };
 
-long dfq_q8_rows(const int8_t *codes, const uint16_t *d, long k, long rows, const long *ids, long count,
-                 float *out);
-void dfq_linear_forward(const struct dfq_linear *w, const float *x, long m, float *out);
-
 /* A whole forward of the target's n tokens ids at `positions`, what engine/static_forward.py's Python around
  * dfq_stack_forward computed, the same kernels in the same order (the same bits): the embeddings' rows, the
  * stack, `last_tap` (or NULL) the final-normed rows of every token (a drafter's tap of the last layer, rows
